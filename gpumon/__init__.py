@@ -1,0 +1,3 @@
+"""gpumon: a GPU training monitor for Prometheus."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""analysis layer of gpumon (see DESIGN: layering)."""

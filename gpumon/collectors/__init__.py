@@ -1,0 +1,1 @@
+"""collectors layer of gpumon (see DESIGN: layering)."""

@@ -1,0 +1,1 @@
+"""sim layer of gpumon (see DESIGN: layering)."""
