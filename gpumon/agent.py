@@ -1,0 +1,276 @@
+"""The gpumon agent: wires collectors, state and the exporter together, with a lifecycle.
+
+Usable as a library::
+
+    agent = Agent(AgentConfig(port=0, simulate=2))
+    agent.start()
+    ...
+    agent.stop()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.process_collector import ProcessCollector
+
+from gpumon import __version__
+from gpumon.collectors.host import HostSource
+from gpumon.collectors.samples import GpuSample, GpuStatic
+from gpumon.config import AgentConfig
+from gpumon.export.gpu_metrics import node_families
+from gpumon.export.server import MetricsServer
+from gpumon.state import NodeState, NvmlStatus
+
+log = logging.getLogger(__name__)
+
+HOST_INTERVAL_S = 5.0
+STUCK_AFTER_INTERVALS = 3
+
+
+class GpuSource(Protocol):
+    """What the agent needs from NVML or the simulator."""
+
+    name: str
+    driver_version: str
+    nvml_version: str
+
+    def statics(self) -> list[GpuStatic]: ...
+
+    def sample(self, now: float, monotonic: float) -> list[GpuSample]: ...
+
+    def xid_watcher(self, on_xid: Callable[[int, int], None]) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class _Periodic(threading.Thread):
+    """Runs ``fn`` every ``interval_s`` on its own thread, timing it and counting errors."""
+
+    def __init__(self, name: str, interval_s: float, fn: Callable[[float, float], None],
+                 state: NodeState) -> None:
+        super().__init__(name=f"gpumon-{name}", daemon=True)
+        self.collector = name
+        self._interval_s = interval_s
+        self._fn = fn
+        self._state = state
+        self._stop_event = threading.Event()
+        self._logged: set[str] = set()
+
+    def run(self) -> None:
+        stats = self._state.collector(self.collector, self._interval_s)
+        next_tick = time.monotonic()
+        while not self._stop_event.is_set():
+            started = time.monotonic()
+            stats.running_since_monotonic = started
+            stats.last_attempt_t = time.time()
+            try:
+                self._fn(stats.last_attempt_t, started)
+            except Exception as exc:  # a collector failure must never stop the agent
+                kind = type(exc).__name__
+                self._state.count_error(self.collector, kind.lower())
+                if kind not in self._logged:
+                    self._logged.add(kind)
+                    log.exception("collector %s failed (further %s errors are only counted)",
+                                  self.collector, kind)
+            else:
+                stats.last_success_t = stats.last_attempt_t
+            finally:
+                stats.running_since_monotonic = None
+                stats.last_duration_s = time.monotonic() - started
+            next_tick += self._interval_s
+            delay = next_tick - time.monotonic()
+            if delay < 0:  # overran: skip missed ticks instead of bursting
+                next_tick = time.monotonic()
+                delay = 0.0
+            self._stop_event.wait(delay)
+
+    def stop(self) -> None:
+        """Finish after the current cycle."""
+        self._stop_event.set()
+
+
+class _NodeCollector:
+    """prometheus-client Collector: families are rendered from a snapshot at scrape time."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._agent = agent
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._agent.families()
+
+    def describe(self) -> list[Metric]:
+        return []  # nothing to describe up front: registering must not do I/O
+
+
+def open_gpu_source(config: AgentConfig,
+                    on_error: Callable[[str, str], None]) -> tuple[GpuSource | None, NvmlStatus]:
+    """NVML, or the simulator when asked; ``None`` with a reason when neither is available."""
+    if config.simulate:
+        from gpumon.sim.gpus import SimulatedSource
+
+        source = SimulatedSource(config.simulate)
+        return source, NvmlStatus(up=True, driver_version=source.driver_version,
+                                  nvml_version=source.nvml_version, simulated=True,
+                                  message=f"simulating {config.simulate} GPUs")
+    if not config.enabled("nvml"):
+        return None, NvmlStatus(up=False, message="NVML collector disabled")
+    from gpumon.collectors.nvml import NvmlSource, NvmlUnavailable
+
+    try:
+        nvml = NvmlSource(on_error)
+    except NvmlUnavailable as exc:
+        return None, NvmlStatus(up=False, message=str(exc))
+    return nvml, NvmlStatus(up=True, driver_version=nvml.driver_version,
+                            nvml_version=nvml.nvml_version)
+
+
+class Agent:
+    """One node's agent. ``start()`` binds the port first, so a busy port fails fast."""
+
+    def __init__(self, config: AgentConfig, gpu_source: GpuSource | None = None) -> None:
+        self.config = config
+        self.state = NodeState()
+        self._gpu_source = gpu_source
+        self._threads: list[_Periodic] = []
+        self._xid: Any = None
+        self._server: MetricsServer | None = None
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_NodeCollector(self))
+        ProcessCollector(namespace="gpumon_agent", registry=self.registry)
+        self._host = HostSource() if config.enabled("host") else None
+        self.started_at = time.time()
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        """Bind the HTTP port, open the GPU source and start every collector thread."""
+        self._server = MetricsServer(self.config.address, self.config.port, self.registry,
+                                     self.readiness, self.snapshot)
+        if self._gpu_source is None:
+            self._gpu_source, status = open_gpu_source(self.config, self.state.count_error)
+        else:
+            status = NvmlStatus(up=True, driver_version=self._gpu_source.driver_version,
+                                nvml_version=self._gpu_source.nvml_version)
+        if not status.up:
+            log.warning("no GPU metrics: %s; serving host and step metrics only", status.message)
+        source = self._gpu_source
+        self.state.set_nvml(status, source.statics() if source else [])
+        if source is not None:
+            self._threads.append(_Periodic(source.name, self.config.interval,
+                                           self._collect_gpus, self.state))
+            self._xid = source.xid_watcher(self.state.add_xid)
+        if self._host is not None:
+            self._threads.append(_Periodic("host", max(self.config.interval, HOST_INTERVAL_S),
+                                           self._collect_host, self.state))
+        for thread in self._threads:
+            thread.start()
+        if self._xid is not None:
+            self._xid.start()
+        self._server.start()
+        log.info("gpumon %s serving on http://%s:%d/metrics", __version__,
+                 self.config.address, self._server.port)
+
+    def stop(self) -> None:
+        """Stop threads and the server; safe to call twice."""
+        for thread in self._threads:
+            thread.stop()
+        if self._xid is not None:
+            self._xid.stop()
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        if self._xid is not None:
+            self._xid.join(timeout=2.0)
+            self._xid.close()
+            self._xid = None
+        alive = [t.name for t in self._threads if t.is_alive()]
+        self._threads.clear()
+        if self._gpu_source is not None and not alive:
+            # A thread stuck inside NVML still holds it: do not shut NVML down under it.
+            self._gpu_source.close()
+        self._gpu_source = None
+
+    @property
+    def port(self) -> int:
+        """The HTTP port actually bound."""
+        assert self._server is not None, "agent not started"
+        return self._server.port
+
+    # -- collection ----------------------------------------------------------------
+    def _collect_gpus(self, now: float, monotonic: float) -> None:
+        assert self._gpu_source is not None
+        self.state.put_gpu_samples(self._gpu_source.sample(now, monotonic))
+
+    def _collect_host(self, now: float, monotonic: float) -> None:
+        assert self._host is not None
+        self.state.put_host(self._host.sample(now), {})
+
+    # -- views -----------------------------------------------------------------------
+    def families(self) -> Iterator[Metric]:
+        """Every metric family, rendered from one snapshot."""
+        yield from node_families(self.state.snapshot(time.time()))
+
+    def readiness(self) -> tuple[bool, dict[str, Any]]:
+        """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
+        snap = self.state.snapshot(time.time())
+        problems: list[str] = []
+        if not snap.nvml.up:
+            problems.append(f"nvml: {snap.nvml.message}")
+        now_monotonic = time.monotonic()
+        for name, stats in sorted(snap.collectors.items()):
+            started = stats.running_since_monotonic
+            if stats.interval_s and started is not None and (
+                    now_monotonic - started > STUCK_AFTER_INTERVALS * stats.interval_s + 2.0):
+                problems.append(f"{name}: cycle stuck for {now_monotonic - started:.0f}s")
+        lost = [str(i) for i, s in snap.latest.items() if not s.up]
+        if lost:
+            problems.append(f"gpu lost: {', '.join(sorted(lost))}")
+        collected = any(s.last_success_t is not None for s in snap.collectors.values())
+        status = "starting" if not collected else ("degraded" if problems else "ok")
+        return collected, {"status": status, "problems": problems}
+
+    def snapshot(self) -> dict[str, Any]:
+        """The current state as JSON-ready data (for /api/v1/snapshot and `gpumon top`)."""
+        snap = self.state.snapshot(time.time())
+        gpus = []
+        for gpu in snap.gpus:
+            sample = snap.latest.get(gpu.index)
+            entry: dict[str, Any] = {
+                "index": gpu.index, "uuid": gpu.uuid, "model": gpu.name,
+                "pci_bus_id": gpu.pci_bus_id, "up": sample.up if sample else True,
+            }
+            if sample is not None:
+                entry.update({k: v for k, v in _sample_dict(sample).items() if v is not None})
+            gpus.append(entry)
+        host = snap.host
+        return {
+            "version": __version__,
+            "t": snap.t,
+            "nvml": {"up": snap.nvml.up, "driver_version": snap.nvml.driver_version,
+                     "nvml_version": snap.nvml.nvml_version, "simulated": snap.nvml.simulated,
+                     "message": snap.nvml.message},
+            "gpus": gpus,
+            "host": None if host is None else {
+                "cpu_utilization_ratio": host.cpu_utilization_ratio,
+                "memory_used_bytes": host.memory_used_bytes,
+                "memory_total_bytes": host.memory_total_bytes},
+            "xid_errors": [{"gpu": g, "xid": x, "count": c}
+                           for (g, x), c in sorted(snap.xid_counts.items())],
+        }
+
+
+def _sample_dict(sample: GpuSample) -> dict[str, Any]:
+    data = asdict(sample)
+    data.pop("index", None)
+    if data.get("process_memory_bytes"):
+        data["process_memory_bytes"] = {str(k): v for k, v in data["process_memory_bytes"].items()}
+    return data

@@ -1,0 +1,488 @@
+"""NVML collector: the only module of gpumon that imports ``pynvml`` (nvidia-ml-py).
+
+Every call goes through :meth:`NvmlDevice._query`, which turns NOT_SUPPORTED into a
+remembered absence (the metric is never asked again and never exported as 0), falls back
+to an older symbol when the driver lacks a newer one, and raises :class:`GpuLost` when the
+GPU has fallen off the bus. Units are converted to base units here.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import pynvml
+
+from gpumon.collectors.samples import GpuSample, GpuStatic
+
+log = logging.getLogger(__name__)
+
+ALL_LINKS_SCOPE = 0xFFFFFFFF
+GPM_MIN_INTERVAL_S = 0.1
+SLOW_INTERVAL_S = 10.0
+
+# Field ids (nvml.h): cumulative counters.
+_FI_NVLINK_TX_KIB = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
+_FI_NVLINK_RX_KIB = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
+_FI_PCIE_TX_BYTES = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
+_FI_PCIE_RX_BYTES = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
+_FI_NVLINK_LINK_COUNT = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
+
+# GPM metric id -> GpuSample field; all are percentages converted to ratios.
+_GPM_METRICS = {
+    pynvml.NVML_GPM_METRIC_SM_UTIL: "sm_active_ratio",
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: "sm_occupancy_ratio",
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: "tensor_active_ratio",
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: "dram_active_ratio",
+}
+
+# Clock event ("throttle") reason bits, named as exported in the `reason` label.
+CLOCK_EVENT_REASONS = {
+    "gpu_idle": 0x1,
+    "applications_clocks_setting": 0x2,
+    "sw_power_cap": 0x4,
+    "hw_slowdown": 0x8,
+    "sync_boost": 0x10,
+    "sw_thermal_slowdown": 0x20,
+    "hw_thermal_slowdown": 0x40,
+    "hw_power_brake_slowdown": 0x80,
+    "display_clock_setting": 0x100,
+}
+
+_ARCHITECTURES = {
+    2: "kepler", 3: "maxwell", 4: "pascal", 5: "volta", 6: "turing",
+    7: "ampere", 8: "ada", 9: "hopper", 10: "blackwell",
+}
+
+
+class NvmlUnavailable(Exception):
+    """NVML cannot be used on this node (no library, no driver, version mismatch)."""
+
+
+class GpuLost(Exception):
+    """The GPU answered GPU_IS_LOST: it has fallen off the bus."""
+
+
+class _Unsupported(Exception):
+    """Internal: the call is not supported for this GPU."""
+
+
+def error_name(exc: BaseException) -> str:
+    """A short, label-safe name for an NVML (or other) error."""
+    if isinstance(exc, pynvml.NVMLError):
+        text = pynvml.nvmlErrorString(exc.value) if exc.value is not None else "unknown"
+        if isinstance(text, bytes):
+            text = text.decode(errors="replace")
+        return "_".join(str(text).lower().replace("-", " ").split())[:48] or "unknown"
+    return type(exc).__name__.lower()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def init() -> tuple[str, str]:
+    """Initialise NVML; return (driver version, NVML version). Raises NvmlUnavailable."""
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        raise NvmlUnavailable(f"NVML initialisation failed: {_describe(exc)}") from exc
+    except pynvml.NVMLLibraryMismatchError as exc:  # not an NVMLError subclass
+        raise NvmlUnavailable(f"NVML library/driver mismatch: {exc}") from exc
+    except OSError as exc:
+        raise NvmlUnavailable(f"cannot load libnvidia-ml.so.1: {exc}") from exc
+    return _text(pynvml.nvmlSystemGetDriverVersion()), _text(pynvml.nvmlSystemGetNVMLVersion())
+
+
+def shutdown() -> None:
+    """Release NVML; errors on the way out are not interesting."""
+    try:
+        pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        pass
+
+
+def _describe(exc: pynvml.NVMLError) -> str:
+    if exc.value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
+        return "libnvidia-ml.so.1 not found (no NVIDIA driver installed?)"
+    if exc.value == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
+        return "the NVIDIA kernel driver is not loaded"
+    if exc.value == pynvml.NVML_ERROR_NO_PERMISSION:
+        return "no permission to access the GPU device files"
+    return str(exc)
+
+
+@dataclass
+class _Counters:
+    """Previous counter reading, for bytes/s rates."""
+
+    t: float
+    values: dict[str, int] = field(default_factory=dict)
+
+
+class NvmlDevice:
+    """One GPU: cached static facts and a fast poll that returns a :class:`GpuSample`."""
+
+    def __init__(self, index: int, on_error: Callable[[str, str], None]) -> None:
+        self.index = index
+        self._on_error = on_error
+        self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self._unsupported: set[str] = set()
+        self._gpm_samples: tuple[Any, Any] | None = None
+        self._gpm_t = 0.0
+        self._gpm_values: dict[str, float] = {}
+        self._counters: _Counters | None = None
+        self._slow_t = float("-inf")
+        self._slow: dict[str, Any] = {}
+        self.lost = False
+        self.static = self._read_static()
+
+    # -- the one query helper -------------------------------------------------
+    def _query(self, group: str, fn: Callable[..., Any], *args: Any,
+               fallback: Callable[..., Any] | None = None) -> Any:
+        """Call NVML; NOT_SUPPORTED marks ``group`` absent for good, GPU_IS_LOST raises."""
+        if group in self._unsupported:
+            raise _Unsupported(group)
+        try:
+            return fn(self._handle, *args)
+        except pynvml.NVMLError as exc:
+            if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND and fallback is not None:
+                log.info("GPU %d: %s missing in this driver, using the older call",
+                         self.index, getattr(fn, "__name__", fn))
+                return self._query(group, fallback, *args)
+            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED,
+                             pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                self._unsupported.add(group)
+                raise _Unsupported(group) from exc
+            if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise GpuLost(f"GPU {self.index} is lost") from exc
+            self._on_error("nvml", error_name(exc))
+            raise _Unsupported(group) from exc
+
+    def _optional(self, group: str, fn: Callable[..., Any], *args: Any,
+                  fallback: Callable[..., Any] | None = None) -> Any:
+        try:
+            return self._query(group, fn, *args, fallback=fallback)
+        except _Unsupported:
+            return None
+
+    # -- static facts ----------------------------------------------------------
+    def _read_static(self) -> GpuStatic:
+        name = _text(pynvml.nvmlDeviceGetName(self._handle))
+        uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
+        pci = self._optional("pci", pynvml.nvmlDeviceGetPciInfo)
+        memory = self._memory_info()
+        links = self._field_values("nvlink_count", [_FI_NVLINK_LINK_COUNT])
+        mig = self._optional("mig", pynvml.nvmlDeviceGetMigMode)
+        max_clock = self._optional("max_clock", pynvml.nvmlDeviceGetMaxClockInfo,
+                                   pynvml.NVML_CLOCK_SM)
+        arch = self._optional("architecture", pynvml.nvmlDeviceGetArchitecture)
+        gpm = self._optional("gpm", lambda h: pynvml.nvmlGpmQueryDeviceSupport(h))
+        if gpm is not None and gpm.isSupportedDevice:
+            first = self._optional("gpm", lambda h: pynvml.nvmlGpmSampleAlloc())
+            second = self._optional("gpm", lambda h: pynvml.nvmlGpmSampleAlloc())
+            if first is not None and second is not None:
+                self._gpm_samples = (first, second)
+        if self._gpm_samples is None:
+            self._unsupported.add("gpm")
+        link_count = links.get(_FI_NVLINK_LINK_COUNT)
+        if not link_count:
+            # No NVLink on this GPU: its throughput counters are absent, not zero.
+            self._unsupported.add("nvlink")
+        return GpuStatic(
+            index=self.index,
+            uuid=uuid,
+            name=name,
+            pci_bus_id=_text(pci.busId) if pci is not None else "",
+            memory_total_bytes=memory.total if memory is not None else None,
+            nvlink_link_count=link_count,
+            mig_enabled=bool(mig[0]) if mig is not None else None,
+            gpm_supported=self._gpm_samples is not None,
+            max_sm_clock_hz=max_clock * 1e6 if max_clock is not None else None,
+            architecture=_ARCHITECTURES.get(arch) if arch is not None else None,
+        )
+
+    def _memory_info(self) -> Any:
+        return self._optional(
+            "memory",
+            lambda h: pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2),
+            fallback=pynvml.nvmlDeviceGetMemoryInfo,
+        )
+
+    def _field_values(self, group: str, field_ids: list[int | tuple[int, int]]) -> dict[int, int]:
+        """Batch-read fields; entries that fail individually are left out."""
+        values = self._optional(group, pynvml.nvmlDeviceGetFieldValues, field_ids)
+        out: dict[int, int] = {}
+        for entry in values or ():
+            if entry.nvmlReturn == pynvml.NVML_SUCCESS:
+                out[entry.fieldId] = _field_value(entry)
+            elif entry.nvmlReturn == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise GpuLost(f"GPU {self.index} is lost")
+        return out
+
+    # -- the poll --------------------------------------------------------------
+    def sample(self, now: float, monotonic: float) -> GpuSample:
+        """Read the fast set (and, every SLOW_INTERVAL_S, processes and ECC)."""
+        try:
+            return self._sample(now, monotonic)
+        except GpuLost:
+            if not self.lost:
+                log.error("GPU %d (%s) is lost: marking it down", self.index, self.static.uuid)
+            self.lost = True
+            return GpuSample(index=self.index, t=now, up=False, error="gpu_is_lost")
+
+    def _sample(self, now: float, monotonic: float) -> GpuSample:
+        values: dict[str, Any] = {}
+        memory = self._memory_info()
+        if memory is not None:
+            values["memory_used_bytes"] = int(memory.used)
+            values["memory_total_bytes"] = int(memory.total)
+        util = self._optional("utilization", pynvml.nvmlDeviceGetUtilizationRates)
+        if util is not None:
+            values["utilization_ratio"] = util.gpu / 100.0
+            values["memory_utilization_ratio"] = util.memory / 100.0
+        power_mw = self._optional("power", pynvml.nvmlDeviceGetPowerUsage)
+        if power_mw is not None:
+            values["power_watts"] = power_mw / 1000.0
+        temp = self._optional(
+            "temperature",
+            lambda h: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
+            fallback=lambda h: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
+        )
+        if temp is not None:
+            values["temperature_celsius"] = float(temp)
+        clock = self._optional("clock", pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM)
+        if clock is not None:
+            values["sm_clock_hz"] = clock * 1e6
+        reasons = self._optional(
+            "clock_events",
+            pynvml.nvmlDeviceGetCurrentClocksEventReasons,
+            fallback=pynvml.nvmlDeviceGetCurrentClocksThrottleReasons,
+        )
+        if reasons is not None:
+            values["clock_event_reasons"] = {
+                name: bool(reasons & bit) for name, bit in CLOCK_EVENT_REASONS.items()
+            }
+        values.update(self._counter_values(monotonic))
+        values.update(self._gpm(monotonic))
+        if monotonic - self._slow_t >= SLOW_INTERVAL_S:
+            self._slow_t = monotonic
+            self._slow = self._slow_values()
+        values.update(self._slow)
+        return GpuSample(index=self.index, t=now, **values)
+
+    def _counter_values(self, monotonic: float) -> dict[str, Any]:
+        ids: list[int | tuple[int, int]] = []
+        if "nvlink" not in self._unsupported:
+            ids += [(_FI_NVLINK_TX_KIB, ALL_LINKS_SCOPE), (_FI_NVLINK_RX_KIB, ALL_LINKS_SCOPE)]
+        if "pcie_counters" not in self._unsupported:
+            ids += [_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES]
+        if not ids:
+            return {}
+        raw = self._field_values("counters", ids)
+        counters: dict[str, int] = {}
+        names = {
+            _FI_NVLINK_TX_KIB: ("nvlink_tx", 1024), _FI_NVLINK_RX_KIB: ("nvlink_rx", 1024),
+            _FI_PCIE_TX_BYTES: ("pcie_tx", 1), _FI_PCIE_RX_BYTES: ("pcie_rx", 1),
+        }
+        for field_id, (name, scale) in names.items():
+            if field_id in raw:
+                counters[name] = raw[field_id] * scale
+        if not any(k.startswith("nvlink") for k in counters):
+            self._unsupported.add("nvlink")
+        if not any(k.startswith("pcie") for k in counters):
+            self._unsupported.add("pcie_counters")
+        out: dict[str, Any] = {f"{k}_bytes_total": v for k, v in counters.items()}
+        previous, self._counters = self._counters, _Counters(monotonic, counters)
+        if previous is not None and monotonic > previous.t:
+            dt = monotonic - previous.t
+            for name, value in counters.items():
+                before = previous.values.get(name)
+                if before is not None and value >= before:
+                    out[f"{name}_bytes_per_second"] = (value - before) / dt
+        return out
+
+    def _gpm(self, monotonic: float) -> dict[str, float]:
+        """GPM metrics between the previous sample and now, taken at most every 100 ms."""
+        if not self._gpm_samples or "gpm" in self._unsupported:
+            return {}
+        if monotonic - self._gpm_t < GPM_MIN_INTERVAL_S:
+            return self._gpm_values
+        previous, current = self._gpm_samples
+        if self._optional("gpm", pynvml.nvmlGpmSampleGet, current) is None:
+            return {}
+        had_previous, self._gpm_t = self._gpm_t > 0.0, monotonic
+        # Swap: the sample just taken becomes the baseline of the next pair.
+        self._gpm_samples = (current, previous)
+        if not had_previous:
+            return {}
+        request = pynvml.c_nvmlGpmMetricsGet_t()
+        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = len(_GPM_METRICS)
+        request.sample1 = previous
+        request.sample2 = current
+        for i, metric_id in enumerate(_GPM_METRICS):
+            request.metrics[i].metricId = metric_id
+        result = self._optional("gpm", lambda h: pynvml.nvmlGpmMetricsGet(request))
+        if result is None:
+            return {}
+        values = {}
+        for i, name in enumerate(_GPM_METRICS.values()):
+            metric = result.metrics[i]
+            if metric.nvmlReturn == pynvml.NVML_SUCCESS:
+                values[name] = min(max(metric.value / 100.0, 0.0), 1.0)
+        self._gpm_values = values
+        return values
+
+    def _slow_values(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        processes = self._optional(
+            "processes",
+            pynvml.nvmlDeviceGetComputeRunningProcesses,
+            fallback=pynvml.nvmlDeviceGetComputeRunningProcesses_v2,
+        )
+        if processes is not None:
+            values["process_memory_bytes"] = {
+                p.pid: int(p.usedGpuMemory) for p in processes if p.usedGpuMemory is not None
+            }
+        ecc: dict[str, int] = {}
+        for kind, error_type in (("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
+                                 ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
+            count = self._optional("ecc", pynvml.nvmlDeviceGetTotalEccErrors,
+                                   error_type, pynvml.NVML_VOLATILE_ECC)
+            if count is not None:
+                ecc[kind] = int(count)
+        if ecc:
+            values["ecc_errors_total"] = ecc
+        return values
+
+    def supports(self, group: str) -> bool:
+        """Whether a metric group has answered (so far) on this GPU."""
+        return group not in self._unsupported
+
+    def close(self) -> None:
+        """Free NVML resources held for this GPU."""
+        for sample in self._gpm_samples or ():
+            try:
+                pynvml.nvmlGpmSampleFree(sample)
+            except pynvml.NVMLError:
+                pass
+        self._gpm_samples = None
+
+
+def _field_value(entry: Any) -> int:
+    kind = entry.valueType
+    if kind == pynvml.NVML_VALUE_TYPE_DOUBLE:
+        return int(entry.value.dVal)
+    if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_INT:
+        return int(entry.value.uiVal)
+    if kind == pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG:
+        return int(entry.value.ulVal)
+    if kind == pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG:
+        return int(entry.value.sllVal)
+    if kind == pynvml.NVML_VALUE_TYPE_SIGNED_INT:
+        return int(entry.value.siVal)
+    return int(entry.value.ullVal)
+
+
+class XidWatcher(threading.Thread):
+    """Waits for XID critical-error events on its own thread and reports (gpu, xid)."""
+
+    def __init__(self, devices: list[NvmlDevice], on_xid: Callable[[int, int], None],
+                 on_error: Callable[[str, str], None], timeout_ms: int = 1000) -> None:
+        super().__init__(name="gpumon-xid", daemon=True)
+        self._on_xid = on_xid
+        self._on_error = on_error
+        self._timeout_ms = timeout_ms
+        self._stop_event = threading.Event()
+        self._event_set: Any = None
+        self._index_by_uuid: dict[str, int] = {}
+        self.registered: list[int] = []
+        try:
+            self._event_set = pynvml.nvmlEventSetCreate()
+        except pynvml.NVMLError as exc:
+            on_error("xid", error_name(exc))
+            return
+        for device in devices:
+            try:
+                pynvml.nvmlDeviceRegisterEvents(device._handle, pynvml.nvmlEventTypeXidCriticalError,
+                                                self._event_set)
+            except pynvml.NVMLError as exc:
+                if exc.value != pynvml.NVML_ERROR_NOT_SUPPORTED:
+                    on_error("xid", error_name(exc))
+                continue
+            self.registered.append(device.index)
+            self._index_by_uuid[device.static.uuid] = device.index
+
+    def run(self) -> None:
+        if self._event_set is None or not self.registered:
+            return
+        while not self._stop_event.is_set():
+            try:
+                data = pynvml.nvmlEventSetWait_v2(self._event_set, self._timeout_ms)
+            except pynvml.NVMLError as exc:
+                if exc.value == pynvml.NVML_ERROR_TIMEOUT:
+                    continue
+                self._on_error("xid", error_name(exc))
+                # Do not spin on a persistent error.
+                self._stop_event.wait(self._timeout_ms / 1000.0)
+                continue
+            if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
+                try:
+                    uuid = _text(pynvml.nvmlDeviceGetUUID(data.device))
+                except pynvml.NVMLError:
+                    uuid = ""
+                index = self._index_by_uuid.get(uuid, -1)
+                self._on_xid(index, int(data.eventData))
+
+    def stop(self) -> None:
+        """Ask the thread to finish after its current wait (at most one timeout)."""
+        self._stop_event.set()
+
+    def close(self) -> None:
+        """Free the event set once the thread has finished."""
+        if self._event_set is not None and not self.is_alive():
+            try:
+                pynvml.nvmlEventSetFree(self._event_set)
+            except pynvml.NVMLError:
+                pass
+            self._event_set = None
+
+
+class NvmlSource:
+    """All GPUs of the node through NVML: discovery, polling and XID events."""
+
+    name = "nvml"
+
+    def __init__(self, on_error: Callable[[str, str], None]) -> None:
+        self._on_error = on_error
+        self.driver_version, self.nvml_version = init()
+        count = pynvml.nvmlDeviceGetCount()
+        self.devices: list[NvmlDevice] = []
+        for index in range(count):
+            try:
+                self.devices.append(NvmlDevice(index, on_error))
+            except pynvml.NVMLError as exc:
+                log.error("GPU %d cannot be opened: %s", index, exc)
+                on_error("nvml", error_name(exc))
+
+    def statics(self) -> list[GpuStatic]:
+        """Static facts of every GPU that could be opened."""
+        return [d.static for d in self.devices]
+
+    def sample(self, now: float, monotonic: float) -> list[GpuSample]:
+        """Poll every GPU once; a lost GPU comes back as ``up=False``."""
+        return [d.sample(now, monotonic) for d in self.devices]
+
+    def xid_watcher(self, on_xid: Callable[[int, int], None]) -> XidWatcher:
+        """A (not yet started) thread delivering XID events."""
+        return XidWatcher(self.devices, on_xid, self._on_error)
+
+    def close(self) -> None:
+        """Free per-GPU resources and shut NVML down."""
+        for device in self.devices:
+            device.close()
+        shutdown()

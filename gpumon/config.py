@@ -1,0 +1,175 @@
+"""Agent configuration: defaults < TOML file < environment (GPUMON_*) < command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
+DEFAULT_SOCKET = "/run/gpumon/ingest.sock"
+COLLECTORS = ("nvml", "host", "ingest")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything the agent needs to run. Every field can come from a flag, env or file."""
+
+    address: str = "0.0.0.0"
+    port: int = DEFAULT_PORT
+    socket: str = DEFAULT_SOCKET
+    interval: float = 1.0
+    simulate: int = 0
+    record: str | None = None
+    collectors: tuple[str, ...] = COLLECTORS
+    allowed_uids: tuple[int, ...] = ()
+    rank_ttl_seconds: float = 300.0
+    max_ranks: int = 1024
+    log_level: str = "info"
+    config: str | None = field(default=None, compare=False)
+
+    def enabled(self, collector: str) -> bool:
+        """Whether a collector is switched on."""
+        return collector in self.collectors
+
+
+_ENV_PREFIX = "GPUMON_"
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _env_name(name: str) -> str:
+    return _ENV_PREFIX + name.upper()
+
+
+def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> AgentConfig:
+    """Merge the layers and validate; raises ConfigError with a one-line reason."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    config_path = flags.get("config") or env.get(_env_name("config"))
+    if config_path:
+        values.update(_read_file(Path(config_path)))
+        values["config"] = str(config_path)
+    known = {f.name for f in fields(AgentConfig)}
+    for name in known - {"config"}:
+        raw = env.get(_env_name(name))
+        if raw is not None and raw != "":
+            values[name] = _from_env(name, raw)
+    values.update({k: v for k, v in flags.items() if v is not None and k in known})
+    return _validate(values)
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    section = data.get("agent", data)
+    if not isinstance(section, dict):
+        raise ConfigError(f"config file {path}: [agent] must be a table")
+    known = {f.name for f in fields(AgentConfig)} - {"config"}
+    unknown = sorted(set(section) - known)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
+                          f"known keys are {', '.join(sorted(known))}")
+    return dict(section)
+
+
+def _from_env(name: str, raw: str) -> Any:
+    if name in ("collectors", "allowed_uids"):
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    return raw
+
+
+def _validate(values: dict[str, Any]) -> AgentConfig:
+    out: dict[str, Any] = {}
+    for f in fields(AgentConfig):
+        if f.name not in values:
+            continue
+        value = values[f.name]
+        where = f"{f.name}={value!r}"
+        if f.name == "port":
+            out[f.name] = _int(value, where, 0, 65535)
+        elif f.name in ("interval", "rank_ttl_seconds"):
+            out[f.name] = _float(value, where, 0.05, 86400.0)
+        elif f.name == "simulate":
+            out[f.name] = _int(value, where, 0, 64)
+        elif f.name == "max_ranks":
+            out[f.name] = _int(value, where, 1, 1_000_000)
+        elif f.name == "address":
+            out[f.name] = _address(value, where)
+        elif f.name == "collectors":
+            names = _list(value, where)
+            bad = [n for n in names if n not in COLLECTORS]
+            if bad:
+                raise ConfigError(f"{where}: unknown collector(s) {', '.join(map(str, bad))}; "
+                                  f"choose from {', '.join(COLLECTORS)}")
+            out[f.name] = tuple(dict.fromkeys(names))
+        elif f.name == "allowed_uids":
+            out[f.name] = tuple(_int(v, where, 0, 2**32 - 1) for v in _list(value, where))
+        elif f.name == "log_level":
+            if str(value).lower() not in _LOG_LEVELS:
+                raise ConfigError(f"{where}: choose one of {', '.join(_LOG_LEVELS)}")
+            out[f.name] = str(value).lower()
+        elif f.name in ("socket", "record", "config"):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"{where}: expected a non-empty path")
+            out[f.name] = value
+    return dataclasses.replace(AgentConfig(), **out)
+
+
+def _int(value: Any, where: str, low: int, high: int) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected an integer")
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected an integer") from None
+    if isinstance(value, float) and value != number:
+        raise ConfigError(f"{where}: expected an integer")
+    if not low <= number <= high:
+        raise ConfigError(f"{where}: must be between {low} and {high}")
+    return number
+
+
+def _float(value: Any, where: str, low: float, high: float) -> float:
+    if isinstance(value, bool):
+        raise ConfigError(f"{where}: expected a number of seconds")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: expected a number of seconds") from None
+    if not low <= number <= high:  # also rejects NaN
+        raise ConfigError(f"{where}: must be between {low:g} and {high:g} seconds")
+    return number
+
+
+def _address(value: Any, where: str) -> str:
+    text = str(value)
+    if text in ("", "localhost"):
+        return text or "0.0.0.0"
+    try:
+        ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        raise ConfigError(f"{where}: expected an IP address such as 0.0.0.0 or 127.0.0.1") from None
+    return text.strip("[]")
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ConfigError(f"{where}: expected a list")

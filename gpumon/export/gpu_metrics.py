@@ -1,0 +1,144 @@
+"""Prometheus families for the node: GPUs, host and the agent itself, from a Snapshot."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from gpumon import __version__
+from gpumon.state import Snapshot
+
+GPU_LABELS = ["gpu", "uuid", "model"]
+
+# (GpuSample field, metric name, help). Absent fields produce no series.
+GPU_GAUGES = (
+    ("utilization_ratio", "gpumon_gpu_utilization_ratio",
+     "Fraction of time over the last sample period during which a kernel was running."),
+    ("memory_utilization_ratio", "gpumon_gpu_memory_utilization_ratio",
+     "Fraction of time over the last sample period during which device memory was read or written."),
+    ("memory_used_bytes", "gpumon_gpu_memory_used_bytes", "Device memory in use."),
+    ("memory_total_bytes", "gpumon_gpu_memory_total_bytes", "Device memory in total."),
+    ("sm_active_ratio", "gpumon_gpu_sm_active_ratio",
+     "Fraction of SMs busy (GPM, Hopper and newer)."),
+    ("sm_occupancy_ratio", "gpumon_gpu_sm_occupancy_ratio",
+     "Resident warps over the theoretical maximum (GPM)."),
+    ("tensor_active_ratio", "gpumon_gpu_tensor_active_ratio",
+     "Fraction of time the SMs ran any tensor-core instruction (GPM)."),
+    ("dram_active_ratio", "gpumon_gpu_dram_active_ratio",
+     "Device memory bandwidth used over its peak (GPM)."),
+    ("power_watts", "gpumon_gpu_power_watts", "Power draw."),
+    ("temperature_celsius", "gpumon_gpu_temperature_celsius", "GPU core temperature."),
+    ("sm_clock_hz", "gpumon_gpu_sm_clock_hertz", "Current SM clock."),
+)
+
+# Cumulative counters since driver load (name without the _total suffix).
+GPU_COUNTERS = (
+    ("pcie_tx_bytes_total", "gpumon_gpu_pcie_transmit_bytes", "PCIe bytes sent by the GPU."),
+    ("pcie_rx_bytes_total", "gpumon_gpu_pcie_receive_bytes", "PCIe bytes received by the GPU."),
+    ("nvlink_tx_bytes_total", "gpumon_gpu_nvlink_transmit_bytes",
+     "NVLink data bytes sent, all links."),
+    ("nvlink_rx_bytes_total", "gpumon_gpu_nvlink_receive_bytes",
+     "NVLink data bytes received, all links."),
+)
+
+
+def node_families(snap: Snapshot) -> Iterator[Metric]:
+    """All GPU, host and agent families of one snapshot."""
+    yield from _gpu_families(snap)
+    yield from _host_families(snap)
+    yield from _agent_families(snap)
+
+
+def _gpu_families(snap: Snapshot) -> Iterator[Metric]:
+    info = InfoMetricFamily("gpumon_gpu", "Static facts about each GPU.",
+                            labels=["gpu", "uuid", "model", "pci_bus_id", "driver_version"])
+    up = GaugeMetricFamily("gpumon_gpu_up", "1 when the GPU answers NVML, 0 when it is lost.",
+                           labels=GPU_LABELS)
+    gauges = {name: GaugeMetricFamily(metric, doc, labels=GPU_LABELS)
+              for name, metric, doc in GPU_GAUGES}
+    counters = {name: CounterMetricFamily(metric, doc, labels=GPU_LABELS)
+                for name, metric, doc in GPU_COUNTERS}
+    clock_events = GaugeMetricFamily(
+        "gpumon_gpu_clock_event_active",
+        "1 while a clock event reason (throttling, idle, power cap, ...) is active.",
+        labels=[*GPU_LABELS, "reason"])
+    ecc = CounterMetricFamily("gpumon_gpu_ecc_errors", "ECC errors since driver load.",
+                              labels=[*GPU_LABELS, "type"])
+    process_memory = GaugeMetricFamily("gpumon_gpu_process_memory_bytes",
+                                       "Device memory used by each compute process.",
+                                       labels=[*GPU_LABELS, "pid"])
+    xid = CounterMetricFamily("gpumon_gpu_xid_errors", "XID critical errors seen by the agent.",
+                              labels=[*GPU_LABELS, "xid"])
+    driver = snap.nvml.driver_version or ""
+    statics = {g.index: g for g in snap.gpus}
+    for gpu in snap.gpus:
+        labels = [str(gpu.index), gpu.uuid, gpu.name]
+        info.add_metric([str(gpu.index), gpu.uuid, gpu.name, gpu.pci_bus_id, driver], {})
+        sample = snap.latest.get(gpu.index)
+        up.add_metric(labels, 0.0 if sample is not None and not sample.up else 1.0)
+        if sample is None or not sample.up:
+            continue
+        for name, family in gauges.items():
+            value = getattr(sample, name)
+            if value is not None:
+                family.add_metric(labels, float(value))
+        for name, family in counters.items():
+            value = getattr(sample, name)
+            if value is not None:
+                family.add_metric(labels, float(value))
+        for reason, active in sorted((sample.clock_event_reasons or {}).items()):
+            clock_events.add_metric([*labels, reason], 1.0 if active else 0.0)
+        for kind, count in sorted((sample.ecc_errors_total or {}).items()):
+            ecc.add_metric([*labels, kind], float(count))
+        for pid, used in sorted((sample.process_memory_bytes or {}).items()):
+            process_memory.add_metric([*labels, str(pid)], float(used))
+    for (index, code), count in sorted(snap.xid_counts.items()):
+        gpu = statics.get(index)
+        labels = [str(index), gpu.uuid, gpu.name] if gpu else [str(index), "", ""]
+        xid.add_metric([*labels, str(code)], float(count))
+    yield info
+    yield up
+    yield from gauges.values()
+    yield from counters.values()
+    yield from (clock_events, ecc, process_memory, xid)
+
+
+def _host_families(snap: Snapshot) -> Iterator[Metric]:
+    if snap.host is None:
+        return
+    yield GaugeMetricFamily("gpumon_host_cpu_utilization_ratio",
+                            "Fraction of the node's CPU time in use.",
+                            value=snap.host.cpu_utilization_ratio)
+    yield GaugeMetricFamily("gpumon_host_memory_used_bytes", "Host memory in use.",
+                            value=float(snap.host.memory_used_bytes))
+    yield GaugeMetricFamily("gpumon_host_memory_total_bytes", "Host memory in total.",
+                            value=float(snap.host.memory_total_bytes))
+
+
+def _agent_families(snap: Snapshot) -> Iterator[Metric]:
+    yield InfoMetricFamily("gpumon_agent", "The gpumon agent.", value={"version": __version__})
+    yield GaugeMetricFamily("gpumon_nvml_up", "1 when NVML (or the simulator) is usable.",
+                            value=1.0 if snap.nvml.up else 0.0)
+    duration = GaugeMetricFamily("gpumon_collector_duration_seconds",
+                                 "Duration of the collector's last cycle.", labels=["collector"])
+    last_success = GaugeMetricFamily(
+        "gpumon_collector_last_success_timestamp_seconds",
+        "Unix time of the collector's last successful cycle; a stale value means it is stuck.",
+        labels=["collector"])
+    errors = CounterMetricFamily("gpumon_collector_errors", "Collector errors by kind.",
+                                 labels=["collector", "error"])
+    for name, stats in sorted(snap.collectors.items()):
+        if stats.last_duration_s is not None:
+            duration.add_metric([name], stats.last_duration_s)
+        if stats.last_success_t is not None:
+            last_success.add_metric([name], stats.last_success_t)
+        for error, count in sorted(stats.errors.items()):
+            errors.add_metric([name, error], float(count))
+    yield from (duration, last_success, errors)
+

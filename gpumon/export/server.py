@@ -1,0 +1,105 @@
+"""HTTP endpoints: /metrics, /healthz, /readyz and /api/v1/snapshot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+log = logging.getLogger(__name__)
+
+
+class ServeError(RuntimeError):
+    """The HTTP server cannot start (port in use, bad address, no permission)."""
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+
+class MetricsServer:
+    """Serves the registry and the agent's JSON views on one port, on its own threads."""
+
+    def __init__(self, address: str, port: int, registry: CollectorRegistry,
+                 readiness: Callable[[], tuple[bool, dict[str, Any]]],
+                 snapshot: Callable[[], dict[str, Any]]) -> None:
+        handler = _make_handler(registry, readiness, snapshot)
+        try:
+            self._server = _Server((address, port), handler)
+        except OSError as exc:
+            reason = exc.strerror or str(exc)
+            raise ServeError(f"cannot listen on {address}:{port}: {reason}") from exc
+        self._thread = threading.Thread(target=self._server.serve_forever,
+                                        kwargs={"poll_interval": 0.2},
+                                        name="gpumon-http", daemon=True)
+
+    @property
+    def port(self) -> int:
+        """The bound port (useful when 0 was asked for)."""
+        return int(self._server.server_address[1])
+
+    def start(self) -> None:
+        """Start serving in the background."""
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop serving and close the socket."""
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def _make_handler(registry: CollectorRegistry,
+                  readiness: Callable[[], tuple[bool, dict[str, Any]]],
+                  snapshot: Callable[[], dict[str, Any]]) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        server_version = "gpumon"
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            path = self.path.split("?", 1)[0]
+            try:
+                if path == "/metrics":
+                    encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+                    self._send(200, content_type, encoder(registry))
+                elif path == "/healthz":
+                    self._send(200, "text/plain; charset=utf-8", b"ok\n")
+                elif path == "/readyz":
+                    ready, body = readiness()
+                    self._json(200 if ready else 503, body)
+                elif path == "/api/v1/snapshot":
+                    self._json(200, snapshot())
+                elif path == "/":
+                    self._send(200, "text/html; charset=utf-8", _INDEX)
+                else:
+                    self._send(404, "text/plain; charset=utf-8", b"not found\n")
+            except Exception:  # a bug in one view must not kill the server thread
+                log.exception("error serving %s", path)
+                self._send(500, "text/plain; charset=utf-8", b"internal error\n")
+
+        def _json(self, code: int, body: dict[str, Any]) -> None:
+            self._send(code, "application/json", json.dumps(body).encode())
+
+        def _send(self, code: int, content_type: str, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+            log.debug("%s " + format, self.address_string(), *args)
+
+    return Handler
+
+
+_INDEX = b"""<html><head><title>gpumon</title></head><body><h1>gpumon</h1>
+<ul><li><a href="/metrics">/metrics</a></li><li><a href="/readyz">/readyz</a></li>
+<li><a href="/api/v1/snapshot">/api/v1/snapshot</a></li></ul></body></html>
+"""
