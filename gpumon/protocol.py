@@ -2,16 +2,64 @@
 
 One JSON object per datagram (UTF-8, at most ``MAX_DATAGRAM_BYTES``), or a JSON array of
 such objects when the client batches. See DESIGN §6.
+
+Encoding: ``to_wire`` turns a record into its wire mapping; ``encode_datagrams`` packs wire
+mappings into JSON-array datagrams that each fit ``MAX_DATAGRAM_BYTES``.
+
+Decoding: ``decode_datagram`` never raises. It returns the valid records and one reason from
+``DROP_REASONS`` for every object (or whole datagram) it rejected; a batch with some bad
+elements keeps the good ones.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 PROTOCOL_VERSION = 1
 MAX_DATAGRAM_BYTES = 8192
 
 KNOWN_PHASES = ("data", "forward", "backward", "comm", "optimizer")
+KINDS = ("step", "event", "hello")
+
+MAX_RECORDS_PER_DATAGRAM = 256
+MAX_RUN_CHARS = 128
+MAX_LABEL_CHARS = 64
+"""Longest phase or event name."""
+MAX_GPU_CHARS = 128
+MAX_MESSAGE_CHARS = 1024
+MAX_PHASES = 32
+MAX_RANKS = 1 << 20
+"""Largest accepted world size; rank and local_rank must be below it."""
+MAX_GPU_INDEX = 4096
+MAX_INT = (1 << 63) - 1
+MAX_DURATION_S = 86_400.0
+"""A step (or phase) must last less than a day."""
+PHASE_SLACK_RATIO = 0.01
+PHASE_SLACK_S = 0.001
+"""A phase may exceed its step's duration by this much (rounding by clients)."""
+MAX_UNIX_TIME_S = 1e10
+MAX_FLOPS = 1e30
+
+DROP_REASONS = (
+    "too_large",
+    "not_utf8",
+    "not_json",
+    "not_object",
+    "too_many_records",
+    "bad_version",
+    "bad_kind",
+    "missing_field",
+    "bad_type",
+    "bad_value",
+    "bad_label",
+)
+"""Every reason ``decode_datagram`` can give for a rejected object or datagram."""
+
+_LABEL = re.compile(r"[A-Za-z0-9_.:/-]+")
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,3 +126,330 @@ class HelloRecord:
 
 
 Record = StepRecord | EventRecord | HelloRecord
+WireRecord = Mapping[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeResult:
+    """What one datagram held: the valid records and one reason per rejected object."""
+
+    records: list[Record]
+    rejected: list[str]
+
+
+class ProtocolError(ValueError):
+    """An object that is not a valid record; ``reason`` is one of ``DROP_REASONS``."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# --- encoding ---------------------------------------------------------------------------
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+_MEM_WIRE = (
+    ("allocated", "allocated_bytes"),
+    ("reserved", "reserved_bytes"),
+    ("peak", "peak_bytes"),
+    ("retries", "alloc_retries"),
+    ("ooms", "ooms"),
+)
+
+
+def to_wire(record: Record) -> dict[str, object]:
+    """The wire mapping of a record (DESIGN §6), absent fields omitted."""
+    out: dict[str, object] = {"v": PROTOCOL_VERSION}
+    if isinstance(record, StepRecord):
+        out["kind"] = "step"
+        fields: dict[str, object] = {
+            "run": record.run,
+            "rank": record.rank,
+            "world": record.world,
+            "local_rank": record.local_rank,
+            "step": record.step,
+            "t_start": record.t_start,
+            "duration": record.duration_s,
+            "phases": dict(record.phases_s) if record.phases_s else None,
+            "samples": record.samples,
+            "tokens": record.tokens,
+            "flops": record.flops,
+            "gpu": record.gpu,
+            "pid": record.pid,
+        }
+        if record.mem is not None:
+            mem = {w: getattr(record.mem, a) for w, a in _MEM_WIRE}
+            fields["mem"] = {k: v for k, v in mem.items() if v is not None}
+    elif isinstance(record, EventRecord):
+        out["kind"] = "event"
+        fields = {
+            "run": record.run,
+            "rank": record.rank,
+            "event": record.event,
+            "t": record.t,
+            "step": record.step,
+            "pid": record.pid,
+            "gpu": record.gpu,
+            "message": record.message,
+        }
+    else:
+        out["kind"] = "hello"
+        fields = {
+            "run": record.run,
+            "rank": record.rank,
+            "world": record.world,
+            "local_rank": record.local_rank,
+            "pid": record.pid,
+            "gpu": record.gpu,
+            "client_version": record.client_version,
+        }
+    out.update((k, v) for k, v in fields.items() if v is not None)
+    return out
+
+
+def encode_record(record: WireRecord | Record) -> bytes:
+    """One record as a compact JSON object (also the line format of recordings)."""
+    wire = record if isinstance(record, Mapping) else to_wire(record)
+    return _ENCODER.encode(wire).encode("ascii")
+
+
+def encode_records(records: Sequence[WireRecord | Record]) -> bytes:
+    """Records as one JSON array, whatever its size (see ``encode_datagrams`` to split)."""
+    return b"[" + b",".join(encode_record(r) for r in records) + b"]"
+
+
+def encode_datagrams(
+    records: Iterable[WireRecord | Record], max_bytes: int = MAX_DATAGRAM_BYTES
+) -> list[bytes]:
+    """Pack records into JSON-array datagrams of at most ``max_bytes`` each, in order.
+
+    A single record too large for any datagram still gets one of its own (the receiver
+    rejects it as ``too_large``); records built from valid fields are far below the limit.
+    Raises ``ValueError`` for values JSON cannot carry (NaN, infinity).
+    """
+    datagrams: list[bytes] = []
+    batch: list[bytes] = []
+    size = 2  # the brackets
+    for record in records:
+        item = encode_record(record)
+        if batch and size + 1 + len(item) > max_bytes:
+            datagrams.append(b"[" + b",".join(batch) + b"]")
+            batch, size = [], 2
+        size += len(item) + (1 if batch else 0)
+        batch.append(item)
+    if batch:
+        datagrams.append(b"[" + b",".join(batch) + b"]")
+    return datagrams
+
+
+# --- decoding ---------------------------------------------------------------------------
+
+
+def decode_datagram(data: bytes) -> DecodeResult:
+    """Parse and validate one datagram; never raises, whatever ``data`` holds."""
+    if len(data) > MAX_DATAGRAM_BYTES:
+        return DecodeResult([], ["too_large"])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return DecodeResult([], ["not_utf8"])
+    try:
+        value: object = json.loads(text)
+    except (ValueError, RecursionError):
+        # ValueError covers malformed JSON and integers beyond the int-string limit;
+        # RecursionError covers absurd nesting.
+        return DecodeResult([], ["not_json"])
+    if isinstance(value, list):
+        if len(value) > MAX_RECORDS_PER_DATAGRAM:
+            return DecodeResult([], ["too_many_records"])
+        items: list[object] = value
+    else:
+        items = [value]
+    records: list[Record] = []
+    rejected: list[str] = []
+    for item in items:
+        try:
+            records.append(decode_record(item))
+        except ProtocolError as err:
+            rejected.append(err.reason)
+    return DecodeResult(records, rejected)
+
+
+def decode_record(obj: object) -> Record:
+    """Validate one decoded JSON value as a record; raises ``ProtocolError`` if invalid."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("not_object", type(obj).__name__)
+    if "v" not in obj:
+        raise ProtocolError("missing_field", "v")
+    if type(obj["v"]) is not int or obj["v"] != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", repr(obj["v"])[:32])
+    kind = obj.get("kind")
+    if kind == "step":
+        return _decode_step(obj)
+    if kind == "event":
+        return _decode_event(obj)
+    if kind == "hello":
+        return _decode_hello(obj)
+    if kind is None:
+        raise ProtocolError("missing_field", "kind")
+    raise ProtocolError("bad_kind", repr(kind)[:32])
+
+
+def is_label(value: str, max_chars: int = MAX_LABEL_CHARS) -> bool:
+    """Whether ``value`` may be a run or phase name: 1..max_chars of ``[A-Za-z0-9_.:/-]``."""
+    return 0 < len(value) <= max_chars and _LABEL.fullmatch(value) is not None
+
+
+def _decode_step(obj: dict[str, object]) -> StepRecord:
+    run, rank, world, local_rank = _identity(obj)
+    duration = _check_number(_required(obj, "duration"), "duration", MAX_DURATION_S, below=True)
+    phases = obj.get("phases")
+    phases_s: dict[str, float] = {}
+    if phases is not None:
+        if not isinstance(phases, dict):
+            raise ProtocolError("bad_type", "phases")
+        if len(phases) > MAX_PHASES:
+            raise ProtocolError("bad_value", "too many phases")
+        limit = duration * (1 + PHASE_SLACK_RATIO) + PHASE_SLACK_S
+        for name, seconds in phases.items():
+            phases_s[_check_label(name, "phase", MAX_LABEL_CHARS)] = _check_number(seconds, "phase", limit)
+    mem = obj.get("mem")
+    mem_stats = None
+    if mem is not None:
+        if not isinstance(mem, dict):
+            raise ProtocolError("bad_type", "mem")
+        mem_stats = MemoryStats(**{a: _opt_int(mem, w, MAX_INT) for w, a in _MEM_WIRE})
+    return StepRecord(
+        run=run,
+        rank=rank,
+        step=_check_int(_required(obj, "step"), "step", MAX_INT),
+        duration_s=duration,
+        world=world,
+        local_rank=local_rank,
+        t_start=_opt_number(obj, "t_start", MAX_UNIX_TIME_S),
+        phases_s=phases_s,
+        samples=_opt_int(obj, "samples", MAX_INT),
+        tokens=_opt_int(obj, "tokens", MAX_INT),
+        flops=_opt_number(obj, "flops", MAX_FLOPS),
+        gpu=_gpu(obj),
+        pid=_pid(obj),
+        mem=mem_stats,
+    )
+
+
+def _decode_event(obj: dict[str, object]) -> EventRecord:
+    run, rank, _, _ = _identity(obj)
+    return EventRecord(
+        run=run,
+        rank=rank,
+        event=_check_label(_required(obj, "event"), "event", MAX_LABEL_CHARS),
+        t=_opt_number(obj, "t", MAX_UNIX_TIME_S),
+        step=_opt_int(obj, "step", MAX_INT),
+        pid=_pid(obj),
+        gpu=_gpu(obj),
+        message=_opt_text(obj, "message", MAX_MESSAGE_CHARS),
+    )
+
+
+def _decode_hello(obj: dict[str, object]) -> HelloRecord:
+    run, rank, world, local_rank = _identity(obj)
+    version = obj.get("client_version")
+    return HelloRecord(
+        run=run,
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        pid=_pid(obj),
+        gpu=_gpu(obj),
+        client_version=None if version is None else _check_label(version, "client_version", MAX_LABEL_CHARS),
+    )
+
+
+def _identity(obj: Mapping[str, object]) -> tuple[str, int, int | None, int | None]:
+    run = _check_label(_required(obj, "run"), "run", MAX_RUN_CHARS)
+    rank = _check_int(_required(obj, "rank"), "rank", MAX_RANKS - 1)
+    world = _opt_int(obj, "world", MAX_RANKS)
+    local_rank = _opt_int(obj, "local_rank", MAX_RANKS - 1)
+    if world is not None:
+        if world < 1:
+            raise ProtocolError("bad_value", "world")
+        if rank >= world or (local_rank is not None and local_rank >= world):
+            raise ProtocolError("bad_value", "rank not below world")
+    return run, rank, world, local_rank
+
+
+def _required(obj: Mapping[str, object], key: str) -> object:
+    value = obj.get(key)
+    if value is None:
+        raise ProtocolError("missing_field", key)
+    return value
+
+
+def _check_int(value: object, what: str, maximum: int) -> int:
+    if type(value) is not int:  # bool is an int subclass: not accepted
+        raise ProtocolError("bad_type", what)
+    if not 0 <= value <= maximum:
+        raise ProtocolError("bad_value", what)
+    return value
+
+
+def _check_number(value: object, what: str, maximum: float, below: bool = False) -> float:
+    if type(value) is not int and type(value) is not float:
+        raise ProtocolError("bad_type", what)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        raise ProtocolError("bad_value", what) from None
+    if not math.isfinite(number) or number < 0 or number > maximum or (below and number == maximum):
+        raise ProtocolError("bad_value", what)
+    return number
+
+
+def _check_label(value: object, what: str, max_chars: int) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError("bad_type", what)
+    if not is_label(value, max_chars):
+        raise ProtocolError("bad_label", what)
+    return value
+
+
+def _opt_int(obj: Mapping[str, object], key: str, maximum: int) -> int | None:
+    value = obj.get(key)
+    return None if value is None else _check_int(value, key, maximum)
+
+
+def _opt_number(obj: Mapping[str, object], key: str, maximum: float) -> float | None:
+    value = obj.get(key)
+    return None if value is None else _check_number(value, key, maximum)
+
+
+def _opt_text(obj: Mapping[str, object], key: str, max_chars: int) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError("bad_type", key)
+    if len(value) > max_chars:
+        raise ProtocolError("bad_value", key)
+    try:
+        value.encode("utf-8")  # lone surrogates from "\ud800" escapes
+    except UnicodeEncodeError:
+        raise ProtocolError("bad_value", key) from None
+    return value
+
+
+def _gpu(obj: Mapping[str, object]) -> str | int | None:
+    value = obj.get("gpu")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _check_label(value, "gpu", MAX_GPU_CHARS)
+    return _check_int(value, "gpu", MAX_GPU_INDEX - 1)
+
+
+def _pid(obj: Mapping[str, object]) -> int | None:
+    pid = _opt_int(obj, "pid", (1 << 32) - 1)
+    if pid == 0:
+        raise ProtocolError("bad_value", "pid")
+    return pid
