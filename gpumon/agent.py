@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import asdict
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
@@ -23,15 +24,20 @@ from prometheus_client.process_collector import ProcessCollector
 
 from gpumon import __version__
 from gpumon.collectors.host import HostSource
+from gpumon.collectors.ingest import IngestError, IngestServer
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.config import AgentConfig
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.server import MetricsServer
+from gpumon.export.step_metrics import step_families
+from gpumon.protocol import Record
 from gpumon.state import NodeState, NvmlStatus
+from gpumon.steps import RankState, Sender, StepStore
 
 log = logging.getLogger(__name__)
 
 HOST_INTERVAL_S = 5.0
+HOUSEKEEPING_INTERVAL_S = 5.0
 STUCK_AFTER_INTERVALS = 3
 
 
@@ -146,6 +152,9 @@ class Agent:
         self.registry.register(_NodeCollector(self))
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
         self._host = HostSource() if config.enabled("host") else None
+        self.steps = StepStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
+        self._ingest: IngestServer | None = None
+        self.ingest_problem: str | None = None
         self.started_at = time.time()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -169,6 +178,10 @@ class Agent:
         if self._host is not None:
             self._threads.append(_Periodic("host", max(self.config.interval, HOST_INTERVAL_S),
                                            self._collect_host, self.state))
+        if self.config.enabled("ingest"):
+            self._start_ingest()
+        self._threads.append(_Periodic("housekeeping", HOUSEKEEPING_INTERVAL_S,
+                                       self._housekeeping, self.state))
         for thread in self._threads:
             thread.start()
         if self._xid is not None:
@@ -177,8 +190,23 @@ class Agent:
         log.info("gpumon %s serving on http://%s:%d/metrics", __version__,
                  self.config.address, self._server.port)
 
+    def _start_ingest(self) -> None:
+        try:
+            self._ingest = IngestServer(Path(self.config.socket), self._on_records,
+                                        self.steps.count_dropped, self.config.allowed_uids)
+        except IngestError as exc:
+            # GPU and host metrics are still worth serving: say so loudly, keep going.
+            self.ingest_problem = str(exc)
+            log.error("no training-step ingest: %s", exc)
+            return
+        self._ingest.start()
+        log.info("receiving training steps on %s", self.config.socket)
+
     def stop(self) -> None:
         """Stop threads and the server; safe to call twice."""
+        if self._ingest is not None:
+            self._ingest.stop()
+            self._ingest = None
         for thread in self._threads:
             thread.stop()
         if self._xid is not None:
@@ -212,12 +240,21 @@ class Agent:
 
     def _collect_host(self, now: float, monotonic: float) -> None:
         assert self._host is not None
-        self.state.put_host(self._host.sample(now), {})
+        self.state.put_host(self._host.sample(now), self._host.processes(self.steps.pids()))
+
+    def _on_records(self, records: list[Record], sender: Sender) -> None:
+        self.steps.ingest(records, sender, time.monotonic(), time.time())
+
+    def _housekeeping(self, now: float, monotonic: float) -> None:
+        self.steps.expire(monotonic)
 
     # -- views -----------------------------------------------------------------------
     def families(self) -> Iterator[Metric]:
         """Every metric family, rendered from one snapshot."""
-        yield from node_families(self.state.snapshot(time.time()))
+        snap = self.state.snapshot(time.time())
+        yield from node_families(snap)
+        records, dropped = self.steps.counters()
+        yield from step_families(self.steps.ranks(), records, dropped, snap.processes)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
@@ -231,6 +268,8 @@ class Agent:
             if stats.interval_s and started is not None and (
                     now_monotonic - started > STUCK_AFTER_INTERVALS * stats.interval_s + 2.0):
                 problems.append(f"{name}: cycle stuck for {now_monotonic - started:.0f}s")
+        if self.ingest_problem:
+            problems.append(f"ingest: {self.ingest_problem}")
         lost = [str(i) for i, s in snap.latest.items() if not s.up]
         if lost:
             problems.append(f"gpu lost: {', '.join(sorted(lost))}")
@@ -265,6 +304,8 @@ class Agent:
                 "memory_total_bytes": host.memory_total_bytes},
             "xid_errors": [{"gpu": g, "xid": x, "count": c}
                            for (g, x), c in sorted(snap.xid_counts.items())],
+            "ranks": [_rank_dict(r) for r in sorted(self.steps.ranks(),
+                                                    key=lambda r: (r.run, r.rank))],
         }
 
 
@@ -274,3 +315,17 @@ def _sample_dict(sample: GpuSample) -> dict[str, Any]:
     if data.get("process_memory_bytes"):
         data["process_memory_bytes"] = {str(k): v for k, v in data["process_memory_bytes"].items()}
     return data
+
+
+def _rank_dict(state: RankState) -> dict[str, Any]:
+    return {
+        "run": state.run, "rank": state.rank, "world": state.world,
+        "local_rank": state.local_rank, "pid": state.pid, "gpu": state.gpu_hint,
+        "steps_total": state.steps_total, "last_step": state.last_step,
+        "last_step_end_t": state.last_step_end_t,
+        "phase_seconds_total": dict(state.phase_seconds_total),
+        "memory_allocated_bytes": state.memory_allocated_bytes,
+        "memory_reserved_bytes": state.memory_reserved_bytes,
+        "memory_peak_bytes": state.memory_peak_bytes,
+        "alloc_retries_total": state.alloc_retries_total, "ooms_total": state.ooms_total,
+    }

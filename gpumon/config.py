@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import os
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"

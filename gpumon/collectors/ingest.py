@@ -1,0 +1,158 @@
+"""Ingest collector: receives step records from training processes on a Unix datagram socket.
+
+The socket is created 0660 in a directory the agent makes if needed; a stale socket file
+left by a crashed agent is replaced only when nobody answers on it. The kernel tells us
+each sender's pid and uid (SCM_CREDENTIALS), so senders can be restricted by uid and a
+record's pid cannot be forged.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from gpumon.protocol import MAX_DATAGRAM_BYTES, Record, decode_datagram
+from gpumon.steps import Sender
+
+log = logging.getLogger(__name__)
+
+SOCKET_MODE = 0o660
+RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
+_CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_CREDENTIALS.size)
+
+OnRecords = Callable[[list[Record], Sender], None]
+OnDropped = Callable[[str, int], None]
+
+
+class IngestError(RuntimeError):
+    """The ingest socket cannot be created; the message says why."""
+
+
+def bind_socket(path: Path) -> socket.socket:
+    """Create, bind and chmod the datagram socket, replacing a stale file safely."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise IngestError(f"cannot create socket directory {path.parent}: "
+                          f"{exc.strerror or exc}") from exc
+    _remove_stale(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+        except OSError:
+            pass  # the kernel caps it at rmem_max; the default still works
+        old_umask = os.umask(0o117)  # the file is born 0660: no window where others can send
+        try:
+            sock.bind(str(path))
+        finally:
+            os.umask(old_umask)
+        os.chmod(path, SOCKET_MODE)
+    except OSError as exc:
+        sock.close()
+        raise IngestError(f"cannot bind ingest socket {path}: {exc.strerror or exc}") from exc
+    return sock
+
+
+def _remove_stale(path: Path) -> None:
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise IngestError(f"cannot inspect {path}: {exc.strerror or exc}") from exc
+    if not stat.S_ISSOCK(mode):
+        raise IngestError(f"{path} exists and is not a socket; refusing to replace it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:
+        path.unlink(missing_ok=True)  # a crashed agent's leftover: nobody is bound to it
+        return
+    except OSError as exc:
+        raise IngestError(f"cannot probe {path}: {exc.strerror or exc}") from exc
+    finally:
+        probe.close()
+    raise IngestError(f"{path} is in use by another running agent")
+
+
+def parse_sender(ancillary: list[tuple[int, int, bytes]]) -> Sender:
+    """The sender's pid/uid from SCM_CREDENTIALS, when the kernel attached them."""
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS \
+                and len(data) >= _CREDENTIALS.size:
+            pid, uid, _gid = _CREDENTIALS.unpack_from(data)
+            return Sender(pid=pid or None, uid=uid)
+    return Sender()
+
+
+class IngestServer(threading.Thread):
+    """Receives datagrams until stopped; decoding errors are counted, never raised."""
+
+    def __init__(self, path: Path, on_records: OnRecords, on_dropped: OnDropped,
+                 allowed_uids: tuple[int, ...] = ()) -> None:
+        super().__init__(name="gpumon-ingest", daemon=True)
+        self.path = path
+        self._on_records = on_records
+        self._on_dropped = on_dropped
+        self._allowed = frozenset(allowed_uids)
+        self._sock = bind_socket(path)
+        self._sock.settimeout(0.25)
+        self._stop_event = threading.Event()
+        self.datagrams_total = 0
+
+    def run(self) -> None:
+        receive = self._sock.recvmsg
+        while not self._stop_event.is_set():
+            try:
+                data, ancillary, flags, _ = receive(MAX_DATAGRAM_BYTES + 1, _ANCILLARY_BYTES)
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._stop_event.is_set() or exc.errno == errno.EBADF:
+                    break
+                log.warning("ingest receive failed: %s", exc)
+                self._on_dropped("receive_error", 1)
+                continue
+            self.datagrams_total += 1
+            try:
+                self._handle(data, ancillary, flags)
+            except Exception:  # one bad datagram must never stop ingestion
+                log.exception("ingest: unexpected error handling a datagram")
+                self._on_dropped("internal_error", 1)
+
+    def _handle(self, data: bytes, ancillary: list[tuple[int, int, bytes]], flags: int) -> None:
+        if flags & socket.MSG_TRUNC or len(data) > MAX_DATAGRAM_BYTES:
+            self._on_dropped("too_large", 1)
+            return
+        sender = parse_sender(ancillary)
+        if self._allowed and (sender.uid is None or sender.uid not in self._allowed):
+            self._on_dropped("uid_not_allowed", 1)
+            return
+        result = decode_datagram(data)
+        for reason in result.rejected:
+            self._on_dropped(reason, 1)
+        if result.records:
+            self._on_records(result.records, sender)
+
+    def stop(self) -> None:
+        """Stop receiving, close the socket and remove its file."""
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=2.0)
+        self._sock.close()
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove %s: %s", self.path, exc)

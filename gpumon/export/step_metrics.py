@@ -1,0 +1,103 @@
+"""Prometheus families for training steps, memory and ingest, from StepStore copies."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from gpumon.collectors.samples import ProcessSample
+from gpumon.steps import DURATION_BUCKETS_S, RankState
+
+RANK_LABELS = ["run", "rank"]
+
+
+def step_families(ranks: list[RankState], records_total: dict[str, int],
+                  dropped_total: dict[str, int],
+                  processes: dict[int, ProcessSample]) -> Iterator[Metric]:
+    """Step, phase, memory and process families per (run, rank), and ingest counters."""
+    info = GaugeMetricFamily(
+        "gpumon_rank_info", "Identity of each reporting rank (join on gpu/uuid with GPU series).",
+        labels=[*RANK_LABELS, "world", "local_rank", "pid", "gpu"])
+    steps = CounterMetricFamily("gpumon_steps", "Training steps reported.", labels=RANK_LABELS)
+    duration = HistogramMetricFamily("gpumon_step_duration_seconds", "Wall time of each step.",
+                                     labels=RANK_LABELS)
+    phases = CounterMetricFamily("gpumon_step_phase_seconds",
+                                 "Time spent in each phase of the step (data, forward, backward, "
+                                 "comm, optimizer, other).", labels=[*RANK_LABELS, "phase"])
+    samples = CounterMetricFamily("gpumon_samples", "Samples processed.", labels=RANK_LABELS)
+    tokens = CounterMetricFamily("gpumon_tokens", "Tokens processed.", labels=RANK_LABELS)
+    flops = CounterMetricFamily("gpumon_step_flops", "Floating-point operations reported.",
+                                labels=RANK_LABELS)
+    last = GaugeMetricFamily("gpumon_step_last_timestamp_seconds",
+                             "Unix time the last step of this rank ended.", labels=RANK_LABELS)
+    allocated = GaugeMetricFamily("gpumon_torch_memory_allocated_bytes",
+                                  "PyTorch allocator: memory held by tensors.", labels=RANK_LABELS)
+    reserved = GaugeMetricFamily("gpumon_torch_memory_reserved_bytes",
+                                 "PyTorch allocator: memory reserved from the device.",
+                                 labels=RANK_LABELS)
+    peak = GaugeMetricFamily("gpumon_torch_memory_peak_bytes",
+                             "PyTorch allocator: peak allocated memory during the last step.",
+                             labels=RANK_LABELS)
+    retries = CounterMetricFamily("gpumon_torch_alloc_retries",
+                                  "PyTorch allocator retries after a failed cudaMalloc "
+                                  "(cache flushes: a sign of memory pressure).", labels=RANK_LABELS)
+    ooms = CounterMetricFamily("gpumon_torch_ooms", "Out-of-memory errors.", labels=RANK_LABELS)
+    cpu = CounterMetricFamily("gpumon_process_cpu_seconds",
+                              "CPU time of the training process.", labels=RANK_LABELS)
+    rss = GaugeMetricFamily("gpumon_process_resident_memory_bytes",
+                            "Resident memory of the training process.", labels=RANK_LABELS)
+    for state in sorted(ranks, key=lambda s: (s.run, s.rank)):
+        labels = [state.run, str(state.rank)]
+        info.add_metric([*labels, _text(state.world), _text(state.local_rank),
+                         _text(state.pid), _text(state.gpu_hint)], 1.0)
+        steps.add_metric(labels, float(state.steps_total))
+        buckets, cumulative = [], 0
+        for bound, count in zip((*DURATION_BUCKETS_S, float("inf")),
+                                state.duration_bucket_counts, strict=True):
+            cumulative += count
+            buckets.append((_bound(bound), float(cumulative)))
+        duration.add_metric(labels, buckets, state.duration_sum_s)
+        for phase, seconds in sorted(state.phase_seconds_total.items()):
+            phases.add_metric([*labels, phase], seconds)
+        samples.add_metric(labels, float(state.samples_total))
+        tokens.add_metric(labels, float(state.tokens_total))
+        flops.add_metric(labels, state.flops_total)
+        if state.last_step_end_t is not None:
+            last.add_metric(labels, state.last_step_end_t)
+        for family, value in ((allocated, state.memory_allocated_bytes),
+                              (reserved, state.memory_reserved_bytes),
+                              (peak, state.memory_peak_bytes),
+                              (retries, state.alloc_retries_total)):
+            if value is not None:
+                family.add_metric(labels, float(value))
+        ooms.add_metric(labels, float(state.ooms_total))
+        process = processes.get(state.pid) if state.pid is not None else None
+        if process is not None:
+            cpu.add_metric(labels, process.cpu_seconds_total)
+            rss.add_metric(labels, float(process.resident_memory_bytes))
+    yield from (info, steps, duration, phases, samples, tokens, flops, last,
+                allocated, reserved, peak, retries, ooms, cpu, rss)
+    records = CounterMetricFamily("gpumon_ingest_records", "Records accepted, by kind.",
+                                  labels=["kind"])
+    for kind, count in sorted(records_total.items()):
+        records.add_metric([kind], float(count))
+    dropped = CounterMetricFamily("gpumon_ingest_dropped", "Records or datagrams dropped, by reason.",
+                                  labels=["reason"])
+    for reason, count in sorted(dropped_total.items()):
+        dropped.add_metric([reason], float(count))
+    yield records
+    yield dropped
+
+
+def _text(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+def _bound(value: float) -> str:
+    return "+Inf" if value == float("inf") else repr(float(value))

@@ -1,0 +1,197 @@
+"""Per-(run, rank) training-step state, fed by the ingest socket and read by scrapes.
+
+Bounded: a (run, rank) that stops reporting expires after a TTL, and a cap on live pairs
+rejects new ones (counted as ``too_many_ranks``) so a misbehaving client cannot blow up
+the number of series.
+"""
+
+from __future__ import annotations
+
+import threading
+from bisect import bisect_left
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from gpumon.protocol import KNOWN_PHASES, EventRecord, HelloRecord, Record, StepRecord
+
+# Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
+# large-model steps; le="+Inf" is added on export.
+DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+STEP_HISTORY = 256  # recent steps kept per rank, for verdicts and OOM trends
+
+RankKey = tuple[str, int]
+
+
+@dataclass
+class RankState:
+    """Everything known about one rank of one run."""
+
+    run: str
+    rank: int
+    last_seen_monotonic: float
+    world: int | None = None
+    local_rank: int | None = None
+    pid: int | None = None
+    uid: int | None = None
+    gpu_hint: str | int | None = None
+    steps_total: int = 0
+    phase_seconds_total: Counter[str] = field(default_factory=Counter)
+    samples_total: int = 0
+    tokens_total: int = 0
+    flops_total: float = 0.0
+    duration_bucket_counts: list[int] = field(
+        default_factory=lambda: [0] * (len(DURATION_BUCKETS_S) + 1))
+    duration_sum_s: float = 0.0
+    last_step: int | None = None
+    last_step_end_t: float | None = None
+    memory_allocated_bytes: int | None = None
+    memory_reserved_bytes: int | None = None
+    memory_peak_bytes: int | None = None
+    alloc_retries_total: int | None = None
+    torch_ooms_reported: int = 0
+    oom_events_total: int = 0
+    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
+
+    @property
+    def ooms_total(self) -> int:
+        """OOMs: torch's own cumulative count, or escaped-OOM events if more were seen."""
+        return max(self.torch_ooms_reported, self.oom_events_total)
+
+    def add_step(self, record: StepRecord, now_t: float) -> None:
+        """Fold one step into the counters."""
+        self.steps_total += 1
+        for phase, seconds in record.phases_s.items():
+            self.phase_seconds_total[phase if phase in KNOWN_PHASES else "other"] += seconds
+        self.samples_total += record.samples or 0
+        self.tokens_total += record.tokens or 0
+        self.flops_total += record.flops or 0.0
+        self.duration_bucket_counts[bisect_left(DURATION_BUCKETS_S, record.duration_s)] += 1
+        self.duration_sum_s += record.duration_s
+        self.last_step = record.step
+        self.last_step_end_t = record.t_end if record.t_end is not None else now_t
+        mem = record.mem
+        if mem is not None:
+            if mem.allocated_bytes is not None:
+                self.memory_allocated_bytes = mem.allocated_bytes
+            if mem.reserved_bytes is not None:
+                self.memory_reserved_bytes = mem.reserved_bytes
+            if mem.peak_bytes is not None:
+                self.memory_peak_bytes = mem.peak_bytes
+            if mem.alloc_retries is not None:
+                self.alloc_retries_total = mem.alloc_retries
+            if mem.ooms is not None:
+                self.torch_ooms_reported = max(self.torch_ooms_reported, mem.ooms)
+        self.recent.append(record)
+
+
+@dataclass(frozen=True)
+class Sender:
+    """Who sent a datagram, from the kernel (SCM_CREDENTIALS), when known."""
+
+    pid: int | None = None
+    uid: int | None = None
+
+
+class StepStore:
+    """Thread-safe map of (run, rank) to RankState with TTL expiry and a cap."""
+
+    def __init__(self, ttl_s: float = 300.0, max_ranks: int = 1024) -> None:
+        self._lock = threading.Lock()
+        self._ranks: dict[RankKey, RankState] = {}
+        self.ttl_s = ttl_s
+        self.max_ranks = max_ranks
+        self.records_total: Counter[str] = Counter()  # by kind
+        self.dropped_total: Counter[str] = Counter()  # by reason
+
+    def ingest(self, records: list[Record], sender: Sender, monotonic: float,
+               now_t: float) -> list[StepRecord]:
+        """Apply decoded records; returns the steps accepted (for recording/verdicts)."""
+        accepted: list[StepRecord] = []
+        with self._lock:
+            for record in records:
+                state = self._rank(record.run, record.rank, monotonic)
+                if state is None:
+                    self.dropped_total["too_many_ranks"] += 1
+                    continue
+                state.last_seen_monotonic = monotonic
+                if sender.uid is not None:
+                    state.uid = sender.uid
+                pid = sender.pid if sender.pid is not None else record.pid
+                if pid is not None:
+                    state.pid = pid
+                if isinstance(record, StepRecord):
+                    self.records_total["step"] += 1
+                    _note_identity(state, record.world, record.local_rank, record.gpu)
+                    state.add_step(record, now_t)
+                    accepted.append(record)
+                elif isinstance(record, EventRecord):
+                    self.records_total["event"] += 1
+                    if record.event == "oom":
+                        state.oom_events_total += 1
+                    _note_identity(state, None, None, record.gpu)
+                elif isinstance(record, HelloRecord):
+                    self.records_total["hello"] += 1
+                    _note_identity(state, record.world, record.local_rank, record.gpu)
+        return accepted
+
+    def count_dropped(self, reason: str, count: int = 1) -> None:
+        """Count records dropped before they reached the store (decode, auth, ...)."""
+        with self._lock:
+            self.dropped_total[reason] += count
+
+    def _rank(self, run: str, rank: int, monotonic: float) -> RankState | None:
+        key = (run, rank)
+        state = self._ranks.get(key)
+        if state is None:
+            if len(self._ranks) >= self.max_ranks:
+                self._expire_locked(monotonic)
+                if len(self._ranks) >= self.max_ranks:
+                    return None
+            state = self._ranks[key] = RankState(run=run, rank=rank,
+                                                 last_seen_monotonic=monotonic)
+        return state
+
+    def expire(self, monotonic: float) -> int:
+        """Forget ranks silent for longer than the TTL; returns how many went."""
+        with self._lock:
+            return self._expire_locked(monotonic)
+
+    def _expire_locked(self, monotonic: float) -> int:
+        stale = [k for k, s in self._ranks.items()
+                 if monotonic - s.last_seen_monotonic > self.ttl_s]
+        for key in stale:
+            del self._ranks[key]
+        return len(stale)
+
+    def ranks(self) -> list[RankState]:
+        """Copies of every live rank's state (without step history), for rendering."""
+        with self._lock:
+            return [_copy(s) for s in self._ranks.values()]
+
+    def counters(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(records by kind, dropped by reason)."""
+        with self._lock:
+            return dict(self.records_total), dict(self.dropped_total)
+
+    def pids(self) -> dict[int, RankKey]:
+        """pid -> (run, rank) of every live rank whose pid is known."""
+        with self._lock:
+            return {s.pid: k for k, s in self._ranks.items() if s.pid is not None}
+
+
+def _note_identity(state: RankState, world: int | None, local_rank: int | None,
+                   gpu: str | int | None) -> None:
+    if world is not None:
+        state.world = world
+    if local_rank is not None:
+        state.local_rank = local_rank
+    if gpu is not None:
+        state.gpu_hint = gpu
+
+
+def _copy(state: RankState) -> RankState:
+    clone = RankState(**{k: getattr(state, k) for k in state.__dataclass_fields__})
+    clone.phase_seconds_total = Counter(state.phase_seconds_total)
+    clone.duration_bucket_counts = list(state.duration_bucket_counts)
+    clone.recent = deque(maxlen=STEP_HISTORY)  # scrapes never need the history
+    return clone

@@ -1,0 +1,70 @@
+"""Configuration layering (defaults < file < env < flags) and validation messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpumon.config import DEFAULT_PORT, ConfigError, load_config
+
+
+def test_defaults() -> None:
+    cfg = load_config({}, env={})
+    assert cfg.port == DEFAULT_PORT == 9403
+    assert cfg.socket == "/run/gpumon/ingest.sock"
+    assert cfg.interval == 1.0
+    assert cfg.collectors == ("nvml", "host", "ingest")
+
+
+def test_layers_flags_beat_env_beat_file(tmp_path: Path) -> None:
+    path = tmp_path / "gpumon.toml"
+    path.write_text('[agent]\nport = 9500\ninterval = 2.5\nsocket = "/tmp/from-file.sock"\n'
+                    'collectors = ["nvml", "ingest"]\n')
+    env = {"GPUMON_CONFIG": str(path), "GPUMON_PORT": "9600", "GPUMON_INTERVAL": "0.5"}
+    cfg = load_config({"port": 9700}, env=env)
+    assert cfg.port == 9700                   # flag
+    assert cfg.interval == 0.5                # env over file
+    assert cfg.socket == "/tmp/from-file.sock"  # file over default
+    assert cfg.collectors == ("nvml", "ingest")
+    assert not cfg.enabled("host")
+
+
+def test_env_lists() -> None:
+    cfg = load_config({}, env={"GPUMON_ALLOWED_UIDS": "1000, 1001", "GPUMON_COLLECTORS": "host"})
+    assert cfg.allowed_uids == (1000, 1001)
+    assert cfg.collectors == ("host",)
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "message"),
+    [
+        ({"port": 70000}, {}, "port=70000: must be between 0 and 65535"),
+        ({}, {"GPUMON_PORT": "http"}, "port='http': expected an integer"),
+        ({"interval": 0.0}, {}, "interval=0.0: must be between"),
+        ({}, {"GPUMON_INTERVAL": "nan"}, "interval='nan': must be between"),
+        ({"simulate": -1}, {}, "simulate=-1"),
+        ({"address": "example.org"}, {}, "expected an IP address"),
+        ({"collectors": ["gpu"]}, {}, "unknown collector(s) gpu"),
+        ({"log_level": "loud"}, {}, "choose one of debug"),
+        ({}, {"GPUMON_ALLOWED_UIDS": "root"}, "expected an integer"),
+    ],
+)
+def test_invalid_values_name_the_key(flags: dict, env: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_config(flags, env=env)
+    assert message in str(excinfo.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    missing = tmp_path / "missing.toml"
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config({"config": str(missing)}, env={})
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[agent\nport = 1\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config({"config": str(broken)}, env={})
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[agent]\nprot = 9403\n")
+    with pytest.raises(ConfigError, match="unknown key\\(s\\) prot"):
+        load_config({"config": str(unknown)}, env={})
