@@ -1,0 +1,238 @@
+"""Joining a training step's time window with the GPU samples taken during it.
+
+NVML's utilisation counters are averages over the driver's own sample period (1/6 s to 1 s),
+so a step shorter than the sampler's resolution sees zero or one sample. Such steps are
+merged with their neighbours (``aggregate_steps``) before their window is summarised; the
+driver-buffered utilisation samples of ``nvmlDeviceGetSamples`` are simply more ``GpuSample``s
+with only ``utilization_ratio`` set, and count like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpumon.collectors.samples import GpuSample
+from gpumon.protocol import MemoryStats, StepRecord
+
+# Fields averaged over a window. Memory used is summarised by its maximum instead: the
+# highest point in a step is what matters for pressure, not the mean.
+_MEAN_FIELDS = (
+    "utilization_ratio",
+    "memory_utilization_ratio",
+    "sm_active_ratio",
+    "sm_occupancy_ratio",
+    "tensor_active_ratio",
+    "dram_active_ratio",
+    "power_watts",
+    "temperature_celsius",
+    "sm_clock_hz",
+    "nvlink_tx_bytes_per_second",
+    "nvlink_rx_bytes_per_second",
+    "pcie_tx_bytes_per_second",
+    "pcie_rx_bytes_per_second",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuWindow:
+    """One GPU's activity over a time window: the mean of each field over the samples in it.
+
+    A field is ``None`` when no sample in the window had it; ``counts`` says how many samples
+    contributed to each present field (a mean over one sample is weak evidence).
+    """
+
+    t0: float
+    t1: float
+    sample_count: int
+    counts: dict[str, int] = field(default_factory=dict)
+    utilization_ratio: float | None = None
+    memory_utilization_ratio: float | None = None
+    sm_active_ratio: float | None = None
+    sm_occupancy_ratio: float | None = None
+    tensor_active_ratio: float | None = None
+    dram_active_ratio: float | None = None
+    power_watts: float | None = None
+    temperature_celsius: float | None = None
+    sm_clock_hz: float | None = None
+    nvlink_tx_bytes_per_second: float | None = None
+    nvlink_rx_bytes_per_second: float | None = None
+    pcie_tx_bytes_per_second: float | None = None
+    pcie_rx_bytes_per_second: float | None = None
+    memory_used_bytes_max: int | None = None
+    memory_total_bytes: int | None = None
+    clock_event_fractions: dict[str, float] = field(default_factory=dict)
+    """Per clock-event reason, the share of samples reporting reasons in which it was active."""
+
+    @property
+    def has_gpm(self) -> bool:
+        """Whether any GPM metric (SM, tensor or DRAM activity) was sampled in the window."""
+        return (
+            self.sm_active_ratio is not None
+            or self.tensor_active_ratio is not None
+            or self.dram_active_ratio is not None
+        )
+
+
+def summarize_gpu_window(samples: Sequence[GpuSample], t0: float, t1: float) -> GpuWindow | None:
+    """Summarise one GPU's samples whose timestamps fall in ``[t0, t1]``; ``None`` if there are none.
+
+    Samples of a GPU that was down are skipped. ``samples`` must all be of one GPU, in any
+    order: mixing GPUs would average unrelated devices, so it raises ``ValueError``.
+    """
+    if t1 < t0:
+        raise ValueError(f"window ends before it starts: t0={t0!r}, t1={t1!r}")
+    indices = {s.index for s in samples}
+    if len(indices) > 1:
+        raise ValueError(f"samples of several GPUs in one window: {sorted(indices)}")
+    inside = [s for s in samples if s.up and t0 <= s.t <= t1]
+    if not inside:
+        return None
+
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for sample in inside:
+        for name in _MEAN_FIELDS:
+            value = getattr(sample, name)
+            if value is not None:
+                sums[name] = sums.get(name, 0.0) + float(value)
+                counts[name] = counts.get(name, 0) + 1
+    means = {name: sums[name] / counts[name] for name in sums}
+
+    used = [s.memory_used_bytes for s in inside if s.memory_used_bytes is not None]
+    totals = [s.memory_total_bytes for s in sorted(inside, key=lambda s: s.t)
+              if s.memory_total_bytes is not None]
+    if used:
+        counts["memory_used_bytes"] = len(used)
+
+    reasons_reported = [s.clock_event_reasons for s in inside if s.clock_event_reasons is not None]
+    active: dict[str, int] = {}
+    for reasons in reasons_reported:
+        for reason, on in reasons.items():
+            active[reason] = active.get(reason, 0) + (1 if on else 0)
+    fractions = {reason: n / len(reasons_reported) for reason, n in active.items()}
+
+    return GpuWindow(
+        t0=t0,
+        t1=t1,
+        sample_count=len(inside),
+        counts=counts,
+        memory_used_bytes_max=max(used) if used else None,
+        memory_total_bytes=totals[-1] if totals else None,
+        clock_event_fractions=fractions,
+        utilization_ratio=means.get("utilization_ratio"),
+        memory_utilization_ratio=means.get("memory_utilization_ratio"),
+        sm_active_ratio=means.get("sm_active_ratio"),
+        sm_occupancy_ratio=means.get("sm_occupancy_ratio"),
+        tensor_active_ratio=means.get("tensor_active_ratio"),
+        dram_active_ratio=means.get("dram_active_ratio"),
+        power_watts=means.get("power_watts"),
+        temperature_celsius=means.get("temperature_celsius"),
+        sm_clock_hz=means.get("sm_clock_hz"),
+        nvlink_tx_bytes_per_second=means.get("nvlink_tx_bytes_per_second"),
+        nvlink_rx_bytes_per_second=means.get("nvlink_rx_bytes_per_second"),
+        pcie_tx_bytes_per_second=means.get("pcie_tx_bytes_per_second"),
+        pcie_rx_bytes_per_second=means.get("pcie_rx_bytes_per_second"),
+    )
+
+
+def merge_steps(steps: Sequence[StepRecord]) -> StepRecord:
+    """One record standing for consecutive steps of one rank, e.g. to widen a short window.
+
+    The merged step spans from the first start to the last end (when starts are known), its
+    phases are summed, and counts (samples, tokens, flops) are summed only when every step has
+    them, since a partial sum would understate throughput. Allocator counters are cumulative,
+    so the last step's are kept; the peak is the highest peak.
+    """
+    if not steps:
+        raise ValueError("merge_steps needs at least one step")
+    if len(steps) == 1:
+        return steps[0]
+    first, last = steps[0], steps[-1]
+    if any((s.run, s.rank) != (first.run, first.rank) for s in steps):
+        raise ValueError("merge_steps needs steps of one run and rank")
+
+    busy_s = sum(s.duration_s for s in steps)
+    starts = [s.t_start for s in steps]
+    t_start: float | None = None
+    duration_s = busy_s
+    if all(t is not None for t in starts):
+        t_start = min(t for t in starts if t is not None)
+        t_end = max(s.t_start + s.duration_s for s in steps if s.t_start is not None)
+        # Gaps between steps (work outside the hook) count as unattributed time.
+        duration_s = max(busy_s, t_end - t_start)
+
+    phases: dict[str, float] = {}
+    for s in steps:
+        for name, seconds in s.phases_s.items():
+            phases[name] = phases.get(name, 0.0) + seconds
+
+    return StepRecord(
+        run=first.run,
+        rank=first.rank,
+        step=last.step,
+        duration_s=duration_s,
+        world=last.world,
+        local_rank=last.local_rank,
+        t_start=t_start,
+        phases_s=phases,
+        samples=_sum_if_all([s.samples for s in steps]),
+        tokens=_sum_if_all([s.tokens for s in steps]),
+        flops=_sum_if_all_float([s.flops for s in steps]),
+        gpu=last.gpu,
+        pid=last.pid,
+        mem=_merge_mem([s.mem for s in steps]),
+    )
+
+
+def aggregate_steps(steps: Sequence[StepRecord], min_window_s: float) -> list[StepRecord]:
+    """Merge runs of consecutive steps until each merged step lasts at least ``min_window_s``.
+
+    A group closes once it spans ``min_window_s``; it is broken early where the rank changes or
+    a step number is skipped (a lost record would otherwise be counted as idle time). The last
+    group may be shorter than ``min_window_s``: a streaming caller holds it back until more
+    steps arrive.
+    """
+    merged: list[StepRecord] = []
+    group: list[StepRecord] = []
+    for step in steps:
+        if group and not _continues(group[-1], step):
+            merged.append(merge_steps(group))
+            group = []
+        group.append(step)
+        candidate = merge_steps(group)
+        if candidate.duration_s >= min_window_s:
+            merged.append(candidate)
+            group = []
+    if group:
+        merged.append(merge_steps(group))
+    return merged
+
+
+def _continues(previous: StepRecord, step: StepRecord) -> bool:
+    return (step.run, step.rank) == (previous.run, previous.rank) and step.step == previous.step + 1
+
+
+def _sum_if_all(values: Sequence[int | None]) -> int | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if len(present) == len(values) else None
+
+
+def _sum_if_all_float(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if len(present) == len(values) else None
+
+
+def _merge_mem(stats: Sequence[MemoryStats | None]) -> MemoryStats | None:
+    present = [m for m in stats if m is not None]
+    if not present:
+        return None
+    last = present[-1]
+    peaks = [m.peak_bytes for m in present if m.peak_bytes is not None]
+    return MemoryStats(
+        allocated_bytes=last.allocated_bytes,
+        reserved_bytes=last.reserved_bytes,
+        peak_bytes=max(peaks) if peaks else None,
+        alloc_retries=last.alloc_retries,
+        ooms=last.ooms,
+    )
