@@ -1,0 +1,441 @@
+"""The ``gpumon estimate`` engine: per-GPU training memory by item, and what to do if it won't fit.
+
+Model states follow the seed document and the ZeRO paper (Rajbhandari et al. 2020):
+
+* parameters and gradients: 2 B/param in fp16/bf16, 4 B in fp32;
+* optimizer states, kept in fp32: Adam/AdamW m + v = 8 B/param (the seed's count), SGD with
+  momentum 4 B, plain SGD none;
+* the fp32 master copy of the parameters that mixed-precision training keeps (4 B/param) is
+  its own item: the seed omits it, the ZeRO paper counts it inside its K = 12 (master 4 + m 4
+  + v 4). ``master_weights=True`` gives the paper's count; under fp32 there is no separate copy.
+
+ZeRO shards over the data-parallel GPUs: stage 1 the optimizer states and master copy, stage 2
+also the gradients, stage 3 also the parameters. Tensor parallelism splits every model state
+(and, per Korthikanti et al., part of the activations) over ``tensor_parallel`` GPUs; the
+data-parallel degree is ``gpus / tensor_parallel``.
+
+Activations per transformer layer follow Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models", for 16-bit activations with tensor parallelism t
+(no sequence parallelism): ``s·b·h·(10 + 24/t + 5·a·s/(h·t))`` bytes; the ``5·a·s/(h·t)``
+attention-score term vanishes under FlashAttention or selective recomputation; with full
+recomputation only each layer's input is kept, ``2·s·b·h``, plus one layer's activations while
+it is being recomputed. fp32 activations double it. Embedding and output-layer activations (the
+logits can be large for big vocabularies) are not counted. ``batch`` is the per-GPU micro-batch.
+
+Sizes: GB = 10⁹ bytes, GiB = 2³⁰ bytes, everywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+from decimal import Decimal, InvalidOperation
+from typing import Literal
+
+Precision = Literal["fp16", "bf16", "fp32"]
+OptimizerName = Literal["adam", "adamw", "sgd", "sgd_momentum"]
+Recompute = Literal["none", "selective", "full"]
+
+GB = 10**9
+GIB = 2**30
+
+_WEIGHT_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
+_OPTIMIZER_STATE_BYTES: dict[str, int] = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4}
+_MASTER_WEIGHT_BYTES = 4
+
+DEFAULT_BUFFERS_BYTES = 2 * GB
+"""Temporary buffers when none is given: the low end of the seed's "about 2–4 GB" for its 7B
+case (communication buckets, fused-kernel and cuBLAS workspaces, the CUDA context). These are
+largely independent of model size, so a fixed figure is closer than a fraction of the model."""
+
+_COUNT_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+(?:e[+-]?\d+)?)\s*([kmbgt]?)\s*$", re.I)
+_BYTES_PREFIX = {"": 0, "k": 1, "m": 2, "g": 3, "t": 4, "p": 5}
+_BYTES = re.compile(
+    r"^\s*(\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+(?:e[+-]?\d+)?)\s*(?:([kmgtp])(i)?)?b?\s*$", re.I
+)
+
+
+def parse_count(text: str) -> int:
+    """A count such as ``"7B"``, ``"175M"``, ``"1.3e9"`` or ``"7000000"`` (K, M, B/G, T = 10³ⁿ)."""
+    match = _COUNT.match(text)
+    if match is None:
+        raise ValueError(f"not a count: {text!r} (examples: 7B, 175M, 1.3e9)")
+    return _scaled(match.group(1), Decimal(_COUNT_SUFFIX[match.group(2).lower()]), text)
+
+
+def parse_bytes(text: str) -> int:
+    """A size such as ``"80GB"`` (80·10⁹), ``"80GiB"`` (80·2³⁰), ``"141G"`` (= GB) or ``"1024"``.
+
+    Decimal prefixes (K, M, G, T, P, with or without ``B``) are powers of 1000; binary ones
+    (Ki, Mi, Gi, Ti, Pi) powers of 1024, as in Kubernetes quantities.
+    """
+    match = _BYTES.match(text)
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (examples: 80GB, 80GiB, 141G)")
+    prefix = (match.group(2) or "").lower()
+    base = 1024 if match.group(3) else 1000
+    return _scaled(match.group(1), Decimal(base) ** _BYTES_PREFIX[prefix], text)
+
+
+def _scaled(number: str, scale: Decimal, text: str) -> int:
+    try:
+        value = Decimal(number) * scale
+    except InvalidOperation as exc:  # the pattern admits only valid decimals; belt and braces
+        raise ValueError(f"not a number: {text!r}") from exc
+    return int(value.to_integral_value())
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """Per-GPU bytes of each item of a training setup, with the setup and the advice."""
+
+    params: int
+    precision: str
+    optimizer: str
+    master_weights: bool
+    zero_stage: int
+    gpus: int
+    tensor_parallel: int
+    params_bytes: int
+    grads_bytes: int
+    optimizer_states_bytes: int
+    master_weights_bytes: int
+    activations_bytes: int | None
+    """``None`` when the model shape was not given: activations are then not counted."""
+    buffers_bytes: int
+    buffers_default: bool
+    gpu_memory_bytes: int | None
+    advice: tuple[str, ...]
+    notes: tuple[str, ...]
+
+    @property
+    def model_states_bytes(self) -> int:
+        """Parameters + gradients + optimizer states + master copy."""
+        return (
+            self.params_bytes
+            + self.grads_bytes
+            + self.optimizer_states_bytes
+            + self.master_weights_bytes
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        """Everything per GPU (activations count 0 when not estimated)."""
+        return self.model_states_bytes + (self.activations_bytes or 0) + self.buffers_bytes
+
+    def fits(self, gpu_memory_bytes: int | None = None) -> bool | None:
+        """Whether the total fits the given (else the estimate's) GPU memory; ``None`` if unknown."""
+        memory = gpu_memory_bytes if gpu_memory_bytes is not None else self.gpu_memory_bytes
+        return None if memory is None else self.total_bytes <= memory
+
+
+@dataclass(frozen=True, slots=True)
+class _Setup:
+    params: int
+    precision: str
+    optimizer: str
+    master_weights: bool
+    tensor_parallel: int
+
+    def model_states(self, zero_stage: int, data_parallel: int) -> tuple[int, int, int, int]:
+        """(params, grads, optimizer states, master copy) bytes per GPU."""
+        per_shard = self.params / self.tensor_parallel
+        weight = _WEIGHT_BYTES[self.precision]
+        master = _MASTER_WEIGHT_BYTES if self.master_weights and self.precision != "fp32" else 0
+
+        def shard(bytes_per_param: int, from_stage: int) -> int:
+            divisor = data_parallel if zero_stage >= from_stage else 1
+            return math.ceil(per_shard * bytes_per_param / divisor)
+
+        return (
+            shard(weight, 3),
+            shard(weight, 2),
+            shard(_OPTIMIZER_STATE_BYTES[self.optimizer], 1),
+            shard(master, 1),
+        )
+
+
+def activation_bytes(
+    *,
+    layers: int,
+    hidden: int,
+    heads: int,
+    seq: int,
+    batch: int,
+    flash_attention: bool,
+    recompute: Recompute,
+    precision: Precision,
+    tensor_parallel: int = 1,
+) -> int:
+    """Activation bytes per GPU for a transformer stack (Korthikanti et al. 2022; see module)."""
+    s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
+    layer = s * b * h * (10 + 24 / t)
+    if not (flash_attention or recompute == "selective"):
+        layer += 5 * a * s * s * b / t
+    total = layers * layer if recompute != "full" else layers * 2 * s * b * h + layer
+    scale = 2 if precision == "fp32" else 1
+    return math.ceil(total * scale)
+
+
+def estimate_memory(
+    params: int,
+    *,
+    precision: Precision = "bf16",
+    optimizer: OptimizerName = "adamw",
+    master_weights: bool = True,
+    zero_stage: int = 0,
+    gpus: int = 1,
+    layers: int | None = None,
+    hidden: int | None = None,
+    heads: int | None = None,
+    seq: int | None = None,
+    batch: int | None = None,
+    flash_attention: bool = False,
+    recompute: Recompute = "none",
+    tensor_parallel: int = 1,
+    buffers_bytes: int | None = None,
+    gpu_memory_bytes: int | None = None,
+) -> MemoryEstimate:
+    """Per-GPU memory of training a ``params``-parameter model, item by item, with advice.
+
+    Raises ``ValueError`` for impossible setups (unknown precision, stage outside 0–3, GPUs not
+    divisible by ``tensor_parallel``, a partial model shape, non-positive sizes).
+    """
+    _check(params, precision, optimizer, zero_stage, gpus, tensor_parallel, recompute,
+           buffers_bytes, gpu_memory_bytes)
+    shape = {"layers": layers, "hidden": hidden, "heads": heads, "seq": seq, "batch": batch}
+    given = {k: v for k, v in shape.items() if v is not None}
+    if given and len(given) != len(shape):
+        absent = ", ".join(k for k in shape if k not in given)
+        raise ValueError(f"activations need the whole model shape; missing: {absent}")
+    for name, value in given.items():
+        if value <= 0:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+
+    setup = _Setup(params, precision, optimizer, master_weights, tensor_parallel)
+    data_parallel = gpus // tensor_parallel
+    p, g, o, m = setup.model_states(zero_stage, data_parallel)
+    activations = None
+    if layers and hidden and heads and seq and batch:
+        activations = activation_bytes(
+            layers=layers, hidden=hidden, heads=heads, seq=seq, batch=batch,
+            flash_attention=flash_attention, recompute=recompute, precision=precision,
+            tensor_parallel=tensor_parallel,
+        )
+    buffers = DEFAULT_BUFFERS_BYTES if buffers_bytes is None else buffers_bytes
+
+    notes = _notes(setup, activations, buffers_bytes is None, zero_stage, data_parallel)
+    draft = MemoryEstimate(
+        params=params, precision=precision, optimizer=optimizer, master_weights=master_weights,
+        zero_stage=zero_stage, gpus=gpus, tensor_parallel=tensor_parallel,
+        params_bytes=p, grads_bytes=g, optimizer_states_bytes=o, master_weights_bytes=m,
+        activations_bytes=activations, buffers_bytes=buffers,
+        buffers_default=buffers_bytes is None, gpu_memory_bytes=gpu_memory_bytes,
+        advice=(), notes=notes,
+    )
+    return _with_advice(draft, setup, recompute, flash_attention)
+
+
+def _check(
+    params: int, precision: str, optimizer: str, zero_stage: int, gpus: int,
+    tensor_parallel: int, recompute: str, buffers_bytes: int | None,
+    gpu_memory_bytes: int | None,
+) -> None:
+    if params <= 0:
+        raise ValueError(f"params must be positive, got {params!r}")
+    if precision not in _WEIGHT_BYTES:
+        raise ValueError(f"precision must be one of {sorted(_WEIGHT_BYTES)}, got {precision!r}")
+    if optimizer not in _OPTIMIZER_STATE_BYTES:
+        raise ValueError(
+            f"optimizer must be one of {sorted(_OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
+        )
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
+    if gpus < 1 or tensor_parallel < 1:
+        raise ValueError("gpus and tensor_parallel must be at least 1")
+    if gpus % tensor_parallel:
+        raise ValueError(f"gpus ({gpus}) must be a multiple of tensor_parallel ({tensor_parallel})")
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    if buffers_bytes is not None and buffers_bytes < 0:
+        raise ValueError(f"buffers_bytes must not be negative, got {buffers_bytes!r}")
+    if gpu_memory_bytes is not None and gpu_memory_bytes <= 0:
+        raise ValueError(f"gpu_memory_bytes must be positive, got {gpu_memory_bytes!r}")
+
+
+def _notes(
+    setup: _Setup, activations: int | None, buffers_default: bool, zero_stage: int,
+    data_parallel: int,
+) -> tuple[str, ...]:
+    notes: list[str] = []
+    states = _OPTIMIZER_STATE_BYTES[setup.optimizer]
+    if setup.precision == "fp32":
+        notes.append("fp32 training: the parameters are the fp32 copy, no separate master weights")
+    elif setup.master_weights:
+        notes.append(
+            f"master weights counted: fp32 copy 4 B/param + optimizer {states} B/param "
+            f"(the ZeRO paper's K = {4 + states})"
+        )
+    else:
+        notes.append(
+            f"master weights omitted, as the seed counts: optimizer {states} B/param; "
+            "mixed-precision training normally also keeps an fp32 copy (+4 B/param)"
+        )
+    if activations is None:
+        notes.append("activations not estimated: give layers, hidden, heads, seq and batch")
+    if buffers_default:
+        notes.append(
+            f"buffers: default {_gb(DEFAULT_BUFFERS_BYTES)} (the seed's 2–4 GB: communication "
+            "buckets, workspaces, CUDA context)"
+        )
+    if zero_stage and data_parallel == 1:
+        notes.append("ZeRO shards over data-parallel GPUs: with one, it changes nothing")
+    return tuple(notes)
+
+
+def _with_advice(
+    est: MemoryEstimate, setup: _Setup, recompute: str, flash_attention: bool
+) -> MemoryEstimate:
+    """The seed's decision path: fits and slow ⇒ data parallel + mixed precision; does not fit
+    ⇒ ZeRO sharding or model parallelism; scales badly ⇒ communication and batch size."""
+    memory = est.gpu_memory_bytes
+    mixed = "mixed precision (bf16 halves parameter and gradient memory and uses tensor cores)"
+    if memory is None:
+        return replace(est, advice=("no GPU memory given: cannot say whether it fits",))
+    if est.total_bytes <= memory:
+        advice = [
+            f"fits: {_gb(est.total_bytes)} of {_gb(memory)} per GPU "
+            f"({_gb(memory - est.total_bytes)} spare)",
+            "if it is too slow: data parallelism over more GPUs"
+            + (f", and {mixed}" if est.precision == "fp32" else ", keeping mixed precision"),
+        ]
+        if est.gpus > 1:
+            advice.append(
+                "if multi-GPU scaling is poor: check communication (exposed all-reduce time) "
+                "and the per-GPU batch size"
+            )
+        return replace(est, advice=tuple(advice))
+
+    advice = [
+        f"does not fit: {_gb(est.total_bytes)} per GPU against {_gb(memory)} "
+        f"(short by {_gb(est.total_bytes - memory)})"
+    ]
+    advice.extend(_sharding_advice(est, setup, memory))
+    activations = est.activations_bytes or 0
+    if activations and recompute != "full":
+        lighter = (
+            "full recomputation"
+            if recompute == "selective" or flash_attention
+            else "FlashAttention or selective/full recomputation"
+        )
+        advice.append(f"activations are {_gb(activations)}: {lighter} shrinks them")
+    here = _gb(activations) if est.activations_bytes is not None else "not estimated"
+    advice.append(
+        f"a smaller batch shrinks only activations ({here}), never parameters, gradients and "
+        f"optimizer states ({_gb(est.model_states_bytes)})"
+    )
+    if est.precision == "fp32":
+        advice.append(mixed)
+    return replace(est, advice=tuple(advice))
+
+
+def _sharding_advice(est: MemoryEstimate, setup: _Setup, memory: int) -> list[str]:
+    """Which ZeRO stage fits on the current GPUs, else from how many GPUs each stage fits."""
+    others = (est.activations_bytes or 0) + est.buffers_bytes
+    data_parallel = est.gpus // est.tensor_parallel
+    if data_parallel > 1:
+        for stage in range(est.zero_stage + 1, 4):
+            per_gpu = sum(setup.model_states(stage, data_parallel)) + others
+            if per_gpu <= memory:
+                return [f"ZeRO stage {stage} over the {est.gpus} GPUs fits ({_gb(per_gpu)} per GPU)"]
+    needs = []
+    for stage in range(max(1, est.zero_stage), 4):
+        n = _min_data_parallel(setup, stage, memory - others)
+        if n is not None:
+            needs.append(f"ZeRO-{stage} from {n * est.tensor_parallel} GPUs")
+    first = ("ZeRO sharding fits with " + ", ".join(needs) if needs
+             else "no ZeRO stage fits: activations and buffers alone fill the GPU")
+    return [first, "or model parallelism (tensor/pipeline), which also splits activations"]
+
+
+def _min_data_parallel(setup: _Setup, stage: int, available: int) -> int | None:
+    """Fewest data-parallel GPUs over which ``stage``'s model states fit ``available`` bytes."""
+    p, g, _, _ = setup.model_states(0, 1)
+    replicated = (p if stage < 3 else 0) + (g if stage < 2 else 0)
+    if replicated >= available:
+        return None
+    sharded = sum(setup.model_states(0, 1)) - replicated
+    n = max(1, math.ceil(sharded / (available - replicated)))
+    # Each item is rounded up per GPU; step up while those few bytes still overflow.
+    while sum(setup.model_states(stage, n)) > available:
+        n += 1
+    return n
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:.1f} GB"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= scale:
+            return f"{n / scale:g}{suffix}"
+    return str(n)
+
+
+def render_table(estimate: MemoryEstimate) -> str:
+    """A plain-text table like the seed's 7B case (GB = 10⁹ bytes, one decimal), with advice."""
+    e = estimate
+    rows = [
+        (f"parameters ({e.precision})", _gb(e.params_bytes), ""),
+        (f"gradients ({e.precision})", _gb(e.grads_bytes), ""),
+        ("optimizer states (fp32)", _gb(e.optimizer_states_bytes), e.optimizer),
+        ("master weights (fp32)", _gb(e.master_weights_bytes), _master_remark(e)),
+        ("activations",
+         _gb(e.activations_bytes) if e.activations_bytes is not None else "—",
+         "" if e.activations_bytes is not None else "not estimated"),
+        ("buffers", _gb(e.buffers_bytes), "default" if e.buffers_default else ""),
+        ("total", _gb(e.total_bytes), ""),
+    ]
+    if e.gpu_memory_bytes is not None:
+        rows.append(("GPU memory", _gb(e.gpu_memory_bytes), "fits" if e.fits() else "does not fit"))
+    title = (
+        f"{_count(e.params)} parameters, {e.precision}, {e.optimizer}, "
+        f"master weights {'on' if e.master_weights else 'off'}, ZeRO stage {e.zero_stage}, "
+        f"{e.gpus} GPU{'s' if e.gpus > 1 else ''}"
+        + (f", tensor parallel {e.tensor_parallel}" if e.tensor_parallel > 1 else "")
+    )
+    width = max(len(r[0]) for r in rows)
+    value_width = max(len(r[1]) for r in rows)
+    lines = [title, f"{'item':<{width}}  {'per GPU':>{value_width}}"]
+    for item, value, remark in rows:
+        lines.append(f"{item:<{width}}  {value:>{value_width}}  {remark}".rstrip())
+    lines += ["", "advice:"] + [f"  - {a}" for a in e.advice]
+    lines += ["notes:"] + [f"  - {n}" for n in e.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _master_remark(e: MemoryEstimate) -> str:
+    if e.precision == "fp32":
+        return "the fp32 parameters themselves"
+    return "" if e.master_weights else "not counted (as in the seed)"
+
+
+def to_json_dict(estimate: MemoryEstimate) -> dict[str, object]:
+    """Bytes per GPU under ``params, grads, optimizer_states, master_weights, activations,
+    buffers, total`` (ints; activations 0 when not estimated), plus ``fits`` (``None`` without
+    GPU memory) and ``advice`` (advice lines, then notes)."""
+    e = estimate
+    return {
+        "params": e.params_bytes,
+        "grads": e.grads_bytes,
+        "optimizer_states": e.optimizer_states_bytes,
+        "master_weights": e.master_weights_bytes,
+        "activations": e.activations_bytes or 0,
+        "buffers": e.buffers_bytes,
+        "total": e.total_bytes,
+        "fits": e.fits(),
+        "advice": list(e.advice) + list(e.notes),
+    }
