@@ -304,7 +304,7 @@ def test_thresholds_are_overridable() -> None:
      {"input_moderate_fraction": 0.3, "input_high_fraction": 0.2},
      {"comm_moderate_fraction": 0.2, "comm_high_fraction": 0.1}],
 )
-def test_impossible_thresholds_are_refused(changes: dict[str, float]) -> None:
+def test_impossible_thresholds_are_refused(changes: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         Thresholds(**changes)
 
@@ -312,7 +312,7 @@ def test_impossible_thresholds_are_refused(changes: dict[str, float]) -> None:
 # Each pair: the same situation with one input missing gives the same primary, less sure.
 HOST_GPM = make_window({"utilization_ratio": 1.0, "sm_active_ratio": 0.3,
                         "tensor_active_ratio": 0.05, "dram_active_ratio": 0.1})
-MISSING_CASES = [
+MISSING_CASES: list[tuple[str, Any, Any]] = [
     ("no GPM", (make_step(), HOST_GPM, {}),
      (make_step(), make_window({"utilization_ratio": 0.3}), {})),
     ("no phases", (make_step(), HOST_GPM, {}), (make_step({}), HOST_GPM, {})),

@@ -122,7 +122,7 @@ def test_tensor_parallel_splits_model_states_and_zero_shards_over_data_parallel(
 # Korthikanti et al. 2022, by hand: s = 2048, b = 4, h = 1024, a = 16, L = 2.
 # s·b·h = 8,388,608; 5·a·s/h = 160.
 SBH = 2048 * 4 * 1024
-SHAPE = {"layers": 2, "hidden": 1024, "heads": 16, "seq": 2048, "batch": 4}
+SHAPE: dict[str, Any] = {"layers": 2, "hidden": 1024, "heads": 16, "seq": 2048, "batch": 4}
 
 
 @pytest.mark.parametrize(
