@@ -56,6 +56,7 @@ class Flag(str, Enum):
     THROTTLED = "throttled"
     STRAGGLER = "straggler"
 
+
 FRACTION_KEYS = ("input", "compute", "comm", "optimizer", "other")
 
 
