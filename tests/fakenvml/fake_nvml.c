@@ -277,9 +277,9 @@ static const struct {
     {"samples", G_SAMPLES},
 };
 
-/* every symbol this library can export; `hang` lines must name one */
+/* entry points a `hang` line can name (all but nvmlErrorString) */
 static const char *const k_symbols[] = {
-    "nvmlInitWithFlags", "nvmlInit_v2", "nvmlShutdown", "nvmlErrorString",
+    "nvmlInitWithFlags", "nvmlInit_v2", "nvmlShutdown",
     "nvmlSystemGetDriverVersion", "nvmlSystemGetNVMLVersion",
     "nvmlSystemGetCudaDriverVersion", "nvmlSystemGetCudaDriverVersion_v2",
     "nvmlDeviceGetCount_v2", "nvmlDeviceGetHandleByIndex_v2", "nvmlDeviceGetIndex",
@@ -1300,6 +1300,10 @@ API nvmlReturn_t nvmlShutdown(void)
     pthread_mutex_lock(&g_lock);
     if (!g_refcount)
         return leave(NVML_ERROR_UNINITIALIZED);
+    maybe_reload();
+    nvmlReturn_t r = apply_hang(__func__, -1);
+    if (r)
+        return leave(r);
     if (--g_refcount == 0) {
         free(g_sc);
         g_sc = NULL;
@@ -1927,6 +1931,7 @@ API nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data,
     }
     s->waiters--;
     if (s->freed && s->waiters == 0) {
+        s->magic = 0;
         free(s->del);
         free(s);
     }
