@@ -4,7 +4,7 @@ One JSON object per datagram (UTF-8, at most ``MAX_DATAGRAM_BYTES``), or a JSON 
 such objects when the client batches. See DESIGN §6.
 
 Encoding: ``to_wire`` turns a record into its wire mapping; ``encode_datagrams`` packs wire
-mappings into JSON-array datagrams that each fit ``MAX_DATAGRAM_BYTES``.
+mappings (or records) into JSON-array datagrams that each fit ``MAX_DATAGRAM_BYTES``.
 
 Decoding: ``decode_datagram`` never raises. It returns the valid records and one reason from
 ``DROP_REASONS`` for every object (or whole datagram) it rejected; a batch with some bad
@@ -224,22 +224,28 @@ def encode_datagrams(
 ) -> list[bytes]:
     """Pack records into JSON-array datagrams of at most ``max_bytes`` each, in order.
 
-    A single record too large for any datagram still gets one of its own (the receiver
-    rejects it as ``too_large``); records built from valid fields are far below the limit.
     Raises ``ValueError`` for values JSON cannot carry (NaN, infinity).
     """
-    datagrams: list[bytes] = []
+    return [data for data, _ in pack_datagrams((encode_record(r) for r in records), max_bytes)]
+
+
+def pack_datagrams(encoded: Iterable[bytes], max_bytes: int = MAX_DATAGRAM_BYTES) -> list[tuple[bytes, int]]:
+    """Pack encoded records into JSON arrays of at most ``max_bytes``: (datagram, count) pairs.
+
+    A single record too large for any datagram still gets one of its own (the receiver
+    rejects it as ``too_large``); records built from valid fields are far below the limit.
+    """
+    datagrams: list[tuple[bytes, int]] = []
     batch: list[bytes] = []
     size = 2  # the brackets
-    for record in records:
-        item = encode_record(record)
+    for item in encoded:
         if batch and size + 1 + len(item) > max_bytes:
-            datagrams.append(b"[" + b",".join(batch) + b"]")
+            datagrams.append((b"[" + b",".join(batch) + b"]", len(batch)))
             batch, size = [], 2
         size += len(item) + (1 if batch else 0)
         batch.append(item)
     if batch:
-        datagrams.append(b"[" + b",".join(batch) + b"]")
+        datagrams.append((b"[" + b",".join(batch) + b"]", len(batch)))
     return datagrams
 
 

@@ -1,0 +1,106 @@
+"""CUDA-event phase timing and allocator statistics, when the training code uses CUDA.
+
+Nothing here imports torch: it only uses the module the training code already imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+MemoryTuple = tuple[int, int, int, int, int]
+"""allocated, reserved, peak (since the previous step), alloc retries, OOMs."""
+
+Mark = tuple[str, Any, Any]
+"""A phase name with its start and end CUDA events."""
+
+
+class CudaClock:
+    """Records CUDA events around phases and reads allocator statistics of one device.
+
+    Events are recorded on the current stream and read later, from the sender thread, once
+    ``query()`` says the GPU has passed them: the training loop never synchronises.
+    """
+
+    def __init__(self, cuda: Any, device: int, reset_peak: bool) -> None:
+        self._cuda = cuda
+        self._event_type = cuda.Event
+        self.device = device
+        self.gpu = _gpu_id(cuda, device)
+        self._reset_peak = reset_peak
+        self._pool: list[Any] = []
+
+    def event(self) -> Any:
+        """A timing event recorded now on the current stream (reused from a pool)."""
+        try:
+            event = self._pool.pop()
+        except IndexError:
+            event = self._event_type(enable_timing=True)
+        event.record()
+        return event
+
+    def memory(self) -> MemoryTuple | None:
+        """This step's allocator statistics; resets the peak so the next step has its own."""
+        try:
+            stats = self._cuda.memory_stats_as_nested_dict(self.device)
+            if self._reset_peak:
+                self._cuda.reset_peak_memory_stats(self.device)
+            allocated = stats["allocated_bytes"]["all"]
+            return (
+                allocated["current"],
+                stats["reserved_bytes"]["all"]["current"],
+                allocated["peak"],
+                stats["num_alloc_retries"],
+                stats["num_ooms"],
+            )
+        except Exception:  # a statistics hiccup must never reach the training loop
+            return None
+
+    def resolve(self, marks: list[Mark]) -> dict[str, float] | None:
+        """GPU seconds per phase once every event has completed, else ``None`` (not yet)."""
+        try:
+            if not all(end.query() for _, _, end in marks):
+                return None
+            phases: dict[str, float] = {}
+            for name, start, end in marks:
+                phases[name] = phases.get(name, 0.0) + start.elapsed_time(end) / 1000.0
+        except Exception:
+            return {}
+        for _, start, end in marks:
+            self._pool.append(start)
+            self._pool.append(end)
+        return phases
+
+
+def detect(reset_peak: bool) -> CudaClock | None:
+    """A clock for the current CUDA device if the process has initialised CUDA, else None."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        cuda = torch.cuda
+        if not (cuda.is_available() and cuda.is_initialized()):
+            return None
+        return CudaClock(cuda, cuda.current_device(), reset_peak)
+    except Exception:
+        return None
+
+
+def is_out_of_memory(exc: BaseException | None) -> bool:
+    """Whether ``exc`` is torch's (CUDA) OutOfMemoryError."""
+    torch = sys.modules.get("torch")
+    if torch is None or exc is None:
+        return False
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return oom is not None and isinstance(exc, oom)
+
+
+def _gpu_id(cuda: Any, device: int) -> str | int:
+    """The device's UUID in NVML's form (``GPU-…``) when torch knows it, else its index."""
+    try:
+        uuid = str(cuda.get_device_properties(device).uuid)
+    except Exception:
+        return device
+    if not uuid:
+        return device
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"

@@ -1,0 +1,222 @@
+"""The background half of the hook: turns buffered steps into datagrams and sends them.
+
+The training thread only appends tuples to a bounded deque; this thread drains it every
+``FLUSH_INTERVAL_S``, resolves CUDA events once the GPU has passed them, encodes records,
+packs them into datagrams and sends them without blocking, counting every loss by reason.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from time import perf_counter
+from typing import Any
+
+from gpumon.client._cuda import CudaClock, Mark, MemoryTuple
+from gpumon.client.transport import Transport
+from gpumon.protocol import MAX_FLOPS, MAX_INT, MAX_PHASES, encode_record, pack_datagrams
+
+FLUSH_INTERVAL_S = 0.1
+"""How often buffered records are sent: well inside the 1 s a record may take to arrive."""
+EVENT_DEADLINE_S = 0.5
+"""A step whose CUDA events the GPU has not reached by then is sent with host-clock phases
+(a hung GPU must not hide the last steps before the hang)."""
+
+StepTuple = tuple[
+    int,  # sequence number, counts every completed step
+    "int | None",  # the caller's step number
+    float,  # perf_counter at the start of the step's window
+    float,  # perf_counter at its end
+    dict[str, float],  # host-clock phase seconds
+    Any,  # samples
+    Any,  # tokens
+    Any,  # flops
+    "MemoryTuple | None",
+    "list[Mark] | None",
+]
+
+_MEM_KEYS = ("allocated", "reserved", "peak", "retries", "ooms")
+
+
+class Sender:
+    """Owns the transport and the counters; runs one daemon thread until ``close``."""
+
+    def __init__(
+        self,
+        transport: Transport,
+        step_header: dict[str, object],
+        hello: dict[str, object],
+        buffer: deque[StepTuple],
+    ) -> None:
+        self.transport = transport
+        self.step_header = step_header
+        self.hello = hello
+        self.clock: CudaClock | None = None
+        self.records_sent = 0
+        self.datagrams_sent = 0
+        self.invalid_fields = 0
+        self.dropped: dict[str, int] = {}
+        self._buffer = buffer
+        self._control: deque[dict[str, object]] = deque([hello], maxlen=256)
+        self._waiting: deque[StepTuple] = deque()
+        self._next_seq = 0
+        self._agent_lost = False
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpumon-sender", daemon=True)
+        self._thread.start()
+
+    def set_gpu(self, gpu: str | int) -> None:
+        """Report ``gpu`` on every later record."""
+        self.step_header = {**self.step_header, "gpu": gpu}
+        self.hello = {**self.hello, "gpu": gpu}
+
+    def add_control(self, record: dict[str, object]) -> None:
+        """Queue a hello or event record for the next flush."""
+        self._control.append(record)
+
+    def close(self) -> None:
+        """Stop the thread and send what is left (waiting briefly for pending CUDA events)."""
+        if os.getpid() != self._pid or self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=1.0)
+        deadline = perf_counter() + EVENT_DEADLINE_S
+        self.flush()
+        while self._waiting and perf_counter() < deadline:
+            time.sleep(0.01)
+            self.flush()
+        self.flush(force=True)
+        self.transport.close()
+
+    def flush(self, force: bool = False) -> None:
+        """Send everything ready now; ``force`` sends steps still waiting on CUDA events."""
+        with self._lock:
+            try:
+                self._flush(force)
+            except Exception:  # a bug here must cost records, never the training run
+                self._count_drop("internal_error", 1)
+
+    def _run(self) -> None:
+        while not self._stop.wait(FLUSH_INTERVAL_S):
+            self.flush()
+
+    def _flush(self, force: bool) -> None:
+        now = perf_counter()
+        unix_offset = time.time() - now
+        records: list[dict[str, object]] = []
+        while self._control:
+            records.append(self._control.popleft())
+        for _ in range(len(self._buffer)):
+            item = self._buffer.popleft()
+            if item[0] > self._next_seq:  # the bounded buffer overwrote the oldest steps
+                self._count_drop("buffer_full", item[0] - self._next_seq)
+            self._next_seq = item[0] + 1
+            self._waiting.append(item)
+        while self._waiting:
+            item = self._waiting[0]
+            phases, marks = item[4], item[9]
+            if marks and self.clock is not None:
+                gpu_phases = self.clock.resolve(marks)
+                if gpu_phases is None and not force and now - item[3] < EVENT_DEADLINE_S:
+                    break  # the GPU has not got there yet; later steps are behind it
+                if gpu_phases:
+                    phases = {**phases, **gpu_phases}
+            self._waiting.popleft()
+            records.append(self._step_record(item, phases, unix_offset))
+        self._send(records)
+
+    def _step_record(
+        self, item: StepTuple, phases: dict[str, float], unix_offset: float
+    ) -> dict[str, object]:
+        seq, step, t0, t1, _, samples, tokens, flops, mem, _ = item
+        duration = t1 - t0
+        record = dict(self.step_header)
+        if step is not None and not (type(step) is int and 0 <= step <= MAX_INT):
+            self.invalid_fields += 1
+            step = None
+        record["step"] = seq if step is None else step
+        record["t_start"] = t0 + unix_offset
+        record["duration"] = duration
+        if phases:
+            record["phases"] = _fit_phases(phases, duration)
+        for key, value in (("samples", samples), ("tokens", tokens)):
+            if value is not None:
+                count = _as_count(value)
+                if count is None:
+                    self.invalid_fields += 1
+                else:
+                    record[key] = count
+        if flops is not None:
+            number = _as_flops(flops)
+            if number is None:
+                self.invalid_fields += 1
+            else:
+                record["flops"] = number
+        if mem is not None:
+            record["mem"] = dict(zip(_MEM_KEYS, mem, strict=True))
+        return record
+
+    def _send(self, records: list[dict[str, object]]) -> None:
+        encoded = []
+        for record in records:
+            try:
+                encoded.append(encode_record(record))
+            except (TypeError, ValueError):
+                self._count_drop("unencodable", 1)
+        for datagram, count in pack_datagrams(encoded):
+            try:
+                reason = self.transport.send(datagram)
+            except Exception:
+                reason = "send_error"
+            if reason is None:
+                self.records_sent += count
+                self.datagrams_sent += 1
+                if self._agent_lost:  # a (re)started agent has not seen this rank's hello
+                    self._agent_lost = False
+                    self._control.append(self.hello)
+            else:
+                self._count_drop(reason, count)
+                self._agent_lost = self._agent_lost or reason == "no_agent"
+
+    def _count_drop(self, reason: str, count: int) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+
+def _fit_phases(phases: Mapping[str, float], duration: float) -> dict[str, float]:
+    """Phases as the agent accepts them: none longer than the step, at most MAX_PHASES."""
+    # GPU time of a phase can exceed the host window of its step when the CPU ran ahead.
+    fitted = {name: min(max(seconds, 0.0), duration) for name, seconds in phases.items()}
+    if len(fitted) > MAX_PHASES:
+        names = list(fitted)
+        rest = sum(fitted.pop(name) for name in names[MAX_PHASES - 1 :])
+        fitted["other"] = min(fitted.get("other", 0.0) + rest, duration)
+    return fitted
+
+
+def _as_count(value: Any) -> int | None:
+    if type(value) is not int:
+        if type(value).__module__.startswith("torch"):
+            return None  # reading a tensor would synchronise with the GPU
+        try:
+            value = operator.index(value)
+        except TypeError:
+            return None
+    return value if 0 <= value <= MAX_INT else None
+
+
+def _as_flops(value: Any) -> float | None:
+    if type(value).__module__.startswith("torch"):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) and 0 <= number <= MAX_FLOPS else None

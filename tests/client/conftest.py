@@ -1,0 +1,98 @@
+"""Fixtures for the client tests: a real Unix datagram receiver standing in for the agent."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpumon.protocol import EventRecord, HelloRecord, Record, StepRecord, decode_datagram
+
+
+class Receiver:
+    """Binds a datagram socket and decodes what arrives, as the agent's ingest would."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.records: list[Record] = []
+        self.rejected: list[str] = []
+        self.arrivals: list[float] = []
+        self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def start(self, read: bool = True) -> Receiver:
+        """Bind the socket; with ``read=False`` nobody ever reads it (a stuck agent)."""
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(str(self.path))
+        self._sock.settimeout(0.05)
+        if read:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Close and remove the socket."""
+        sock, self._sock = self._sock, None
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+        if sock is not None:
+            sock.close()
+        self.path.unlink(missing_ok=True)
+
+    def _run(self) -> None:
+        while self._sock is not None:
+            try:
+                data = self._sock.recv(1 << 16)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            result = decode_datagram(data)
+            with self._lock:
+                self.records.extend(result.records)
+                self.rejected.extend(result.rejected)
+                self.arrivals.extend(time.monotonic() for _ in result.records)
+
+    def steps(self) -> list[StepRecord]:
+        with self._lock:
+            return [r for r in self.records if isinstance(r, StepRecord)]
+
+    def events(self) -> list[EventRecord]:
+        with self._lock:
+            return [r for r in self.records if isinstance(r, EventRecord)]
+
+    def hellos(self) -> list[HelloRecord]:
+        with self._lock:
+            return [r for r in self.records if isinstance(r, HelloRecord)]
+
+    def wait_for_steps(self, count: int, timeout: float = 5.0) -> list[StepRecord]:
+        """The step records once at least ``count`` arrived (or what came by the timeout)."""
+        deadline = time.monotonic() + timeout
+        while len(self.steps()) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.steps()
+
+
+@pytest.fixture
+def socket_path(tmp_path: Path) -> Iterator[Path]:
+    """A socket path short enough for AF_UNIX (108 bytes), in tmp_path when it fits."""
+    if len(str(tmp_path / "ingest.sock")) < 100:
+        yield tmp_path / "ingest.sock"
+    else:
+        with tempfile.TemporaryDirectory(prefix="gpumon") as short:
+            yield Path(short) / "ingest.sock"
+
+
+@pytest.fixture
+def receiver(socket_path: Path) -> Iterator[Receiver]:
+    """A reading receiver on ``socket_path``."""
+    r = Receiver(socket_path).start()
+    yield r
+    r.stop()
