@@ -40,6 +40,14 @@ StepTuple = tuple[
     "list[Mark] | None",
 ]
 
+FLUSH_BUDGET_S = 0.05
+"""How long one background flush keeps retrying a busy agent before leaving the rest for later."""
+CLOSE_BUDGET_S = 1.0
+"""The same at close, after which what is left is dropped and counted."""
+BUSY_RETRY_S = 0.002
+MAX_BACKLOG_RECORDS = 4096
+"""Records kept for a busy agent; beyond that the oldest are dropped and counted."""
+
 _MEM_KEYS = ("allocated", "reserved", "peak", "retries", "ooms")
 
 
@@ -62,8 +70,10 @@ class Sender:
         self.invalid_fields = 0
         self.dropped: dict[str, int] = {}
         self._buffer = buffer
-        self._control: deque[dict[str, object]] = deque([hello], maxlen=256)
+        self._control: deque[dict[str, object]] = deque(maxlen=256)
         self._waiting: deque[StepTuple] = deque()
+        self._backlog: deque[tuple[bytes, int]] = deque()  # datagrams the agent could not take yet
+        self._backlog_records = 0
         self._next_seq = 0
         self._agent_lost = False
         self._pid = os.getpid()
@@ -93,14 +103,15 @@ class Sender:
         while self._waiting and perf_counter() < deadline:
             time.sleep(0.01)
             self.flush()
-        self.flush(force=True)
+        self.flush(final=True)
         self.transport.close()
 
-    def flush(self, force: bool = False) -> None:
-        """Send everything ready now; ``force`` sends steps still waiting on CUDA events."""
+    def flush(self, final: bool = False) -> None:
+        """Send everything ready now; ``final`` also sends steps still waiting on CUDA
+        events and gives up on what the agent cannot take."""
         with self._lock:
             try:
-                self._flush(force)
+                self._flush(final)
             except Exception:  # a bug here must cost records, never the training run
                 self._count_drop("internal_error", 1)
 
@@ -108,7 +119,7 @@ class Sender:
         while not self._stop.wait(FLUSH_INTERVAL_S):
             self.flush()
 
-    def _flush(self, force: bool) -> None:
+    def _flush(self, final: bool) -> None:
         now = perf_counter()
         unix_offset = time.time() - now
         records: list[dict[str, object]] = []
@@ -125,13 +136,16 @@ class Sender:
             phases, marks = item[4], item[9]
             if marks and self.clock is not None:
                 gpu_phases = self.clock.resolve(marks)
-                if gpu_phases is None and not force and now - item[3] < EVENT_DEADLINE_S:
+                if gpu_phases is None and not final and now - item[3] < EVENT_DEADLINE_S:
                     break  # the GPU has not got there yet; later steps are behind it
                 if gpu_phases:
                     phases = {**phases, **gpu_phases}
             self._waiting.popleft()
             records.append(self._step_record(item, phases, unix_offset))
-        self._send(records)
+        self._send(records, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
+        if final:
+            while self._backlog:
+                self._count_drop("agent_busy", self._backlog.popleft()[1])
 
     def _step_record(
         self, item: StepTuple, phases: dict[str, float], unix_offset: float
@@ -164,18 +178,30 @@ class Sender:
             record["mem"] = dict(zip(_MEM_KEYS, mem, strict=True))
         return record
 
-    def _send(self, records: list[dict[str, object]]) -> None:
+    def _send(self, records: list[dict[str, object]], budget_s: float) -> None:
         encoded = []
         for record in records:
             try:
                 encoded.append(encode_record(record))
             except (TypeError, ValueError):
                 self._count_drop("unencodable", 1)
-        for datagram, count in pack_datagrams(encoded):
+        backlog = self._backlog
+        backlog.extend(pack_datagrams(encoded))
+        deadline = perf_counter() + budget_s
+        while backlog:
+            datagram, count = backlog[0]
             try:
                 reason = self.transport.send(datagram)
             except Exception:
                 reason = "send_error"
+            if reason == "agent_busy":
+                # The agent's queue is full (a burst, or a slow agent): retry shortly, then
+                # keep the rest for the next flush. Only this thread waits, never training.
+                if perf_counter() < deadline:
+                    time.sleep(BUSY_RETRY_S)
+                    continue
+                break
+            backlog.popleft()
             if reason is None:
                 self.records_sent += count
                 self.datagrams_sent += 1
@@ -185,6 +211,11 @@ class Sender:
             else:
                 self._count_drop(reason, count)
                 self._agent_lost = self._agent_lost or reason == "no_agent"
+        self._backlog_records = sum(count for _, count in backlog)
+        while self._backlog_records > MAX_BACKLOG_RECORDS:
+            _, count = backlog.popleft()
+            self._backlog_records -= count
+            self._count_drop("agent_busy", count)
 
     def _count_drop(self, reason: str, count: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count

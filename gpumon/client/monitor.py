@@ -121,6 +121,7 @@ class StepMonitor:
             buffer=self._buffer,
         )
         self._detect_cuda(final=False)
+        self._sender.add_control(self._sender.hello)
         self._finalizer = weakref.finalize(self, self._sender.close)
         _live_monitors.add(self)
 
@@ -197,7 +198,8 @@ class StepMonitor:
         return None if self._cuda is None else self._cuda.gpu
 
     def flush(self) -> None:
-        """Send buffered records now instead of at the next background flush."""
+        """Send buffered records now, from the calling thread, instead of at the next
+        background flush (waits for a flush in progress: at most ~50 ms, when the agent is busy)."""
         if self._enabled:
             self._sender.flush()
 
@@ -257,6 +259,8 @@ class StepMonitor:
             self._cuda = clock
             self._sender.clock = clock
             self._sender.set_gpu(clock.gpu)
+            if final:  # CUDA came into use after the hello: say hello again, with the device
+                self._sender.add_control(self._sender.hello)
 
     def _step_failed(self, exc: BaseException | None, step: int | None) -> None:
         self._phases = {}

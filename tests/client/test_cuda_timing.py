@@ -1,0 +1,217 @@
+"""The CUDA path, against a fake ``torch.cuda`` (this machine has no GPU).
+
+The fake follows torch's API: ``Event(enable_timing=True)`` with ``record()``, ``query()``
+and ``elapsed_time()`` in milliseconds; ``memory_stats_as_nested_dict``;
+``reset_peak_memory_stats``; ``get_device_properties(i).uuid``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gpumon.client import StepMonitor, _cuda
+from gpumon.client._sender import EVENT_DEADLINE_S
+from gpumon.client.transport import MemoryTransport
+from gpumon.protocol import EventRecord, HelloRecord, MemoryStats, StepRecord
+
+UUID = "5e0c7dd2-aaaa-bbbb-cccc-0123456789ab"
+
+
+class FakeCuda:
+    """A GPU whose clock the test advances and whose work completes when the test says."""
+
+    def __init__(self) -> None:
+        self.gpu_time_s = 0.0
+        self.completed = True
+        self.events_created = 0
+        self.peak_resets = 0
+        self.stats = {"allocated": 1000, "reserved": 4000, "peak": 3000, "retries": 0, "ooms": 0}
+        cuda = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                cuda.events_created += 1
+                self.t: float | None = None
+
+            def record(self) -> None:
+                self.t = cuda.gpu_time_s
+
+            def query(self) -> bool:
+                return cuda.completed
+
+            def elapsed_time(self, end: Event) -> float:
+                assert cuda.completed and self.t is not None and end.t is not None
+                return (end.t - self.t) * 1000.0
+
+        self.Event = Event
+
+    def memory_stats_as_nested_dict(self, device: int) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "allocated_bytes": {"all": {"current": s["allocated"], "peak": s["peak"]}},
+            "reserved_bytes": {"all": {"current": s["reserved"], "peak": s["reserved"]}},
+            "num_alloc_retries": s["retries"],
+            "num_ooms": s["ooms"],
+        }
+
+    def reset_peak_memory_stats(self, device: int) -> None:
+        self.peak_resets += 1
+
+    def get_device_properties(self, device: int) -> SimpleNamespace:
+        return SimpleNamespace(uuid=UUID)
+
+
+@pytest.fixture
+def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    fake = FakeCuda()
+    monkeypatch.setattr(_cuda, "detect", lambda reset_peak: _cuda.CudaClock(fake, 0, reset_peak))
+    return fake
+
+
+@pytest.fixture
+def transport() -> MemoryTransport:
+    return MemoryTransport()
+
+
+@pytest.fixture
+def mon(cuda: FakeCuda, transport: MemoryTransport) -> Iterator[StepMonitor]:
+    monitor = StepMonitor(run="gpu", transport=transport)
+    yield monitor
+    monitor.close()
+
+
+def steps_of(transport: MemoryTransport) -> list[StepRecord]:
+    return [r for r in transport.records() if isinstance(r, StepRecord)]
+
+
+def gpu_step(mon: StepMonitor, cuda: FakeCuda, host_s: float = 0.1) -> None:
+    """A step whose GPU work takes 30 ms forward and 50 ms backward."""
+    with mon.step():
+        with mon.phase("data"):
+            time.sleep(0.002)
+        with mon.phase("forward"):
+            cuda.gpu_time_s += 0.030
+        with mon.phase("backward"):
+            cuda.gpu_time_s += 0.050
+        time.sleep(host_s)
+
+
+def test_phases_come_from_cuda_events_and_data_from_the_host(
+    mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport
+) -> None:
+    gpu_step(mon, cuda)
+    mon.flush()
+    [s] = steps_of(transport)
+    assert s.phases_s["forward"] == pytest.approx(0.030)
+    assert s.phases_s["backward"] == pytest.approx(0.050)
+    assert s.phases_s["data"] >= 0.002  # host clock: the fake GPU clock did not move
+    assert s.duration_s >= 0.1  # step duration is host wall time
+
+
+def test_steps_wait_for_their_events_without_synchronising(
+    mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport
+) -> None:
+    cuda.completed = False
+    gpu_step(mon, cuda, host_s=0)
+    gpu_step(mon, cuda, host_s=0)
+    mon.flush()
+    assert steps_of(transport) == []  # the GPU has not reached the events yet
+    cuda.completed = True
+    mon.flush()
+    steps = steps_of(transport)
+    assert [s.step for s in steps] == [0, 1]
+
+
+def test_gpu_time_longer_than_the_host_window_is_clamped(
+    mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport
+) -> None:
+    gpu_step(mon, cuda, host_s=0)  # the CPU ran ahead of the 80 ms of GPU work
+    mon.flush()
+    [s] = steps_of(transport)
+    assert s.phases_s["backward"] == s.duration_s < 0.05
+
+
+def test_a_hung_gpu_still_reports_its_steps_with_host_times(
+    mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport
+) -> None:
+    cuda.completed = False
+    gpu_step(mon, cuda, host_s=0.01)
+    time.sleep(EVENT_DEADLINE_S + 0.1)
+    mon.flush()
+    [s] = steps_of(transport)
+    assert s.phases_s["forward"] < 0.030  # the host's view: just launching the work
+
+
+def test_memory_statistics_and_peak_reset_per_step(
+    mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport
+) -> None:
+    gpu_step(mon, cuda, host_s=0)
+    cuda.stats.update(peak=3500, retries=2)
+    gpu_step(mon, cuda, host_s=0)
+    mon.flush()
+    first, second = steps_of(transport)
+    assert first.mem == MemoryStats(1000, 4000, 3000, 0, 0)
+    assert second.mem == MemoryStats(1000, 4000, 3500, 2, 0)
+    assert cuda.peak_resets == 2
+
+
+def test_peak_reset_can_be_turned_off(cuda: FakeCuda, transport: MemoryTransport) -> None:
+    with StepMonitor(run="gpu", transport=transport, reset_peak_memory=False) as mon:
+        gpu_step(mon, cuda, host_s=0)
+    assert cuda.peak_resets == 0
+    assert steps_of(transport)[0].mem is not None
+
+
+def test_device_uuid_is_reported_in_nvml_form(
+    mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport
+) -> None:
+    gpu_step(mon, cuda, host_s=0)
+    mon.flush()
+    hello = transport.records()[0]
+    assert isinstance(hello, HelloRecord) and hello.gpu == f"GPU-{UUID}"
+    assert steps_of(transport)[0].gpu == f"GPU-{UUID}"
+    assert mon.gpu == f"GPU-{UUID}"
+
+
+def test_events_are_reused_once_read(mon: StepMonitor, cuda: FakeCuda) -> None:
+    for _ in range(20):
+        gpu_step(mon, cuda, host_s=0)
+        mon.flush()
+    assert cuda.events_created <= 8  # 4 per step (2 GPU phases), reused after each flush
+
+
+def test_oom_that_ends_an_open_step_is_reported_at_close(cuda: FakeCuda, transport: MemoryTransport) -> None:
+    mon = StepMonitor(run="gpu", transport=transport)
+    gpu_step(mon, cuda, host_s=0)
+    step = mon.step()
+    step.__enter__()  # a framework opened a step and the OOM escaped past its hooks
+    cuda.stats["ooms"] = 1
+    mon.close()
+    events = [r for r in transport.records() if isinstance(r, EventRecord)]
+    assert [(e.event, e.step) for e in events] == [("oom", 1)]
+
+
+def test_no_cuda_on_this_machine_means_host_clocks() -> None:
+    import torch
+
+    assert not torch.cuda.is_available()
+    assert _cuda.detect(True) is None
+
+
+def test_cuda_first_used_after_start_gets_a_second_hello(
+    monkeypatch: pytest.MonkeyPatch, transport: MemoryTransport
+) -> None:
+    fake = FakeCuda()
+    clocks = iter([None, _cuda.CudaClock(fake, 0, True)])  # at construction, at the first step
+    monkeypatch.setattr(_cuda, "detect", lambda reset_peak: next(clocks))
+    with StepMonitor(run="late-cuda", transport=transport) as mon:
+        gpu_step(mon, fake, host_s=0)
+    hellos = [r for r in transport.records() if isinstance(r, HelloRecord)]
+    assert [h.gpu for h in hellos] == [None, f"GPU-{UUID}"]
+    assert steps_of(transport)[0].mem is not None
