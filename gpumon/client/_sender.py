@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from time import perf_counter
 from typing import Any
 
@@ -48,7 +48,7 @@ BUSY_RETRY_S = 0.002
 MAX_BACKLOG_RECORDS = 4096
 """Records kept for a busy agent; beyond that the oldest are dropped and counted."""
 
-_MEM_KEYS = ("allocated", "reserved", "peak", "retries", "ooms")
+_MEM_FORMAT = ',"mem":{{"allocated":{:d},"reserved":{:d},"peak":{:d},"retries":{:d},"ooms":{:d}}}'
 
 
 class Sender:
@@ -62,8 +62,9 @@ class Sender:
         buffer: deque[StepTuple],
     ) -> None:
         self.transport = transport
-        self.step_header = step_header
         self.hello = hello
+        self._step_header = step_header
+        self._step_prefix = _prefix(step_header)
         self.clock: CudaClock | None = None
         self.records_sent = 0
         self.datagrams_sent = 0
@@ -84,8 +85,8 @@ class Sender:
 
     def set_gpu(self, gpu: str | int) -> None:
         """Report ``gpu`` on every later record."""
-        self.step_header = {**self.step_header, "gpu": gpu}
         self.hello = {**self.hello, "gpu": gpu}
+        self._step_prefix = _prefix({**self._step_header, "gpu": gpu})
 
     def add_control(self, record: dict[str, object]) -> None:
         """Queue a hello or event record for the next flush."""
@@ -122,9 +123,12 @@ class Sender:
     def _flush(self, final: bool) -> None:
         now = perf_counter()
         unix_offset = time.time() - now
-        records: list[dict[str, object]] = []
+        records: list[bytes] = []
         while self._control:
-            records.append(self._control.popleft())
+            try:
+                records.append(encode_record(self._control.popleft()))
+            except (TypeError, ValueError):
+                self._count_drop("unencodable", 1)
         for _ in range(len(self._buffer)):
             item = self._buffer.popleft()
             if item[0] > self._next_seq:  # the bounded buffer overwrote the oldest steps
@@ -141,50 +145,52 @@ class Sender:
                 if gpu_phases:
                     phases = {**phases, **gpu_phases}
             self._waiting.popleft()
-            records.append(self._step_record(item, phases, unix_offset))
+            records.append(self._encode_step(item, phases, unix_offset).encode())
         self._send(records, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
         if final:
             while self._backlog:
                 self._count_drop("agent_busy", self._backlog.popleft()[1])
 
-    def _step_record(
-        self, item: StepTuple, phases: dict[str, float], unix_offset: float
-    ) -> dict[str, object]:
+    def _encode_step(self, item: StepTuple, phases: dict[str, float], unix_offset: float) -> str:
+        # Formatted by hand rather than through json: this is most of the sender's cost per
+        # step. Safe because every string in it is a validated label (run and phase names)
+        # or was encoded by json (the header), and every number is checked finite here.
         seq, step, t0, t1, _, samples, tokens, flops, mem, _ = item
         duration = t1 - t0
-        record = dict(self.step_header)
         if step is not None and not (type(step) is int and 0 <= step <= MAX_INT):
             self.invalid_fields += 1
             step = None
-        record["step"] = seq if step is None else step
-        record["t_start"] = t0 + unix_offset
-        record["duration"] = duration
+        text = (
+            f'{self._step_prefix},"step":{seq if step is None else step},'
+            f'"t_start":{t0 + unix_offset:.6f},"duration":{duration:.9g}'
+        )
         if phases:
-            record["phases"] = _fit_phases(phases, duration)
-        for key, value in (("samples", samples), ("tokens", tokens)):
-            if value is not None:
-                count = _as_count(value)
-                if count is None:
-                    self.invalid_fields += 1
-                else:
-                    record[key] = count
+            text += ',"phases":{' + ",".join(f'"{k}":{v:.9g}' for k, v in _fit_phases(phases, duration)) + "}"
+        if samples is not None:
+            text += self._count_field("samples", samples)
+        if tokens is not None:
+            text += self._count_field("tokens", tokens)
         if flops is not None:
             number = _as_flops(flops)
             if number is None:
                 self.invalid_fields += 1
             else:
-                record["flops"] = number
+                text += f',"flops":{number!r}'
         if mem is not None:
-            record["mem"] = dict(zip(_MEM_KEYS, mem, strict=True))
-        return record
-
-    def _send(self, records: list[dict[str, object]], budget_s: float) -> None:
-        encoded = []
-        for record in records:
             try:
-                encoded.append(encode_record(record))
-            except (TypeError, ValueError):
-                self._count_drop("unencodable", 1)
+                text += _MEM_FORMAT.format(*mem)
+            except (TypeError, ValueError, IndexError):
+                self.invalid_fields += 1
+        return text + "}"
+
+    def _count_field(self, key: str, value: Any) -> str:
+        count = _as_count(value)
+        if count is None:
+            self.invalid_fields += 1
+            return ""
+        return f',"{key}":{count}'
+
+    def _send(self, encoded: list[bytes], budget_s: float) -> None:
         backlog = self._backlog
         backlog.extend(pack_datagrams(encoded))
         deadline = perf_counter() + budget_s
@@ -221,15 +227,29 @@ class Sender:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
 
 
-def _fit_phases(phases: Mapping[str, float], duration: float) -> dict[str, float]:
-    """Phases as the agent accepts them: none longer than the step, at most MAX_PHASES."""
+def _prefix(header: dict[str, object]) -> str:
+    """A step record's constant fields as the start of a JSON object (no closing brace)."""
+    return encode_record(header).decode()[:-1]
+
+
+def _fit_phases(phases: Mapping[str, float], duration: float) -> Iterable[tuple[str, float]]:
+    """Phases as the agent accepts them: finite, none longer than the step, at most MAX_PHASES."""
     # GPU time of a phase can exceed the host window of its step when the CPU ran ahead.
-    fitted = {name: min(max(seconds, 0.0), duration) for name, seconds in phases.items()}
+    fitted = [
+        (name, seconds if 0.0 <= seconds <= duration else _clamp(seconds, duration))
+        for name, seconds in phases.items()
+    ]
     if len(fitted) > MAX_PHASES:
-        names = list(fitted)
-        rest = sum(fitted.pop(name) for name in names[MAX_PHASES - 1 :])
-        fitted["other"] = min(fitted.get("other", 0.0) + rest, duration)
+        kept = fitted[: MAX_PHASES - 1]
+        rest = sum(seconds for _, seconds in fitted[MAX_PHASES - 1 :])
+        rest += sum(seconds for name, seconds in kept if name == "other")
+        fitted = [(name, seconds) for name, seconds in kept if name != "other"]
+        fitted.append(("other", min(rest, duration)))
     return fitted
+
+
+def _clamp(seconds: float, duration: float) -> float:
+    return min(seconds, duration) if seconds >= 0.0 else 0.0  # NaN fails both comparisons
 
 
 def _as_count(value: Any) -> int | None:
