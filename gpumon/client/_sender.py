@@ -253,8 +253,9 @@ def _clamp(seconds: float, duration: float) -> float:
 
 
 def _as_count(value: Any) -> int | None:
+    """A Python or NumPy integer as an int in range, else None (bools and tensors too)."""
     if type(value) is not int:
-        if type(value).__module__.startswith("torch"):
+        if isinstance(value, bool) or type(value).__module__.startswith("torch"):
             return None  # reading a tensor would synchronise with the GPU
         try:
             value = operator.index(value)
@@ -264,7 +265,8 @@ def _as_count(value: Any) -> int | None:
 
 
 def _as_flops(value: Any) -> float | None:
-    if type(value).__module__.startswith("torch"):
+    """A real number as a finite float in range, else None (bools and tensors too)."""
+    if isinstance(value, bool) or type(value).__module__.startswith("torch"):
         return None
     try:
         number = float(value)

@@ -268,3 +268,20 @@ def test_wrap_step_times_each_call(mon: StepMonitor, transport: MemoryTransport)
     assert step.__name__ == "train_step"
     mon.flush()
     assert [(s.samples, s.flops) for s in steps_of(transport)] == [(3, 1e6), (1, 1e6)]
+
+
+def test_numbers_of_every_kind_become_valid_records(mon: StepMonitor, transport: MemoryTransport) -> None:
+    import numpy as np
+
+    with mon.step(samples=np.int64(7), tokens=2**62, flops=10**20):
+        with mon.phase("forward"):
+            pass  # a phase of well under a microsecond
+    with mon.step(samples=3.5, tokens=True, flops=np.float64(2.5e12)):  # type: ignore[arg-type]
+        pass
+    mon.flush()
+    first, second = steps_of(transport)
+    assert (first.samples, first.tokens, first.flops) == (7, 2**62, 1e20)
+    assert 0 <= first.phases_s["forward"] < 1e-3
+    assert (second.samples, second.tokens, second.flops) == (None, None, 2.5e12)
+    assert mon.stats.invalid_fields == 2
+    assert mon.stats.dropped == {}
