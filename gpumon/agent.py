@@ -31,13 +31,14 @@ from gpumon.export.gpu_metrics import node_families
 from gpumon.export.server import MetricsServer
 from gpumon.export.step_metrics import step_families
 from gpumon.protocol import Record
+from gpumon.record import Recorder
 from gpumon.state import NodeState, NvmlStatus
 from gpumon.steps import RankState, Sender, StepStore
 
 log = logging.getLogger(__name__)
 
 HOST_INTERVAL_S = 5.0
-HOUSEKEEPING_INTERVAL_S = 5.0
+HOUSEKEEPING_INTERVAL_S = 1.0
 STUCK_AFTER_INTERVALS = 3
 
 
@@ -138,6 +139,10 @@ def open_gpu_source(config: AgentConfig,
                             nvml_version=nvml.nvml_version)
 
 
+class AgentError(RuntimeError):
+    """The agent cannot start; the message says why."""
+
+
 class Agent:
     """One node's agent. ``start()`` binds the port first, so a busy port fails fast."""
 
@@ -155,11 +160,18 @@ class Agent:
         self.steps = StepStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self._ingest: IngestServer | None = None
         self.ingest_problem: str | None = None
+        self._recorder: Recorder | None = None
         self.started_at = time.time()
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
         """Bind the HTTP port, open the GPU source and start every collector thread."""
+        if self.config.record:
+            try:
+                self._recorder = Recorder(Path(self.config.record))
+            except OSError as exc:
+                raise AgentError(f"cannot open recording {self.config.record}: "
+                                 f"{exc.strerror or exc}") from exc
         self._server = MetricsServer(self.config.address, self.config.port, self.registry,
                                      self.readiness, self.snapshot)
         if self._gpu_source is None:
@@ -220,6 +232,9 @@ class Agent:
             self._xid.join(timeout=2.0)
             self._xid.close()
             self._xid = None
+        if self._recorder is not None:
+            self._recorder.close()
+            self._recorder = None
         alive = [t.name for t in self._threads if t.is_alive()]
         self._threads.clear()
         if self._gpu_source is not None and not alive:
@@ -236,17 +251,24 @@ class Agent:
     # -- collection ----------------------------------------------------------------
     def _collect_gpus(self, now: float, monotonic: float) -> None:
         assert self._gpu_source is not None
-        self.state.put_gpu_samples(self._gpu_source.sample(now, monotonic))
+        samples = self._gpu_source.sample(now, monotonic)
+        self.state.put_gpu_samples(samples)
+        if self._recorder is not None:
+            self._recorder.gpus(samples)
 
     def _collect_host(self, now: float, monotonic: float) -> None:
         assert self._host is not None
         self.state.put_host(self._host.sample(now), self._host.processes(self.steps.pids()))
 
     def _on_records(self, records: list[Record], sender: Sender) -> None:
-        self.steps.ingest(records, sender, time.monotonic(), time.time())
+        accepted = self.steps.ingest(records, sender, time.monotonic(), time.time())
+        if self._recorder is not None and accepted:
+            self._recorder.steps(accepted)
 
     def _housekeeping(self, now: float, monotonic: float) -> None:
         self.steps.expire(monotonic)
+        if self._recorder is not None:
+            self._recorder.flush()
 
     # -- views -----------------------------------------------------------------------
     def families(self) -> Iterator[Metric]:

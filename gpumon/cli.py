@@ -56,7 +56,7 @@ def agent(
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error [env GPUMON_LOG_LEVEL].")] = None,
 ) -> None:
     """Run the node agent: collect, classify and serve /metrics until SIGTERM/SIGINT."""
-    from gpumon.agent import Agent
+    from gpumon.agent import Agent, AgentError
     from gpumon.export.server import ServeError
 
     flags: dict[str, Any] = {
@@ -73,7 +73,7 @@ def agent(
     node = Agent(cfg)
     try:
         node.start()
-    except ServeError as exc:
+    except (ServeError, AgentError) as exc:
         node.stop()
         _fail(str(exc))
     stop = threading.Event()

@@ -148,6 +148,13 @@ class NvmlDevice:
             raise _Unsupported(group)
         try:
             return fn(self._handle, *args)
+        except pynvml.NVMLLibraryMismatchError:
+            # pynvml's unversioned wrappers say "mismatch" when the versioned symbol is
+            # missing (an older driver): the same situation as FUNCTION_NOT_FOUND.
+            if fallback is not None:
+                return self._query(group, fallback, *args)
+            self._unsupported.add(group)
+            raise _Unsupported(group) from None
         except pynvml.NVMLError as exc:
             if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND and fallback is not None:
                 log.info("GPU %d: %s missing in this driver, using the older call",
@@ -341,7 +348,7 @@ class NvmlDevice:
         values: dict[str, Any] = {}
         processes = self._optional(
             "processes",
-            pynvml.nvmlDeviceGetComputeRunningProcesses,
+            pynvml.nvmlDeviceGetComputeRunningProcesses_v3,
             fallback=pynvml.nvmlDeviceGetComputeRunningProcesses_v2,
         )
         if processes is not None:

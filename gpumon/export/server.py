@@ -51,8 +51,10 @@ class MetricsServer:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop serving and close the socket."""
-        self._server.shutdown()
+        """Stop serving (if started) and close the socket."""
+        if self._thread.is_alive():
+            self._server.shutdown()  # blocks until serve_forever returns: only when started
+            self._thread.join()
         self._server.server_close()
 
 

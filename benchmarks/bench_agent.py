@@ -1,0 +1,161 @@
+"""Agent cost on the fake NVML's 8×H100 node: CPU per collection cycle per GPU, /metrics.
+
+Run from the repository root (builds the fake library with gcc)::
+
+    .venv/bin/python benchmarks/bench_agent.py [--cycles 2000] [--scrapes 300]
+
+1. Collection: NvmlSource.sample() in a child process that loads the fake
+   libnvidia-ml.so.1 through the unmodified nvidia-ml-py binding; CPU seconds per cycle
+   and per GPU (process_time), against a baseline measured in the same child: the bare
+   pynvml calls a minimal exporter would make for the same fields (no gpumon logic).
+2. Scrape: a real agent subprocess; /metrics latency p50/p99 and body size, against
+   /healthz on the same server in the same run (the HTTP floor).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.fakenvml.build import build_fake_nvml  # noqa: E402
+from tests.helpers import agent_env, start_agent  # noqa: E402
+
+SCENARIO = ROOT / "tests" / "fakenvml" / "scenarios" / "h100_8x_live.scn"
+
+_CHILD = r"""
+import json, sys, time
+import pynvml
+from gpumon.collectors.nvml import NvmlSource
+
+cycles = int(sys.argv[1])
+errors = []
+source = NvmlSource(lambda c, e: errors.append(e))
+gpus = len(source.devices)
+
+def gpumon_cycle(i):
+    source.sample(time.time(), time.monotonic())
+
+handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(gpus)]
+fields = [(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0xFFFFFFFF),
+          (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 0xFFFFFFFF),
+          pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES]
+
+def bare_cycle(i):
+    # The same fast-set fields read with no gpumon logic around them.
+    for h in handles:
+        pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
+        pynvml.nvmlDeviceGetUtilizationRates(h)
+        pynvml.nvmlDeviceGetPowerUsage(h)
+        pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU)
+        pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
+        pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)
+        pynvml.nvmlDeviceGetFieldValues(h, fields)
+
+results = {"gpumon": [], "bare": []}
+for _round in range(5):  # alternate, so machine noise hits both alike
+    for name, fn in (("gpumon", gpumon_cycle), ("bare", bare_cycle)):
+        start = time.process_time()
+        for i in range(cycles // 5):
+            fn(i)
+        results[name].append((time.process_time() - start) / (cycles // 5))
+print(json.dumps({"gpus": gpus, "errors": errors,
+                  "gpumon_cycle_s": statistics.median(results["gpumon"]),
+                  "bare_cycle_s": statistics.median(results["bare"])}))
+"""
+
+
+def collection(lib_dir: Path, cycles: int) -> dict[str, float]:
+    """CPU per cycle of NvmlSource vs bare pynvml, in one child process."""
+    env = agent_env(lib_dir, SCENARIO)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(cycles)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _latencies(url: str, count: int) -> tuple[list[float], int]:
+    times, size = [], 0
+    for _ in range(count):
+        start = time.perf_counter()
+        with urllib.request.urlopen(url, timeout=10) as response:
+            body = response.read()
+        times.append(time.perf_counter() - start)
+        size = len(body)
+    return times, size
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def scrape(lib_dir: Path, count: int) -> dict[str, float]:
+    """/metrics vs /healthz latency on a running agent over the 8-GPU scenario."""
+    with tempfile.TemporaryDirectory() as tmp:
+        agent = start_agent(Path(tmp), "--interval", "1", env=agent_env(lib_dir, SCENARIO))
+        try:
+            time.sleep(2.5)  # let the slow set (processes, ECC) and GPM pairs arrive
+            metrics, health = [], []
+            size = 0
+            for _ in range(5):
+                m, size = _latencies(agent.url + "/metrics", count // 5)
+                h, _ = _latencies(agent.url + "/healthz", count // 5)
+                metrics += m
+                health += h
+        finally:
+            agent.stop()
+    return {
+        "metrics_p50_s": statistics.median(metrics),
+        "metrics_p99_s": _percentile(metrics, 0.99),
+        "healthz_p50_s": statistics.median(health),
+        "healthz_p99_s": _percentile(health, 0.99),
+        "metrics_bytes": size,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cycles", type=int, default=2000)
+    parser.add_argument("--scrapes", type=int, default=300)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as build_dir:
+        lib = build_fake_nvml(Path(build_dir))
+        c = collection(lib.parent, args.cycles)
+        s = scrape(lib.parent, args.scrapes)
+    gpus = c["gpus"]
+    rows = [
+        ("collection CPU per cycle, 8 GPUs (gpumon)", f"{c['gpumon_cycle_s'] * 1e6:.0f} µs"),
+        ("collection CPU per cycle per GPU (gpumon)", f"{c['gpumon_cycle_s'] / gpus * 1e6:.0f} µs"),
+        ("bare pynvml, same fields, per cycle per GPU", f"{c['bare_cycle_s'] / gpus * 1e6:.0f} µs"),
+        ("ratio gpumon / bare pynvml", f"{c['gpumon_cycle_s'] / c['bare_cycle_s']:.2f}×"),
+        ("/metrics p50 / p99", f"{s['metrics_p50_s'] * 1e3:.2f} / {s['metrics_p99_s'] * 1e3:.2f} ms"),
+        (
+            "/healthz p50 / p99 (HTTP floor)",
+            f"{s['healthz_p50_s'] * 1e3:.2f} / {s['healthz_p99_s'] * 1e3:.2f} ms",
+        ),
+        ("/metrics p50 ratio to /healthz", f"{s['metrics_p50_s'] / s['healthz_p50_s']:.1f}×"),
+        ("/metrics size", f"{s['metrics_bytes'] / 1024:.1f} KiB"),
+    ]
+    width = max(len(r[0]) for r in rows)
+    for name, figure in rows:
+        print(f"{name:<{width}}  {figure}")
+    print(json.dumps({**c, **s}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""`--record FILE.jsonl`: append every step record and GPU sample the agent sees.
+
+Step lines are wire records (kind "step"); GPU lines follow DESIGN §14's recording format.
+Writes are buffered and flushed at least every second by the caller's housekeeping, so a
+recording costs the ingest path one list append.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any
+
+from gpumon.collectors.samples import GpuSample
+from gpumon.protocol import StepRecord, to_wire
+
+# GpuSample field -> recording key.
+_GPU_KEYS = (
+    ("utilization_ratio", "utilization"),
+    ("memory_utilization_ratio", "memory_utilization"),
+    ("memory_used_bytes", "memory_used_bytes"),
+    ("memory_total_bytes", "memory_total_bytes"),
+    ("sm_active_ratio", "sm_active"),
+    ("sm_occupancy_ratio", "sm_occupancy"),
+    ("tensor_active_ratio", "tensor_active"),
+    ("dram_active_ratio", "dram_active"),
+    ("nvlink_tx_bytes_per_second", "nvlink_tx_bytes_per_second"),
+    ("nvlink_rx_bytes_per_second", "nvlink_rx_bytes_per_second"),
+    ("pcie_tx_bytes_per_second", "pcie_tx_bytes_per_second"),
+    ("pcie_rx_bytes_per_second", "pcie_rx_bytes_per_second"),
+    ("power_watts", "power_watts"),
+)
+
+
+def gpu_line(sample: GpuSample) -> dict[str, Any]:
+    """A GPU sample as a recording line."""
+    line: dict[str, Any] = {"kind": "gpu", "t": sample.t, "gpu": sample.index}
+    for field, key in _GPU_KEYS:
+        value = getattr(sample, field)
+        if value is not None:
+            line[key] = value
+    if not sample.up:
+        line["up"] = False
+    return line
+
+
+def sample_from_line(line: dict[str, Any]) -> GpuSample:
+    """Inverse of :func:`gpu_line` (for replaying recordings)."""
+    values = {field: line[key] for field, key in _GPU_KEYS if key in line}
+    return GpuSample(index=int(line["gpu"]), t=float(line["t"]), up=line.get("up", True),
+                     **values)
+
+
+class Recorder:
+    """Appends lines to a JSONL file; thread-safe, buffered."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._pending: list[str] = []
+        self._file: IO[str] = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+    def steps(self, records: Iterable[StepRecord]) -> None:
+        """Queue step records."""
+        lines = [json.dumps(to_wire(r), separators=(",", ":")) for r in records]
+        with self._lock:
+            self._pending.extend(lines)
+
+    def gpus(self, samples: Iterable[GpuSample]) -> None:
+        """Queue GPU samples."""
+        lines = [json.dumps(gpu_line(s), separators=(",", ":")) for s in samples]
+        with self._lock:
+            self._pending.extend(lines)
+
+    def flush(self) -> None:
+        """Write what is queued."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            if pending:
+                self._file.write("\n".join(pending) + "\n")
+                self._file.flush()
+
+    def close(self) -> None:
+        """Flush and close the file."""
+        self.flush()
+        with self._lock:
+            self._file.close()
