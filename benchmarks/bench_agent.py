@@ -33,7 +33,7 @@ from tests.helpers import agent_env, start_agent  # noqa: E402
 SCENARIO = ROOT / "tests" / "fakenvml" / "scenarios" / "h100_8x_live.scn"
 
 _CHILD = r"""
-import json, sys, time
+import json, statistics, sys, time
 import pynvml
 from gpumon.collectors.nvml import NvmlSource
 
