@@ -23,13 +23,14 @@ from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
 from gpumon import __version__
+from gpumon.analysis.stream import StepAnalyzer
 from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.config import AgentConfig
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.server import MetricsServer
-from gpumon.export.step_metrics import step_families
+from gpumon.export.step_metrics import analysis_families, step_families
 from gpumon.protocol import Record
 from gpumon.record import Recorder
 from gpumon.state import NodeState, NvmlStatus
@@ -158,6 +159,7 @@ class Agent:
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
         self._host = HostSource() if config.enabled("host") else None
         self.steps = StepStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
+        self.analyzer = StepAnalyzer(resolution_s=config.interval)
         self._ingest: IngestServer | None = None
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
@@ -261,14 +263,23 @@ class Agent:
         self.state.put_host(self._host.sample(now), self._host.processes(self.steps.pids()))
 
     def _on_records(self, records: list[Record], sender: Sender) -> None:
-        accepted = self.steps.ingest(records, sender, time.monotonic(), time.time())
-        if self._recorder is not None and accepted:
+        now = time.time()
+        accepted = self.steps.ingest(records, sender, time.monotonic(), now)
+        if not accepted:
+            return
+        self.analyzer.add(accepted, now, {(r.run, r.rank): sender.pid or r.pid for r in accepted})
+        if self._recorder is not None:
             self._recorder.steps(accepted)
 
     def _housekeeping(self, now: float, monotonic: float) -> None:
-        self.steps.expire(monotonic)
+        self.analyzer.forget(self.steps.expire(monotonic))
+        snap = self.state.snapshot(now)
+        self.analyzer.process(now, self._gpu_window, snap.gpus, snap.latest)
         if self._recorder is not None:
             self._recorder.flush()
+
+    def _gpu_window(self, index: int, t0: float, t1: float) -> list[GpuSample]:
+        return [s for s in self.state.gpu_history(index, t0) if s.t <= t1]
 
     # -- views -----------------------------------------------------------------------
     def families(self) -> Iterator[Metric]:
@@ -277,6 +288,7 @@ class Agent:
         yield from node_families(snap)
         records, dropped = self.steps.counters()
         yield from step_families(self.steps.ranks(), records, dropped, snap.processes)
+        yield from analysis_families(self.analyzer.analyses())
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""

@@ -151,17 +151,17 @@ class StepStore:
                                                  last_seen_monotonic=monotonic)
         return state
 
-    def expire(self, monotonic: float) -> int:
-        """Forget ranks silent for longer than the TTL; returns how many went."""
+    def expire(self, monotonic: float) -> list[RankKey]:
+        """Forget ranks silent for longer than the TTL; returns which went."""
         with self._lock:
             return self._expire_locked(monotonic)
 
-    def _expire_locked(self, monotonic: float) -> int:
+    def _expire_locked(self, monotonic: float) -> list[RankKey]:
         stale = [k for k, s in self._ranks.items()
                  if monotonic - s.last_seen_monotonic > self.ttl_s]
         for key in stale:
             del self._ranks[key]
-        return len(stale)
+        return stale
 
     def ranks(self) -> list[RankState]:
         """Copies of every live rank's state (without step history), for rendering."""

@@ -186,7 +186,7 @@ def test_ttl_expiry_and_rank_cap() -> None:
     assert [r.rank for r in accepted] == [0, 1]
     assert store.counters()[1] == {"too_many_ranks": 1}
     store.ingest(records[:1], Sender(), monotonic=8.0, now_t=8.0)
-    assert store.expire(monotonic=15.0) == 1  # rank 1 was silent for 15 s
+    assert store.expire(monotonic=15.0) == [("r", 1)]  # rank 1 was silent for 15 s
     assert [s.rank for s in store.ranks()] == [0]
     # A freed slot takes a new rank; silent ones are expired to make room.
     assert store.ingest(records[2:], Sender(), monotonic=30.0, now_t=30.0)

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,10 @@ def _make_handler(registry: CollectorRegistry,
             path = self.path.split("?", 1)[0]
             try:
                 if path == "/metrics":
-                    encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
-                    self._send(200, content_type, encoder(registry))
+                    # Always the text format: the metric contract has a counter and a gauge
+                    # sharing a stem (gpumon_step_bottleneck_total / gpumon_step_bottleneck),
+                    # which OpenMetrics cannot express and the text format can.
+                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
                 elif path == "/healthz":
                     self._send(200, "text/plain; charset=utf-8", b"ok\n")
                 elif path == "/readyz":

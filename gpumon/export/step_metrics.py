@@ -11,6 +11,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from gpumon.analysis.bottleneck import Bottleneck, Flag
+from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.samples import ProcessSample
 from gpumon.steps import DURATION_BUCKETS_S, RankState
 
@@ -101,3 +103,58 @@ def _text(value: object) -> str:
 
 def _bound(value: float) -> str:
     return "+Inf" if value == float("inf") else repr(float(value))
+
+
+def analysis_families(analyses: list[RankAnalysis]) -> Iterator[Metric]:
+    """Verdict, MFU and OOM-risk families per (run, rank)."""
+    total = CounterMetricFamily("gpumon_step_bottleneck",
+                                "Steps classified under each bottleneck.",
+                                labels=[*RANK_LABELS, "bottleneck"])
+    current = GaugeMetricFamily("gpumon_step_bottleneck",
+                                "1 for the latest verdict's bottleneck, 0 for the others.",
+                                labels=[*RANK_LABELS, "bottleneck"])
+    confidence = GaugeMetricFamily("gpumon_step_bottleneck_confidence",
+                                   "Confidence (0-1) of the latest verdict.", labels=RANK_LABELS)
+    flags = GaugeMetricFamily("gpumon_step_flag",
+                              "1 while the latest verdict carries the flag "
+                              "(memory_pressure, throttled, straggler).",
+                              labels=[*RANK_LABELS, "flag"])
+    mfu = GaugeMetricFamily("gpumon_step_mfu_ratio",
+                            "Model FLOPs utilisation of the latest analysed step.",
+                            labels=RANK_LABELS)
+    straggler = GaugeMetricFamily("gpumon_rank_straggler_score",
+                                  "Run median compute time / this rank's (below 0.75: straggler).",
+                                  labels=RANK_LABELS)
+    risk = GaugeMetricFamily("gpumon_oom_risk_ratio",
+                             "Composite out-of-memory risk, 0-1.", labels=RANK_LABELS)
+    predicted = GaugeMetricFamily("gpumon_oom_predicted_seconds",
+                                  "Seconds until per-step peak memory reaches capacity at the "
+                                  "current trend (absent when not growing).", labels=RANK_LABELS)
+    headroom = GaugeMetricFamily("gpumon_oom_headroom_bytes",
+                                 "Device memory left: capacity - max(NVML used, torch reserved).",
+                                 labels=RANK_LABELS)
+    for analysis in sorted(analyses, key=lambda a: (a.run, a.rank)):
+        labels = [analysis.run, str(analysis.rank)]
+        for bottleneck in Bottleneck:
+            total.add_metric([*labels, bottleneck.value],
+                             float(analysis.bottleneck_steps.get(bottleneck.value, 0)))
+        verdict = analysis.verdict
+        if verdict is not None:
+            for bottleneck in Bottleneck:
+                current.add_metric([*labels, bottleneck.value],
+                                   1.0 if verdict.primary is bottleneck else 0.0)
+            confidence.add_metric(labels, verdict.confidence)
+            for flag in Flag:
+                flags.add_metric([*labels, flag.value], 1.0 if flag in verdict.flags else 0.0)
+            if verdict.mfu is not None:
+                mfu.add_metric(labels, verdict.mfu)
+        if analysis.straggler_score is not None:
+            straggler.add_metric(labels, analysis.straggler_score)
+        oom = analysis.oom
+        if oom is not None:
+            risk.add_metric(labels, oom.risk_ratio)
+            if oom.predicted_seconds is not None:
+                predicted.add_metric(labels, oom.predicted_seconds)
+            if oom.headroom_bytes is not None:
+                headroom.add_metric(labels, float(oom.headroom_bytes))
+    yield from (total, current, confidence, flags, mfu, straggler, risk, predicted, headroom)

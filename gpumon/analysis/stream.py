@@ -1,0 +1,240 @@
+"""Streaming verdicts: steps and GPU samples in, per-rank verdicts and OOM risk out.
+
+The same engine serves the live agent and ``gpumon classify`` replaying a recording. It
+holds per-rank state (steps waiting for their GPU samples, recent compute times for
+straggler scores, recent peaks for the OOM trend) but does no I/O and reads no clock: the
+caller passes "now" and a function returning a GPU's samples over a window.
+
+A step is analysed once the GPU samples covering its window can have arrived (``lag_s``
+after it ended). Steps shorter than the sampler's resolution are merged with the following
+ones until the window spans it, and the verdict counts for every step merged.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from gpumon.analysis.bottleneck import (
+    Bottleneck,
+    Verdict,
+    classify,
+    compute_time_s,
+    straggler_scores,
+)
+from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
+from gpumon.analysis.oom import OomRisk, assess_oom_risk
+from gpumon.analysis.thresholds import DEFAULT, Thresholds
+from gpumon.analysis.window import aggregate_steps, summarize_gpu_window
+from gpumon.collectors.samples import GpuSample, GpuStatic
+from gpumon.protocol import StepRecord
+
+RankKey = tuple[str, int]
+History = Callable[[int, float, float], Sequence[GpuSample]]
+"""(gpu index, t0, t1) -> that GPU's samples with t0 <= t <= t1."""
+
+COMPUTE_HISTORY = 16  # steps per rank for its median compute time (straggler score)
+PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
+MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are analysed without waiting
+
+
+@dataclass
+class RankAnalysis:
+    """What the analyzer currently says about one rank."""
+
+    run: str
+    rank: int
+    gpu: int | None = None
+    verdict: Verdict | None = None
+    verdict_step: int | None = None
+    bottleneck_steps: Counter[str] = field(default_factory=Counter)
+    oom: OomRisk | None = None
+    straggler_score: float | None = None
+
+
+@dataclass
+class _RankState:
+    analysis: RankAnalysis
+    pending: list[StepRecord] = field(default_factory=list)
+    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=COMPUTE_HISTORY))
+    peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=COMPUTE_HISTORY))
+    last: StepRecord | None = None
+    last_pid: int | None = None
+
+
+def attribute_gpu(gpu: str | int | None, pid: int | None, statics: Sequence[GpuStatic],
+                  latest: Mapping[int, GpuSample]) -> int | None:
+    """The local GPU index a rank runs on: its reported UUID, else NVML's process list by pid,
+    else its reported CUDA index (which CUDA_VISIBLE_DEVICES may have renumbered)."""
+    if isinstance(gpu, str):
+        for static in statics:
+            if static.uuid == gpu:
+                return static.index
+    if pid is not None:
+        for index, sample in latest.items():
+            if sample.process_memory_bytes and pid in sample.process_memory_bytes:
+                return index
+    if isinstance(gpu, int) and any(s.index == gpu for s in statics):
+        return gpu
+    if isinstance(gpu, str) and gpu.isdigit() and any(s.index == int(gpu) for s in statics):
+        return int(gpu)
+    return None
+
+
+class StepAnalyzer:
+    """Thread-safe: ``add`` from the ingest thread, ``process`` from a periodic one."""
+
+    def __init__(self, resolution_s: float, thresholds: Thresholds = DEFAULT,
+                 peak_flops_override: float | None = None) -> None:
+        self.resolution_s = resolution_s
+        self.lag_s = resolution_s + 0.5
+        self.thresholds = thresholds
+        self._peak_override = peak_flops_override
+        self._lock = threading.Lock()
+        self._ranks: dict[RankKey, _RankState] = {}
+
+    def add(self, steps: Iterable[StepRecord], received_t: float,
+            pids: Mapping[RankKey, int | None] | None = None) -> None:
+        """Queue steps; a step without ``t_start`` is taken to have ended when received."""
+        with self._lock:
+            for step in steps:
+                if step.t_start is None:
+                    step = replace(step, t_start=received_t - step.duration_s)
+                key = (step.run, step.rank)
+                state = self._ranks.get(key)
+                if state is None:
+                    state = self._ranks[key] = _RankState(RankAnalysis(step.run, step.rank))
+                state.pending.append(step)
+                if pids and pids.get(key) is not None:
+                    state.last_pid = pids[key]
+                if len(state.pending) > MAX_PENDING:
+                    del state.pending[: len(state.pending) - MAX_PENDING]
+
+    def forget(self, keys: Iterable[RankKey]) -> None:
+        """Drop ranks the caller expired."""
+        with self._lock:
+            for key in keys:
+                self._ranks.pop(key, None)
+
+    def process(self, now_t: float, history: History, statics: Sequence[GpuStatic],
+                latest: Mapping[int, GpuSample]) -> int:
+        """Analyse every step whose window is complete; returns how many steps were analysed."""
+        with self._lock:
+            by_index = {s.index: s for s in statics}
+            done = 0
+            for state in self._ranks.values():
+                ready = [s for s in state.pending
+                         if s.t_end is not None and s.t_end <= now_t - self.lag_s]
+                if not ready:
+                    continue
+                groups = aggregate_steps(ready, self.resolution_s)
+                # Hold back a recent last group shorter than the resolution: its next step
+                # may still come. An old one (the job stopped) is analysed as it is.
+                last_end = groups[-1].t_end if groups else None
+                if groups and groups[-1].duration_s < self.resolution_s \
+                        and len(ready) == len(state.pending) and last_end is not None \
+                        and last_end > now_t - self.lag_s - 5 * self.resolution_s:
+                    held = _steps_after(ready, groups[-1])
+                    groups = groups[:-1]
+                else:
+                    held = []
+                state.pending = held + [s for s in state.pending if s not in ready]
+                for group in groups:
+                    members = [s for s in ready if _within(s, group)] or [group]
+                    self._analyse(state, group, len(members), members[-1], history,
+                                  by_index, latest)
+                    done += len(members)
+            self._score_stragglers()
+            return done
+
+    def _analyse(self, state: _RankState, group: StepRecord, steps: int, last: StepRecord,
+                 history: History, statics: Mapping[int, GpuStatic],
+                 latest: Mapping[int, GpuSample]) -> None:
+        analysis = state.analysis
+        index = attribute_gpu(last.gpu, last.pid or state.last_pid, list(statics.values()),
+                              latest)
+        analysis.gpu = index
+        static = statics.get(index) if index is not None else None
+        window = None
+        if index is not None and group.t_start is not None and group.t_end is not None:
+            window = summarize_gpu_window(history(index, group.t_start, group.t_end),
+                                          group.t_start, group.t_end)
+        name = static.name if static else None
+        previous = state.last
+        verdict = classify(
+            group, window,
+            peak_flops=resolve_peak_flops(name, self._peak_override),
+            memory_total_bytes=static.memory_total_bytes if static else None,
+            peak_dram_bytes_per_second=resolve_peak_dram(name),
+            peak_nvlink_bytes_per_second=resolve_peak_nvlink(name),
+            straggler_score=analysis.straggler_score,
+            previous_alloc_retries=previous.mem.alloc_retries if previous and previous.mem else None,
+            previous_ooms=previous.mem.ooms if previous and previous.mem else None,
+            thresholds=self.thresholds,
+        )
+        analysis.verdict = verdict
+        analysis.verdict_step = last.step
+        analysis.bottleneck_steps[verdict.primary.value] += steps
+        compute = compute_time_s(group)
+        if compute is not None:
+            state.compute_s.append(compute / steps)
+        state.durations.append(group.duration_s / steps)
+        if last.mem is not None and last.mem.peak_bytes is not None and last.t_end is not None:
+            state.peaks.append((last.t_end, last.mem.peak_bytes))
+        capacity = static.memory_total_bytes if static else None
+        if capacity and (state.peaks or last.mem is not None):
+            sample = latest.get(index) if index is not None else None
+            mem = last.mem
+            analysis.oom = assess_oom_risk(
+                list(state.peaks),
+                capacity_bytes=capacity,
+                nvml_used_bytes=sample.memory_used_bytes if sample else None,
+                reserved_bytes=mem.reserved_bytes if mem else None,
+                allocated_bytes=mem.allocated_bytes if mem else None,
+                alloc_retries_delta=_delta(previous, last, "alloc_retries"),
+                ooms_delta=_delta(previous, last, "ooms"),
+                step_period_s=statistics.median(state.durations) if state.durations else None,
+            )
+        state.last = last
+
+    def _score_stragglers(self) -> None:
+        runs: dict[str, dict[int, float]] = {}
+        for (run, rank), state in self._ranks.items():
+            if state.compute_s:
+                runs.setdefault(run, {})[rank] = statistics.median(state.compute_s)
+        for run, compute in runs.items():
+            scores = straggler_scores(compute)
+            for rank in compute:
+                self._ranks[(run, rank)].analysis.straggler_score = scores.get(rank)
+
+    def analyses(self) -> list[RankAnalysis]:
+        """Copies of every rank's current analysis."""
+        with self._lock:
+            return [replace(s.analysis, bottleneck_steps=Counter(s.analysis.bottleneck_steps))
+                    for s in self._ranks.values()]
+
+
+def _within(step: StepRecord, group: StepRecord) -> bool:
+    if step.t_start is None or group.t_start is None or group.t_end is None:
+        return False
+    end = step.t_end if step.t_end is not None else step.t_start
+    return group.t_start - 1e-9 <= step.t_start and end <= group.t_end + 1e-9
+
+
+def _steps_after(ready: Sequence[StepRecord], held_group: StepRecord) -> list[StepRecord]:
+    return [s for s in ready if _within(s, held_group)]
+
+
+def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:
+    now = getattr(last.mem, name, None) if last.mem else None
+    before = getattr(previous.mem, name, None) if previous and previous.mem else None
+    if now is None:
+        return 0
+    return max(0, now - (before or 0)) if before is not None else 0
+
+
+__all__ = ["Bottleneck", "RankAnalysis", "StepAnalyzer", "attribute_gpu"]
