@@ -256,7 +256,7 @@ class Agent:
         samples = self._gpu_source.sample(now, monotonic)
         self.state.put_gpu_samples(samples)
         if self._recorder is not None:
-            self._recorder.gpus(samples)
+            self._recorder.gpus(samples, self.state.gpu_statics())
 
     def _collect_host(self, now: float, monotonic: float) -> None:
         assert self._host is not None

@@ -110,6 +110,86 @@ def doctor(
         render(report)
 
 
+@app.command()
+def estimate(
+    params: Annotated[str, typer.Option(help="Parameter count, e.g. 7B, 175M, 1.3e9.")],
+    precision: Annotated[str, typer.Option(help="fp16, bf16 or fp32.")] = "bf16",
+    optimizer: Annotated[str, typer.Option(help="adam, adamw, sgd or sgd_momentum.")] = "adamw",
+    master_weights: Annotated[bool, typer.Option("--master-weights/--no-master-weights", help="Count the fp32 master copy of mixed precision (the ZeRO paper's K=12 counts it; the seed's 8 B/param Adam figure does not).")] = True,
+    zero_stage: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters.")] = 0,
+    gpus: Annotated[int, typer.Option(min=1, help="Data-parallel GPUs the states are sharded over.")] = 1,
+    layers: Annotated[int | None, typer.Option(help="Transformer layers (for activations).")] = None,
+    hidden: Annotated[int | None, typer.Option(help="Hidden size.")] = None,
+    heads: Annotated[int | None, typer.Option(help="Attention heads.")] = None,
+    seq: Annotated[int | None, typer.Option(help="Sequence length.")] = None,
+    batch: Annotated[int | None, typer.Option(help="Micro-batch per GPU.")] = None,
+    flash_attention: Annotated[bool, typer.Option("--flash-attention", help="Attention scores are not stored (drops the 5as/h term).")] = False,
+    recompute: Annotated[str, typer.Option(help="none, selective or full activation recomputation.")] = "none",
+    tensor_parallel: Annotated[int, typer.Option(min=1, help="Tensor-parallel degree.")] = 1,
+    buffers: Annotated[str | None, typer.Option(help="Temporary buffers per GPU, e.g. 3GB [default: 2GB].")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="Device memory to check against, e.g. 80GB or 141GiB.")] = None,
+    json_output: Annotated[bool, typer.Option("--json", help="Print JSON (bytes per GPU).")] = False,
+) -> None:
+    """Estimate per-GPU training memory: params, grads, optimizer states, activations, buffers."""
+    import json
+
+    from gpumon.analysis.estimate import (
+        estimate_memory,
+        parse_bytes,
+        parse_count,
+        render_table,
+        to_json_dict,
+    )
+
+    try:
+        result = estimate_memory(
+            parse_count(params), precision=precision, optimizer=optimizer,  # type: ignore[arg-type]
+            master_weights=master_weights, zero_stage=zero_stage, gpus=gpus, layers=layers,
+            hidden=hidden, heads=heads, seq=seq, batch=batch, flash_attention=flash_attention,
+            recompute=recompute, tensor_parallel=tensor_parallel,  # type: ignore[arg-type]
+            buffers_bytes=parse_bytes(buffers) if buffers else None,
+            gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory else None,
+        )
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    typer.echo(json.dumps(to_json_dict(result)) if json_output else render_table(result))
+
+
+@app.command()
+def classify(
+    recording: Annotated[Path, typer.Argument(help="A JSONL recording made with `gpumon agent --record`.")],
+    json_output: Annotated[bool, typer.Option("--json", help="One JSON line per step, then a summary line.")] = False,
+) -> None:
+    """Replay a recording through the bottleneck classifier and explain each step."""
+    import json
+
+    from gpumon.replay import classify_file, summarize
+
+    try:
+        loaded, verdicts = classify_file(recording)
+    except OSError as exc:
+        _fail(f"cannot read {recording}: {exc.strerror or exc}", 2)
+    summary = summarize(verdicts)
+    if loaded.skipped:
+        summary["skipped_lines"] = dict(loaded.skipped)
+    if json_output:
+        for v in verdicts:
+            for step in v.steps:
+                typer.echo(json.dumps({
+                    "run": v.run, "rank": v.rank, "step": step,
+                    "primary": v.verdict.primary.value,
+                    "confidence": round(v.verdict.confidence, 3),
+                    "flags": sorted(f.value for f in v.verdict.flags)}))
+        typer.echo(json.dumps({"summary": summary}))
+        return
+    for v in verdicts:
+        steps = f"{v.steps[0]}" if len(v.steps) == 1 else f"{v.steps[0]}-{v.steps[-1]}"
+        flags = f" [{', '.join(sorted(f.value for f in v.verdict.flags))}]" if v.verdict.flags else ""
+        typer.echo(f"{v.run} rank {v.rank} step {steps}: {v.verdict.primary.value} "
+                   f"({v.verdict.confidence:.0%}){flags} — {v.verdict.hint}")
+    typer.echo(f"summary: {json.dumps(summary)}")
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

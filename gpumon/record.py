@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
-from gpumon.collectors.samples import GpuSample
+from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.protocol import StepRecord, to_wire
 
 # GpuSample field -> recording key.
@@ -34,9 +34,12 @@ _GPU_KEYS = (
 )
 
 
-def gpu_line(sample: GpuSample) -> dict[str, Any]:
-    """A GPU sample as a recording line."""
+def gpu_line(sample: GpuSample, static: GpuStatic | None = None) -> dict[str, Any]:
+    """A GPU sample as a recording line; ``uuid`` and ``model`` let a replay attribute ranks."""
     line: dict[str, Any] = {"kind": "gpu", "t": sample.t, "gpu": sample.index}
+    if static is not None:
+        line["uuid"] = static.uuid
+        line["model"] = static.name
     for field, key in _GPU_KEYS:
         value = getattr(sample, field)
         if value is not None:
@@ -68,9 +71,11 @@ class Recorder:
         with self._lock:
             self._pending.extend(lines)
 
-    def gpus(self, samples: Iterable[GpuSample]) -> None:
+    def gpus(self, samples: Iterable[GpuSample], statics: Iterable[GpuStatic] = ()) -> None:
         """Queue GPU samples."""
-        lines = [json.dumps(gpu_line(s), separators=(",", ":")) for s in samples]
+        by_index = {s.index: s for s in statics}
+        lines = [json.dumps(gpu_line(s, by_index.get(s.index)), separators=(",", ":"))
+                 for s in samples]
         with self._lock:
             self._pending.extend(lines)
 

@@ -55,6 +55,16 @@ class RankAnalysis:
     straggler_score: float | None = None
 
 
+@dataclass(frozen=True)
+class StepVerdict:
+    """A verdict and the steps (of one rank) it was reached for."""
+
+    run: str
+    rank: int
+    steps: tuple[int, ...]
+    verdict: Verdict
+
+
 @dataclass
 class _RankState:
     analysis: RankAnalysis
@@ -121,11 +131,11 @@ class StepAnalyzer:
                 self._ranks.pop(key, None)
 
     def process(self, now_t: float, history: History, statics: Sequence[GpuStatic],
-                latest: Mapping[int, GpuSample]) -> int:
-        """Analyse every step whose window is complete; returns how many steps were analysed."""
+                latest: Mapping[int, GpuSample]) -> list[StepVerdict]:
+        """Analyse every step whose window is complete; returns the verdicts reached."""
         with self._lock:
             by_index = {s.index: s for s in statics}
-            done = 0
+            done: list[StepVerdict] = []
             for state in self._ranks.values():
                 ready = [s for s in state.pending
                          if s.t_end is not None and s.t_end <= now_t - self.lag_s]
@@ -145,15 +155,16 @@ class StepAnalyzer:
                 state.pending = held + [s for s in state.pending if s not in ready]
                 for group in groups:
                     members = [s for s in ready if _within(s, group)] or [group]
-                    self._analyse(state, group, len(members), members[-1], history,
-                                  by_index, latest)
-                    done += len(members)
+                    verdict = self._analyse(state, group, len(members), members[-1], history,
+                                            by_index, latest)
+                    done.append(StepVerdict(group.run, group.rank,
+                                            tuple(m.step for m in members), verdict))
             self._score_stragglers()
             return done
 
     def _analyse(self, state: _RankState, group: StepRecord, steps: int, last: StepRecord,
                  history: History, statics: Mapping[int, GpuStatic],
-                 latest: Mapping[int, GpuSample]) -> None:
+                 latest: Mapping[int, GpuSample]) -> Verdict:
         analysis = state.analysis
         index = attribute_gpu(last.gpu, last.pid or state.last_pid, list(statics.values()),
                               latest)
@@ -200,6 +211,7 @@ class StepAnalyzer:
                 step_period_s=statistics.median(state.durations) if state.durations else None,
             )
         state.last = last
+        return verdict
 
     def _score_stragglers(self) -> None:
         runs: dict[str, dict[int, float]] = {}
@@ -237,4 +249,4 @@ def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:
     return max(0, now - (before or 0)) if before is not None else 0
 
 
-__all__ = ["Bottleneck", "RankAnalysis", "StepAnalyzer", "attribute_gpu"]
+__all__ = ["Bottleneck", "RankAnalysis", "StepAnalyzer", "StepVerdict", "attribute_gpu"]

@@ -1,0 +1,115 @@
+"""`gpumon classify`: replay a JSONL recording through the same verdict engine as the agent."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from bisect import bisect_left, bisect_right
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpumon.analysis.stream import StepAnalyzer, StepVerdict
+from gpumon.collectors.samples import GpuSample, GpuStatic
+from gpumon.protocol import ProtocolError, StepRecord, decode_record
+from gpumon.record import sample_from_line
+
+
+@dataclass
+class Recording:
+    """A parsed recording: GPU samples by index, steps in order, and what was unreadable."""
+
+    samples: dict[int, list[GpuSample]] = field(default_factory=lambda: defaultdict(list))
+    statics: dict[int, GpuStatic] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+def load_recording(lines: Iterable[str]) -> Recording:
+    """Parse recording lines; bad lines are counted by reason, never fatal."""
+    recording = Recording()
+    for text in lines:
+        if not text.strip():
+            continue
+        try:
+            line = json.loads(text)
+        except ValueError:
+            recording.skipped["not_json"] += 1
+            continue
+        kind = line.get("kind") if isinstance(line, dict) else None
+        if kind == "gpu":
+            try:
+                sample = sample_from_line(line)
+            except (KeyError, TypeError, ValueError):
+                recording.skipped["bad_gpu_line"] += 1
+                continue
+            recording.samples[sample.index].append(sample)
+            if sample.index not in recording.statics:
+                recording.statics[sample.index] = GpuStatic(
+                    index=sample.index, uuid=str(line.get("uuid", f"gpu-{sample.index}")),
+                    name=str(line.get("model", "")), pci_bus_id="",
+                    memory_total_bytes=line.get("memory_total_bytes"))
+        elif kind == "step":
+            try:
+                record = decode_record(line)
+            except ProtocolError as exc:
+                recording.skipped[exc.reason] += 1
+                continue
+            if isinstance(record, StepRecord):
+                recording.steps.append(record)
+        else:
+            recording.skipped["unknown_kind"] += 1
+    for samples in recording.samples.values():
+        samples.sort(key=lambda s: s.t)
+    return recording
+
+
+def _resolution(recording: Recording) -> float:
+    gaps = [b.t - a.t for samples in recording.samples.values()
+            for a, b in zip(samples, samples[1:], strict=False) if b.t > a.t]
+    return statistics.median(gaps) if gaps else 1.0
+
+
+def classify_recording(recording: Recording) -> list[StepVerdict]:
+    """Every step's verdict, replayed in time order with the samples recorded around it."""
+    analyzer = StepAnalyzer(resolution_s=_resolution(recording))
+    times = {i: [s.t for s in samples] for i, samples in recording.samples.items()}
+
+    def history(index: int, t0: float, t1: float) -> list[GpuSample]:
+        samples = recording.samples.get(index, [])
+        ts = times.get(index, [])
+        return samples[bisect_left(ts, t0):bisect_right(ts, t1)]
+
+    statics = list(recording.statics.values())
+    steps = sorted(recording.steps, key=lambda s: (s.t_end or 0.0, s.run, s.rank, s.step))
+    verdicts: list[StepVerdict] = []
+    # Feed steps as a live agent would receive them, processing as time advances, so
+    # straggler scores and OOM trends build up in order.
+    for step in steps:
+        end = step.t_end or 0.0
+        analyzer.add([step], received_t=end)
+        latest = {i: s[max(bisect_right(times[i], end) - 1, 0)]
+                  for i, s in recording.samples.items() if s}
+        verdicts += analyzer.process(end, history, statics, latest)
+    verdicts += analyzer.process(float("inf"), history, statics,
+                                 {i: s[-1] for i, s in recording.samples.items() if s})
+    return verdicts
+
+
+def summarize(verdicts: list[StepVerdict]) -> dict[str, object]:
+    """Steps per primary bottleneck, overall and per (run, rank)."""
+    overall: Counter[str] = Counter()
+    per_rank: dict[str, Counter[str]] = defaultdict(Counter)
+    for v in verdicts:
+        overall[v.verdict.primary.value] += len(v.steps)
+        per_rank[f"{v.run}/{v.rank}"][v.verdict.primary.value] += len(v.steps)
+    return {"steps": sum(overall.values()), "bottlenecks": dict(overall),
+            "ranks": {k: dict(c) for k, c in sorted(per_rank.items())}}
+
+
+def classify_file(path: Path) -> tuple[Recording, list[StepVerdict]]:
+    """Load and classify a recording file."""
+    with open(path, encoding="utf-8", errors="replace") as lines:
+        recording = load_recording(lines)
+    return recording, classify_recording(recording)
