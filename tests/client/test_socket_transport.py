@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -161,3 +163,18 @@ def test_forked_child_does_not_send_for_the_parent(receiver: Receiver) -> None:
     time.sleep(0.2)  # anything the child might have sent would have arrived by now
     assert [s.step for s in receiver.steps()] == [0, 1, 2, 3, 4]
     assert {s.pid for s in steps} == {os.getpid()}
+
+
+def test_interpreter_exit_flushes_without_close(receiver: Receiver) -> None:
+    script = (
+        "import sys\n"
+        "from gpumon.client import StepMonitor\n"
+        f"mon = StepMonitor(run='exit', socket_path={str(receiver.path)!r})\n"
+        "for _ in range(7):\n"
+        "    with mon.step():\n"
+        "        pass\n"
+        "raise SystemExit('training crashed')\n"  # no close(): atexit must send the steps
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "training crashed" in out.stderr
+    assert [s.step for s in receiver.wait_for_steps(7)] == list(range(7))
