@@ -171,11 +171,7 @@ class Sender:
         if tokens is not None:
             text += self._count_field("tokens", tokens)
         if flops is not None:
-            number = _as_flops(flops)
-            if number is None:
-                self.invalid_fields += 1
-            else:
-                text += f',"flops":{number!r}'
+            text += self._flops_field(flops)
         if mem is not None:
             try:
                 text += _MEM_FORMAT.format(*mem)
@@ -184,11 +180,18 @@ class Sender:
         return text + "}"
 
     def _count_field(self, key: str, value: Any) -> str:
-        count = _as_count(value)
+        count = value if type(value) is int and 0 <= value <= MAX_INT else _as_count(value)
         if count is None:
             self.invalid_fields += 1
             return ""
         return f',"{key}":{count}'
+
+    def _flops_field(self, value: Any) -> str:
+        number = value if type(value) is float and 0.0 <= value <= MAX_FLOPS else _as_flops(value)
+        if number is None:
+            self.invalid_fields += 1
+            return ""
+        return f',"flops":{number!r}'
 
     def _send(self, encoded: list[bytes], budget_s: float) -> None:
         backlog = self._backlog
