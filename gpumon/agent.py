@@ -160,6 +160,7 @@ class Agent:
         self._host = HostSource() if config.enabled("host") else None
         self.steps = StepStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self.analyzer = StepAnalyzer(resolution_s=config.interval)
+        self._analyzer_lock = threading.Lock()  # fed by ingest, run by housekeeping
         self._ingest: IngestServer | None = None
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
@@ -267,14 +268,18 @@ class Agent:
         accepted = self.steps.ingest(records, sender, time.monotonic(), now)
         if not accepted:
             return
-        self.analyzer.add(accepted, now, {(r.run, r.rank): sender.pid or r.pid for r in accepted})
+        pids = {(r.run, r.rank): sender.pid or r.pid for r in accepted}
+        with self._analyzer_lock:
+            self.analyzer.add(accepted, now, pids)
         if self._recorder is not None:
             self._recorder.steps(accepted)
 
     def _housekeeping(self, now: float, monotonic: float) -> None:
-        self.analyzer.forget(self.steps.expire(monotonic))
+        expired = self.steps.expire(monotonic)
         snap = self.state.snapshot(now)
-        self.analyzer.process(now, self._gpu_window, snap.gpus, snap.latest)
+        with self._analyzer_lock:
+            self.analyzer.forget(expired)
+            self.analyzer.process(now, self._gpu_window, snap.gpus, snap.latest)
         if self._recorder is not None:
             self._recorder.flush()
 
@@ -288,7 +293,9 @@ class Agent:
         yield from node_families(snap)
         records, dropped = self.steps.counters()
         yield from step_families(self.steps.ranks(), records, dropped, snap.processes)
-        yield from analysis_families(self.analyzer.analyses())
+        with self._analyzer_lock:
+            analyses = self.analyzer.analyses()
+        yield from analysis_families(analyses)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""

@@ -13,7 +13,6 @@ ones until the window spans it, and the verdict counts for every step merged.
 from __future__ import annotations
 
 import statistics
-import threading
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -28,7 +27,7 @@ from gpumon.analysis.bottleneck import (
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
 from gpumon.analysis.oom import OomRisk, assess_oom_risk
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
-from gpumon.analysis.window import aggregate_steps, summarize_gpu_window
+from gpumon.analysis.window import merge_steps, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.protocol import StepRecord
 
@@ -96,7 +95,7 @@ def attribute_gpu(gpu: str | int | None, pid: int | None, statics: Sequence[GpuS
 
 
 class StepAnalyzer:
-    """Thread-safe: ``add`` from the ingest thread, ``process`` from a periodic one."""
+    """Not thread-safe: a caller feeding it from several threads holds one lock around it."""
 
     def __init__(self, resolution_s: float, thresholds: Thresholds = DEFAULT,
                  peak_flops_override: float | None = None) -> None:
@@ -104,63 +103,62 @@ class StepAnalyzer:
         self.lag_s = resolution_s + 0.5
         self.thresholds = thresholds
         self._peak_override = peak_flops_override
-        self._lock = threading.Lock()
         self._ranks: dict[RankKey, _RankState] = {}
 
     def add(self, steps: Iterable[StepRecord], received_t: float,
             pids: Mapping[RankKey, int | None] | None = None) -> None:
         """Queue steps; a step without ``t_start`` is taken to have ended when received."""
-        with self._lock:
-            for step in steps:
-                if step.t_start is None:
-                    step = replace(step, t_start=received_t - step.duration_s)
-                key = (step.run, step.rank)
-                state = self._ranks.get(key)
-                if state is None:
-                    state = self._ranks[key] = _RankState(RankAnalysis(step.run, step.rank))
-                state.pending.append(step)
-                if pids and pids.get(key) is not None:
-                    state.last_pid = pids[key]
-                if len(state.pending) > MAX_PENDING:
-                    del state.pending[: len(state.pending) - MAX_PENDING]
+        for step in steps:
+            if step.t_start is None:
+                step = replace(step, t_start=received_t - step.duration_s)
+            key = (step.run, step.rank)
+            state = self._ranks.get(key)
+            if state is None:
+                state = self._ranks[key] = _RankState(RankAnalysis(step.run, step.rank))
+            state.pending.append(step)
+            if pids and pids.get(key) is not None:
+                state.last_pid = pids[key]
+            if len(state.pending) > MAX_PENDING:
+                del state.pending[: len(state.pending) - MAX_PENDING]
 
     def forget(self, keys: Iterable[RankKey]) -> None:
         """Drop ranks the caller expired."""
-        with self._lock:
-            for key in keys:
-                self._ranks.pop(key, None)
+        for key in keys:
+            self._ranks.pop(key, None)
 
     def process(self, now_t: float, history: History, statics: Sequence[GpuStatic],
                 latest: Mapping[int, GpuSample]) -> list[StepVerdict]:
         """Analyse every step whose window is complete; returns the verdicts reached."""
-        with self._lock:
-            by_index = {s.index: s for s in statics}
-            done: list[StepVerdict] = []
-            for state in self._ranks.values():
-                ready = [s for s in state.pending
-                         if s.t_end is not None and s.t_end <= now_t - self.lag_s]
-                if not ready:
-                    continue
-                groups = aggregate_steps(ready, self.resolution_s)
-                # Hold back a recent last group shorter than the resolution: its next step
-                # may still come. An old one (the job stopped) is analysed as it is.
-                last_end = groups[-1].t_end if groups else None
-                if groups and groups[-1].duration_s < self.resolution_s \
-                        and len(ready) == len(state.pending) and last_end is not None \
-                        and last_end > now_t - self.lag_s - 5 * self.resolution_s:
-                    held = _steps_after(ready, groups[-1])
-                    groups = groups[:-1]
-                else:
-                    held = []
-                state.pending = held + [s for s in state.pending if s not in ready]
-                for group in groups:
-                    members = [s for s in ready if _within(s, group)] or [group]
-                    verdict = self._analyse(state, group, len(members), members[-1], history,
-                                            by_index, latest)
-                    done.append(StepVerdict(group.run, group.rank,
-                                            tuple(m.step for m in members), verdict))
-            self._score_stragglers()
-            return done
+        by_index = {s.index: s for s in statics}
+        done: list[StepVerdict] = []
+        cutoff = now_t - self.lag_s
+        for state in self._ranks.values():
+            # A rank's steps arrive in order: the ready ones are a prefix.
+            k = 0
+            for step in state.pending:
+                if step.t_end is None or step.t_end > cutoff:
+                    break
+                k += 1
+            if k == 0:
+                continue
+            groups = _group(state.pending[:k], self.resolution_s)
+            last = groups[-1]
+            # Hold back a recent last group shorter than the resolution when nothing
+            # follows it yet: its next step may still come. An old one (the job stopped)
+            # is analysed as it is.
+            if k == len(state.pending) and _span(last) < self.resolution_s \
+                    and (last[-1].t_end or 0.0) > cutoff - 5 * self.resolution_s:
+                groups.pop()
+                k -= len(last)
+            del state.pending[:k]
+            for members in groups:
+                merged = merge_steps(members)
+                verdict = self._analyse(state, merged, len(members), members[-1], history,
+                                        by_index, latest)
+                done.append(StepVerdict(merged.run, merged.rank,
+                                        tuple(m.step for m in members), verdict))
+        self._score_stragglers()
+        return done
 
     def _analyse(self, state: _RankState, group: StepRecord, steps: int, last: StepRecord,
                  history: History, statics: Mapping[int, GpuStatic],
@@ -225,20 +223,30 @@ class StepAnalyzer:
 
     def analyses(self) -> list[RankAnalysis]:
         """Copies of every rank's current analysis."""
-        with self._lock:
-            return [replace(s.analysis, bottleneck_steps=Counter(s.analysis.bottleneck_steps))
-                    for s in self._ranks.values()]
+        return [replace(s.analysis, bottleneck_steps=Counter(s.analysis.bottleneck_steps))
+                for s in self._ranks.values()]
 
 
-def _within(step: StepRecord, group: StepRecord) -> bool:
-    if step.t_start is None or group.t_start is None or group.t_end is None:
-        return False
-    end = step.t_end if step.t_end is not None else step.t_start
-    return group.t_start - 1e-9 <= step.t_start and end <= group.t_end + 1e-9
+def _group(steps: Sequence[StepRecord], resolution_s: float) -> list[list[StepRecord]]:
+    """Consecutive steps merged until each group spans the sampler's resolution; a skipped
+    step number closes a group (a lost record would otherwise count as idle time)."""
+    groups: list[list[StepRecord]] = []
+    current: list[StepRecord] = []
+    for step in steps:
+        if current and (step.step != current[-1].step + 1 or _span(current) >= resolution_s):
+            groups.append(current)
+            current = []
+        current.append(step)
+    if current:
+        groups.append(current)
+    return groups
 
 
-def _steps_after(ready: Sequence[StepRecord], held_group: StepRecord) -> list[StepRecord]:
-    return [s for s in ready if _within(s, held_group)]
+def _span(steps: Sequence[StepRecord]) -> float:
+    first, last = steps[0], steps[-1]
+    if first.t_start is None or last.t_end is None:
+        return sum(s.duration_s for s in steps)
+    return last.t_end - first.t_start
 
 
 def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:
