@@ -36,7 +36,7 @@ StepTuple = tuple[
     Any,  # samples
     Any,  # tokens
     Any,  # flops
-    "MemoryTuple | None",
+    "MemoryTuple | Mapping[str, int] | None",  # from CUDA, else as given to step(memory=)
     "list[Mark] | None",
 ]
 
@@ -48,6 +48,7 @@ BUSY_RETRY_S = 0.002
 MAX_BACKLOG_RECORDS = 4096
 """Records kept for a busy agent; beyond that the oldest are dropped and counted."""
 
+_MEM_KEYS = frozenset({"allocated", "reserved", "peak", "retries", "ooms"})
 _MEM_FORMAT = ',"mem":{{"allocated":{:d},"reserved":{:d},"peak":{:d},"retries":{:d},"ooms":{:d}}}'
 
 
@@ -172,12 +173,28 @@ class Sender:
             text += self._count_field("tokens", tokens)
         if flops is not None:
             text += self._flops_field(flops)
-        if mem is not None:
+        if type(mem) is tuple:
             try:
                 text += _MEM_FORMAT.format(*mem)
             except (TypeError, ValueError, IndexError):
                 self.invalid_fields += 1
+        elif mem is not None:
+            text += self._memory_field(mem)
         return text + "}"
+
+    def _memory_field(self, mem: Any) -> str:
+        """The ``mem`` field from statistics the caller gave ``step(memory=)``."""
+        if not isinstance(mem, Mapping):
+            self.invalid_fields += 1
+            return ""
+        parts = []
+        for key, value in mem.items():
+            count = _as_count(value) if key in _MEM_KEYS else None
+            if count is None:
+                self.invalid_fields += 1
+            else:
+                parts.append(f'"{key}":{count}')
+        return ',"mem":{' + ",".join(parts) + "}" if parts else ""
 
     def _count_field(self, key: str, value: Any) -> str:
         count = value if type(value) is int and 0 <= value <= MAX_INT else _as_count(value)

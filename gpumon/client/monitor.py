@@ -11,7 +11,7 @@ import atexit
 import os
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from time import perf_counter, time
 from types import TracebackType
@@ -22,7 +22,14 @@ from gpumon.client import _cuda
 from gpumon.client._sender import Sender, StepTuple
 from gpumon.client.identity import resolve_identity, resolve_socket_path
 from gpumon.client.transport import Transport, UnixDatagramTransport
-from gpumon.protocol import MAX_LABEL_CHARS, MAX_MESSAGE_CHARS, PROTOCOL_VERSION, is_label
+from gpumon.protocol import (
+    MAX_GPU_CHARS,
+    MAX_GPU_INDEX,
+    MAX_LABEL_CHARS,
+    MAX_MESSAGE_CHARS,
+    PROTOCOL_VERSION,
+    is_label,
+)
 
 T = TypeVar("T")
 
@@ -61,8 +68,11 @@ class StepMonitor:
         reset_peak_memory: with CUDA, reset the allocator's peak statistic after each step so
             each record carries that step's own peak. Turn it off if your code reads
             ``torch.cuda.max_memory_allocated()`` itself.
+        gpu: the device this rank runs on (NVML UUID or index), for code the hook cannot see
+            using CUDA through PyTorch (another framework, a simulated job); by default the
+            CUDA device in use is reported, once there is one.
 
-    Raises ``ValueError`` for an invalid run name or inconsistent ranks. After that nothing it
+    Raises ``ValueError`` for an invalid run name, GPU or inconsistent ranks. After that nothing it
     does raises into the training loop: an absent, slow or restarting agent costs records
     (counted in ``stats``), never time. Records reach the agent within about 0.2 s of their
     step's end; ``close()`` (also called at interpreter exit) sends what is left.
@@ -78,8 +88,13 @@ class StepMonitor:
         world: int | None = None,
         local_rank: int | None = None,
         reset_peak_memory: bool = True,
+        gpu: str | int | None = None,
     ) -> None:
         ident = resolve_identity(run, rank, world, local_rank)
+        if gpu is not None and not _valid_gpu(gpu):
+            raise ValueError(f"gpu={gpu!r}: expected an NVML UUID (1-{MAX_GPU_CHARS} of "
+                             f"[A-Za-z0-9_.:/-]) or an index below {MAX_GPU_INDEX}")
+        self._gpu = gpu
         self.run, self.rank, self.world, self.local_rank = (
             ident.run,
             ident.rank,
@@ -120,6 +135,8 @@ class StepMonitor:
             hello={**identity, "kind": "hello", "client_version": gpumon.__version__},
             buffer=self._buffer,
         )
+        if gpu is not None:
+            self._sender.set_gpu(gpu)
         self._detect_cuda(final=False)
         self._sender.add_control(self._sender.hello)
         self._finalizer = weakref.finalize(self, self._sender.close)
@@ -132,6 +149,7 @@ class StepMonitor:
         tokens: int | None = None,
         flops: float | None = None,
         step: int | None = None,
+        memory: Mapping[str, int] | None = None,
     ) -> _Step:
         """Context manager around one training step.
 
@@ -140,6 +158,11 @@ class StepMonitor:
             tokens: tokens this rank processed in the step (Python int).
             flops: floating-point operations this rank did in the step (e.g. 6·params·tokens).
             step: the trainer's step number; default: this monitor's count of steps, from 0.
+            memory: the step's allocator statistics, for memory the hook cannot read from
+                PyTorch's CUDA allocator itself (which, when in use, wins): any of
+                ``allocated``, ``reserved`` and ``peak`` (bytes, the peak of this step) and
+                the cumulative counts ``retries`` and ``ooms``. Read after the step ends;
+                invalid entries are left out and counted in ``stats.invalid_fields``.
 
         The step's window starts when the loader was asked for its batch (see ``loader``) or
         when a phase was timed before it, else when the block is entered. Pass Python
@@ -149,7 +172,7 @@ class StepMonitor:
         ``OutOfMemoryError`` is reported as an ``oom`` event, and the exception propagates
         unchanged.
         """
-        return _Step(self, samples, tokens, flops, step)
+        return _Step(self, samples, tokens, flops, step, memory)
 
     def phase(self, name: str) -> _Phase:
         """Context manager timing part of a step: ``data``, ``forward``, ``backward``,
@@ -194,7 +217,10 @@ class StepMonitor:
 
     @property
     def gpu(self) -> str | int | None:
-        """The CUDA device reported (UUID, else index), once CUDA is seen in use."""
+        """The device reported: the one given, else the CUDA device (UUID, else index) once
+        CUDA is seen in use."""
+        if self._gpu is not None:
+            return self._gpu
         return None if self._cuda is None else self._cuda.gpu
 
     def flush(self) -> None:
@@ -258,7 +284,8 @@ class StepMonitor:
             self._cuda_checked = True
             self._cuda = clock
             self._sender.clock = clock
-            self._sender.set_gpu(clock.gpu)
+            if self._gpu is None:
+                self._sender.set_gpu(clock.gpu)
             if final:  # CUDA came into use after the hello: say hello again, with the device
                 self._sender.add_control(self._sender.hello)
 
@@ -268,6 +295,12 @@ class StepMonitor:
         self._pending_t0 = None
         if _cuda.is_out_of_memory(exc):
             self._event("oom", str(exc), self._seq if step is None else step)
+
+
+def _valid_gpu(gpu: object) -> bool:
+    if isinstance(gpu, str):
+        return is_label(gpu, MAX_GPU_CHARS)
+    return type(gpu) is int and 0 <= gpu < MAX_GPU_INDEX
 
 
 def _close_live_monitors() -> None:
@@ -290,14 +323,16 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 class _Step:
     """One step's context manager; the hot path, so it does as little as possible."""
 
-    __slots__ = ("_m", "_samples", "_tokens", "_flops", "_step")
+    __slots__ = ("_m", "_samples", "_tokens", "_flops", "_step", "_memory")
 
-    def __init__(self, m: StepMonitor, samples: Any, tokens: Any, flops: Any, step: int | None) -> None:
+    def __init__(self, m: StepMonitor, samples: Any, tokens: Any, flops: Any, step: int | None,
+                 memory: Mapping[str, int] | None = None) -> None:
         self._m = m
         self._samples = samples
         self._tokens = tokens
         self._flops = flops
         self._step = step
+        self._memory = memory
 
     def __enter__(self) -> _Step:
         m = self._m
@@ -336,6 +371,8 @@ class _Step:
             mem = m._cuda.memory()
             if mem is not None:
                 m._last_ooms = mem[4]
+        if mem is None:
+            mem = self._memory
         if m._enabled:
             m._buffer.append(
                 (m._seq, self._step, t0, t1, phases, self._samples, self._tokens, self._flops, mem, marks)
