@@ -70,6 +70,9 @@ def agent(
         _fail(str(exc), 2)
     logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The ingest receiver must get the GIL back within a millisecond or two: the kernel
+    # queues only a handful of datagrams per Unix socket (net.unix.max_dgram_qlen).
+    sys.setswitchinterval(0.001)
     node = Agent(cfg)
     try:
         node.start()

@@ -44,6 +44,8 @@ def gpu_line(sample: GpuSample, static: GpuStatic | None = None) -> dict[str, An
         value = getattr(sample, field)
         if value is not None:
             line[key] = value
+    if sample.process_memory_bytes:
+        line["processes"] = {str(pid): used for pid, used in sample.process_memory_bytes.items()}
     if not sample.up:
         line["up"] = False
     return line
@@ -52,6 +54,9 @@ def gpu_line(sample: GpuSample, static: GpuStatic | None = None) -> dict[str, An
 def sample_from_line(line: dict[str, Any]) -> GpuSample:
     """Inverse of :func:`gpu_line` (for replaying recordings)."""
     values = {field: line[key] for field, key in _GPU_KEYS if key in line}
+    processes = line.get("processes")
+    if isinstance(processes, dict):
+        values["process_memory_bytes"] = {int(pid): int(used) for pid, used in processes.items()}
     return GpuSample(index=int(line["gpu"]), t=float(line["t"]), up=line.get("up", True),
                      **values)
 

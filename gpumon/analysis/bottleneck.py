@@ -268,9 +268,11 @@ def classify(
                                        _margin(tensor, th.compute_tensor_min, 0.9))
         if mfu_compute and step_mfu is not None:
             strength = max(strength, 0.6 + 0.4 * _margin(step_mfu, th.compute_mfu_min, 0.6))
-    else:
-        # No rule fired outright: a moderate input or communication share, if any, is the
-        # best explanation left (the larger of the two).
+    elif gpu is not None:
+        # No rule fired outright, and the GPU was seen not to be the explanation: a moderate
+        # input or communication share, if any, is the best one left (the larger of the
+        # two). Without a GPU window a moderate share is no evidence (a fast CPU step with a
+        # small data wait would otherwise read as input-bound): the verdict stays unknown.
         candidates = [
             (value, bottleneck, low, high)
             for value, bottleneck, low, high in (

@@ -15,6 +15,7 @@ import socket
 import stat
 import struct
 import threading
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 SOCKET_MODE = 0o660
 RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
+QUEUE_DATAGRAMS = 4096  # at most ~32 MiB of undecoded datagrams
 _CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _ANCILLARY_BYTES = socket.CMSG_SPACE(_CREDENTIALS.size)
 
@@ -95,12 +97,17 @@ def parse_sender(ancillary: list[tuple[int, int, bytes]]) -> Sender:
     return Sender()
 
 
-class IngestServer(threading.Thread):
-    """Receives datagrams until stopped; decoding errors are counted, never raised."""
+class IngestServer:
+    """Receives datagrams until stopped; decoding errors are counted, never raised.
+
+    Two threads: a receiver that only moves datagrams from the kernel into a bounded queue,
+    and a decoder. The kernel queues very few datagrams per Unix socket
+    (net.unix.max_dgram_qlen, often 10), so the receiver must get back to recv() within a
+    millisecond or two even while records are being decoded or a scrape is rendered.
+    """
 
     def __init__(self, path: Path, on_records: OnRecords, on_dropped: OnDropped,
                  allowed_uids: tuple[int, ...] = ()) -> None:
-        super().__init__(name="gpumon-ingest", daemon=True)
         self.path = path
         self._on_records = on_records
         self._on_dropped = on_dropped
@@ -108,13 +115,25 @@ class IngestServer(threading.Thread):
         self._sock = bind_socket(path)
         self._sock.settimeout(0.25)
         self._stop_event = threading.Event()
+        self._queue: deque[tuple[bytes, list[tuple[int, int, bytes]], int]] = deque()
+        self._ready = threading.Semaphore(0)
+        self._receiver = threading.Thread(target=self._receive, name="gpumon-ingest-recv",
+                                          daemon=True)
+        self._decoder = threading.Thread(target=self._decode, name="gpumon-ingest",
+                                         daemon=True)
         self.datagrams_total = 0
 
-    def run(self) -> None:
+    def start(self) -> None:
+        """Start receiving and decoding."""
+        self._receiver.start()
+        self._decoder.start()
+
+    def _receive(self) -> None:
         receive = self._sock.recvmsg
+        queue = self._queue
         while not self._stop_event.is_set():
             try:
-                data, ancillary, flags, _ = receive(MAX_DATAGRAM_BYTES + 1, _ANCILLARY_BYTES)
+                item = receive(MAX_DATAGRAM_BYTES + 1, _ANCILLARY_BYTES)
             except TimeoutError:
                 continue
             except OSError as exc:
@@ -123,6 +142,19 @@ class IngestServer(threading.Thread):
                 log.warning("ingest receive failed: %s", exc)
                 self._on_dropped("receive_error", 1)
                 continue
+            if len(queue) >= QUEUE_DATAGRAMS:
+                self._on_dropped("agent_overloaded", 1)  # bounded memory under a flood
+                continue
+            queue.append(item[:3])
+            self._ready.release()
+
+    def _decode(self) -> None:
+        queue = self._queue
+        while True:
+            self._ready.acquire()
+            if not queue:  # released by stop()
+                break
+            data, ancillary, flags = queue.popleft()
             self.datagrams_total += 1
             try:
                 self._handle(data, ancillary, flags)
@@ -145,10 +177,13 @@ class IngestServer(threading.Thread):
             self._on_records(result.records, sender)
 
     def stop(self) -> None:
-        """Stop receiving, close the socket and remove its file."""
+        """Stop receiving, finish what was queued, close the socket and remove its file."""
         self._stop_event.set()
-        if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout=2.0)
+        if self._receiver.is_alive():
+            self._receiver.join(timeout=2.0)
+        self._ready.release()  # wakes the decoder once the queue is empty
+        if self._decoder.is_alive():
+            self._decoder.join(timeout=5.0)
         self._sock.close()
         try:
             self.path.unlink()

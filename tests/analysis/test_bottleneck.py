@@ -331,10 +331,20 @@ MISSING_CASES: list[tuple[str, Any, Any]] = [
     ("no link counters", (make_step(with_phases(comm=0.3)),
                           make_window(nvlink_tx_bytes_per_second=1e9), {}),
      (make_step(with_phases(comm=0.3)), make_window(), {})),
-    ("everything missing", (make_step(with_phases(data=0.1)), make_window(MIDDLING), {}),
-     (make_step(with_phases(data=0.1)), None,
+    ("everything missing", (make_step(with_phases(data=0.3)), make_window(MIDDLING), {}),
+     (make_step(with_phases(data=0.3)), None,
       {"peak_flops": None, "straggler_score": None, "memory_total_bytes": None})),
 ]
+
+
+def test_moderate_share_needs_a_gpu_window() -> None:
+    """A 10% data wait is the best guess when the GPU was seen to be middling; with no GPU
+    window at all (a CPU-only job) it is no evidence, and the verdict stays unknown."""
+    step = make_step(with_phases(data=0.1))
+    assert run(step, make_window(MIDDLING)).primary is Bottleneck.INPUT
+    blind = run(step, None, peak_flops=None, straggler_score=None, memory_total_bytes=None)
+    assert blind.primary is Bottleneck.UNKNOWN
+    assert "input 10%" in blind.hint
 
 
 @pytest.mark.parametrize(("name", "full", "lacking"), MISSING_CASES,
