@@ -90,6 +90,10 @@ def test_agent_that_starts_late_receives_later_steps_and_a_new_hello(socket_path
         mon.flush()  # the re-sent hello goes out with the next flush
         steps = receiver.wait_for_steps(5)
         assert [s.step for s in steps] == [5, 6, 7, 8, 9]
+        deadline = time.monotonic() + 5  # the hello follows the steps, in a later datagram
+        while not receiver.hellos() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
         assert len(receiver.hellos()) == 1
     finally:
         mon.close()
