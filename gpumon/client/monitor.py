@@ -92,8 +92,10 @@ class StepMonitor:
     ) -> None:
         ident = resolve_identity(run, rank, world, local_rank)
         if gpu is not None and not _valid_gpu(gpu):
-            raise ValueError(f"gpu={gpu!r}: expected an NVML UUID (1-{MAX_GPU_CHARS} of "
-                             f"[A-Za-z0-9_.:/-]) or an index below {MAX_GPU_INDEX}")
+            raise ValueError(
+                f"gpu={gpu!r}: expected an NVML UUID (1-{MAX_GPU_CHARS} of "
+                f"[A-Za-z0-9_.:/-]) or an index below {MAX_GPU_INDEX}"
+            )
         self._gpu = gpu
         self.run, self.rank, self.world, self.local_rank = (
             ident.run,
@@ -325,8 +327,15 @@ class _Step:
 
     __slots__ = ("_m", "_samples", "_tokens", "_flops", "_step", "_memory")
 
-    def __init__(self, m: StepMonitor, samples: Any, tokens: Any, flops: Any, step: int | None,
-                 memory: Mapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        m: StepMonitor,
+        samples: Any,
+        tokens: Any,
+        flops: Any,
+        step: int | None,
+        memory: Mapping[str, int] | None = None,
+    ) -> None:
         self._m = m
         self._samples = samples
         self._tokens = tokens
@@ -364,7 +373,8 @@ class _Step:
             m._pending_t0 = None
         phases = m._phases
         m._phases = {}
-        marks = mem = None
+        marks = None
+        mem: _cuda.MemoryTuple | Mapping[str, int] | None = None
         if m._cuda is not None:
             marks = m._marks
             m._marks = []
