@@ -319,13 +319,26 @@ def _decode_step(obj: dict[str, object]) -> StepRecord:
             raise ProtocolError("bad_value", "too many phases")
         limit = duration * (1 + PHASE_SLACK_RATIO) + PHASE_SLACK_S
         for name, seconds in phases.items():
-            phases_s[_check_label(name, "phase", MAX_LABEL_CHARS)] = _check_number(seconds, "phase", limit)
+            # The hot path of ingest: plain floats within range skip the general checks.
+            if name not in _KNOWN_LABELS:
+                _check_label(name, "phase", MAX_LABEL_CHARS)
+            if type(seconds) is float and 0.0 <= seconds <= limit:
+                phases_s[name] = seconds
+            else:
+                phases_s[name] = _check_number(seconds, "phase", limit)
     mem = obj.get("mem")
     mem_stats = None
     if mem is not None:
         if not isinstance(mem, dict):
             raise ProtocolError("bad_type", "mem")
-        mem_stats = MemoryStats(**{a: _opt_int(mem, w, MAX_INT) for w, a in _MEM_WIRE})
+        mem_values: dict[str, int | None] = {}
+        for wire, attr in _MEM_WIRE:
+            value = mem.get(wire)
+            if value is None or (type(value) is int and 0 <= value <= MAX_INT):
+                mem_values[attr] = value
+            else:
+                mem_values[attr] = _check_int(value, wire, MAX_INT)
+        mem_stats = MemoryStats(**mem_values)
     return StepRecord(
         run=run,
         rank=rank,
@@ -412,12 +425,25 @@ def _check_number(value: object, what: str, maximum: float, below: bool = False)
     return number
 
 
+_KNOWN_LABELS: set[str] = set()
+"""Labels already validated (run and phase names repeat in every record); bounded."""
+_KNOWN_LABELS_MAX = 4096
+
+
 def _check_label(value: object, what: str, max_chars: int) -> str:
     if not isinstance(value, str):
         raise ProtocolError("bad_type", what)
+    if len(value) <= MAX_LABEL_CHARS and value in _KNOWN_LABELS:
+        return value if len(value) <= max_chars else _bad_label(what)
     if not is_label(value, max_chars):
         raise ProtocolError("bad_label", what)
+    if len(value) <= MAX_LABEL_CHARS and len(_KNOWN_LABELS) < _KNOWN_LABELS_MAX:
+        _KNOWN_LABELS.add(value)
     return value
+
+
+def _bad_label(what: str) -> str:
+    raise ProtocolError("bad_label", what)
 
 
 def _opt_int(obj: Mapping[str, object], key: str, maximum: int) -> int | None:
