@@ -1,0 +1,79 @@
+"""Hostile datagrams against a live agent (hypothesis): nothing crashes it, every rejected
+object is counted by reason, and valid records still get through afterwards."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpumon.agent import Agent
+from gpumon.config import AgentConfig
+from gpumon.protocol import DROP_REASONS, MAX_DATAGRAM_BYTES
+from tests.helpers import http_get, parse_metrics, values, wait_for
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children,
+                                                                      max_size=4),
+    max_leaves=20,
+)
+FIELDS = ("v", "kind", "run", "rank", "step", "duration", "phases", "mem", "world", "gpu",
+          "pid", "t_start", "samples", "tokens", "flops", "event")
+hostile_records = st.fixed_dictionaries(
+    {"v": st.sampled_from([1, 1, 2, "1", True, None])},
+    optional={name: json_values for name in FIELDS[1:]},
+)
+datagrams = st.one_of(
+    st.binary(max_size=512),
+    json_values.map(lambda v: json.dumps(v).encode()),
+    st.lists(hostile_records, max_size=8).map(lambda v: json.dumps(v).encode()),
+    hostile_records.map(lambda v: json.dumps(v).encode()),
+    st.just(b"[" * 5000 + b"]" * 5000),
+    st.just(b"9" * 5000),
+    st.just(b'{"v":1,"kind":"step","run":"' + b"a" * (MAX_DATAGRAM_BYTES) + b'"}'),
+)
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
+    tmp = tmp_path_factory.mktemp("fuzz")
+    node = Agent(AgentConfig(address="127.0.0.1", port=0, collectors=("ingest",),
+                             socket=str(tmp / "ingest.sock")))
+    node.start()
+    yield node
+    node.stop()
+
+
+def scrape(agent: Agent) -> dict:
+    status, body = http_get(f"http://127.0.0.1:{agent.port}/metrics")
+    assert status == 200
+    return parse_metrics(body.decode())
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(payload=datagrams)
+def test_hostile_datagrams_never_take_the_agent_down(agent: Agent, payload: bytes) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        try:
+            s.sendto(payload, agent.config.socket)
+        except OSError:
+            pass  # larger than the kernel allows: nothing reached the agent
+
+
+def test_agent_still_ingests_and_counted_only_known_reasons(agent: Agent) -> None:
+    good = {"v": 1, "kind": "step", "run": "after-fuzz", "rank": 0, "step": 1, "duration": 0.1}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(json.dumps(good).encode(), agent.config.socket)
+    m = wait_for(lambda: (lambda m: values(m, "gpumon_steps_total", run="after-fuzz") and m)(
+        scrape(agent)), what="a valid step after the fuzzing")
+    reasons = {dict(labels)["reason"] for (name, labels) in m
+               if name == "gpumon_ingest_dropped_total"}
+    assert reasons, "hostile input must have been counted"
+    assert reasons <= set(DROP_REASONS) | {"too_many_ranks", "agent_overloaded"}, reasons
+    assert values(m, "gpumon_ingest_dropped_total", reason="internal_error") == []
