@@ -1,0 +1,525 @@
+"""Write the gpumon Grafana dashboards (dashboards/*.json) from the panel lists below.
+
+Run ``python dashboards/generate.py`` after editing; tests/test_dashboards.py fails when the
+checked-in JSON differs from what this script writes, and runs every query against a real
+Prometheus. Every panel and target uses the ``${datasource}`` variable: no data source uid is
+ever written into a dashboard.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+SCHEMA_VERSION = 39  # Grafana 10.4
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+RATE = "$__rate_interval"
+
+
+@dataclass
+class Target:
+    """One PromQL query of a panel."""
+
+    expr: str
+    legend: str = ""
+    instant: bool = False
+    format: str = "time_series"
+
+
+@dataclass
+class Panel:
+    """A panel before layout: its kind, title, queries and field defaults."""
+
+    kind: str
+    title: str
+    description: str
+    targets: list[Target]
+    unit: str = "short"
+    width: int = 12
+    height: int = 8
+    min: float | None = 0
+    max: float | None = None
+    thresholds: list[tuple[float | None, str]] = field(default_factory=list)
+    stack: str = "none"
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+def timeseries(title: str, description: str, *targets: Target, **kw: Any) -> Panel:
+    """A time-series graph."""
+    return Panel("timeseries", title, description, list(targets), **kw)
+
+
+def stat(title: str, description: str, target: Target, **kw: Any) -> Panel:
+    """A single big number (the last value of an instant query)."""
+    kw.setdefault("width", 4)
+    kw.setdefault("height", 4)
+    return Panel("stat", title, description, [target], **kw)
+
+
+def table(title: str, description: str, *targets: Target, **kw: Any) -> Panel:
+    """A table of instant-query results, one row per series."""
+    for t in targets:
+        t.instant, t.format = True, "table"
+    return Panel("table", title, description, list(targets), **kw)
+
+
+def row(title: str) -> Panel:
+    """A row header across the dashboard."""
+    return Panel("row", title, "", [], width=24, height=1)
+
+
+def _thresholds(steps: list[tuple[float | None, str]]) -> dict[str, Any]:
+    steps = steps or [(None, "green")]
+    return {"mode": "absolute", "steps": [{"color": c, "value": v} for v, c in steps]}
+
+
+def _target(t: Target, ref: str) -> dict[str, Any]:
+    return {
+        "datasource": DATASOURCE, "refId": ref, "expr": t.expr, "legendFormat": t.legend,
+        "range": not t.instant, "instant": t.instant, "format": t.format, "editorMode": "code",
+    }
+
+
+def _panel(p: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": panel_id, "type": p.kind, "title": p.title,
+                           "gridPos": {"h": p.height, "w": p.width, "x": x, "y": y}}
+    if p.kind == "row":
+        return {**out, "collapsed": False, "panels": []}
+    defaults: dict[str, Any] = {"unit": p.unit, "thresholds": _thresholds(p.thresholds),
+                                "color": {"mode": "thresholds" if p.kind == "stat" else
+                                          "palette-classic"}}
+    if p.min is not None:
+        defaults["min"] = p.min
+    if p.max is not None:
+        defaults["max"] = p.max
+    options: dict[str, Any] = {}
+    if p.kind == "timeseries":
+        defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10,
+                              "showPoints": "never", "spanNulls": False,
+                              "stacking": {"mode": p.stack, "group": "A"},
+                              "thresholdsStyle": {"mode": "dashed" if p.thresholds else "off"}}
+        if p.thresholds:
+            defaults["color"] = {"mode": "palette-classic"}
+        options = {"legend": {"displayMode": "table", "placement": "bottom", "showLegend": True,
+                              "calcs": ["lastNotNull", "max"]},
+                   "tooltip": {"mode": "multi", "sort": "desc"}}
+    elif p.kind == "stat":
+        options = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                   "colorMode": "value", "graphMode": "area", "textMode": "auto",
+                   "justifyMode": "auto", "orientation": "auto"}
+    elif p.kind == "table":
+        defaults["custom"] = {"align": "auto", "cellOptions": {"type": "color-text"}}
+        options = {"showHeader": True, "cellHeight": "sm", "footer": {"show": False}}
+    elif p.kind == "status-history":
+        defaults["color"] = {"mode": "continuous-GrYlRd"}
+        defaults["custom"] = {"fillOpacity": 90, "lineWidth": 0}
+        options = {"showValue": "never", "rowHeight": 0.9, "colWidth": 0.9,
+                   "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                   "tooltip": {"mode": "single", "sort": "none"}}
+    elif p.kind == "heatmap":
+        options = {"calculate": False, "cellGap": 1,
+                   "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64,
+                             "exponent": 0.5, "fill": "dark-orange", "reverse": False},
+                   "yAxis": {"axisPlacement": "left", "unit": p.unit},
+                   "rowsFrame": {"layout": "auto"}, "cellValues": {"unit": "short"},
+                   "tooltip": {"show": True, "yHistogram": True}, "legend": {"show": True},
+                   "filterValues": {"le": 1e-9}}
+    options.update(p.options)
+    transformations = []
+    if p.kind == "table":
+        transformations = [{"id": "merge", "options": {}},
+                           {"id": "organize", "options": {"excludeByName": {"Time": True}}}]
+    return {**out, "description": p.description, "datasource": DATASOURCE,
+            "fieldConfig": {"defaults": defaults, "overrides": []}, "options": options,
+            "targets": [_target(t, chr(ord("A") + i)) for i, t in enumerate(p.targets)],
+            **({"transformations": transformations} if transformations else {})}
+
+
+def _layout(panels: list[Panel]) -> list[dict[str, Any]]:
+    """Flow panels left to right in 24 columns, a row header starting a new line."""
+    out, x, y, line_height = [], 0, 0, 0
+    for panel_id, p in enumerate(panels, start=1):
+        if p.kind == "row" or x + p.width > 24:
+            x, y, line_height = 0, y + line_height, 0
+        out.append(_panel(p, panel_id, x, y))
+        if p.kind == "row":
+            y += 1
+            continue
+        x += p.width
+        line_height = max(line_height, p.height)
+    return out
+
+
+def datasource_variable() -> dict[str, Any]:
+    """The data source picker every panel refers to."""
+    return {"name": "datasource", "label": "Data source", "type": "datasource",
+            "query": "prometheus", "regex": "", "hide": 0, "refresh": 1,
+            "current": {}, "options": []}
+
+
+def query_variable(name: str, label: str, query: str, *, multi: bool = False) -> dict[str, Any]:
+    """A variable filled from ``label_values(...)``; multi ones offer All (= ``.*``)."""
+    return {"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
+            "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
+            "definition": query, "refresh": 2, "sort": 3, "regex": "", "hide": 0,
+            "multi": multi, "includeAll": multi, **({"allValue": ".*"} if multi else {}),
+            "current": {}, "options": []}
+
+
+def dashboard(uid: str, title: str, description: str, variables: list[dict[str, Any]],
+              panels: list[Panel]) -> dict[str, Any]:
+    """A whole dashboard with the datasource variable first."""
+    return {
+        "uid": uid, "title": title, "description": description, "tags": ["gpumon"],
+        "schemaVersion": SCHEMA_VERSION, "version": 1, "editable": True, "graphTooltip": 1,
+        "timezone": "browser", "refresh": "30s", "time": {"from": "now-3h", "to": "now"},
+        "annotations": {"list": []},
+        "links": [{"type": "dashboards", "tags": ["gpumon"], "asDropdown": True,
+                   "includeVars": False, "keepTime": True, "title": "gpumon dashboards"}],
+        "templating": {"list": [datasource_variable(), *variables]},
+        "panels": _layout(panels),
+    }
+
+
+# --- Training run ---------------------------------------------------------------------------
+
+RUN = 'run=~"$run",rank=~"$rank"'
+
+
+def _share(phase: str) -> str:
+    return (f'sum by (rank) (rate(gpumon_step_phase_seconds_total{{{RUN},phase="{phase}"}}[{RATE}]))'
+            f'\n  / sum by (rank) (rate(gpumon_step_duration_seconds_sum{{{RUN}}}[{RATE}]))')
+
+
+def training() -> dict[str, Any]:
+    """One run: speed, where each step's time goes, verdicts and memory."""
+    q = f"sum by (le) (rate(gpumon_step_duration_seconds_bucket{{{RUN}}}[{RATE}]))"
+    panels = [
+        row("Overview"),
+        stat("Step time p50", "Median wall time of a step over the selected ranks.",
+             Target(f"histogram_quantile(0.5, {q})"), unit="s"),
+        stat("Samples / s", "Samples processed per second, summed over the selected ranks.",
+             Target(f"sum(rate(gpumon_samples_total{{{RUN}}}[{RATE}]))"), unit="short"),
+        stat("Tokens / s", "Tokens processed per second, summed over the selected ranks.",
+             Target(f"sum(rate(gpumon_tokens_total{{{RUN}}}[{RATE}]))"), unit="short"),
+        stat("MFU", "Mean model FLOPs utilisation of the ranks' latest steps (30–55 % is good).",
+             Target(f"avg(gpumon_step_mfu_ratio{{{RUN}}})"), unit="percentunit", max=1,
+             thresholds=[(None, "red"), (0.2, "orange"), (0.35, "green")]),
+        stat("Data-loader wait", "Share of step time waiting for the next batch "
+             "(input bound from 20 %).",
+             Target(f'sum(rate(gpumon_step_phase_seconds_total{{{RUN},phase="data"}}[{RATE}]))'
+                    f"\n  / sum(rate(gpumon_step_duration_seconds_sum{{{RUN}}}[{RATE}]))"),
+             unit="percentunit", max=1,
+             thresholds=[(None, "green"), (0.05, "orange"), (0.2, "red")]),
+        stat("Max OOM risk", "Highest out-of-memory risk over the selected ranks (high from 0.8).",
+             Target(f"max(gpumon_oom_risk_ratio{{{RUN}}})"), unit="percentunit", max=1,
+             thresholds=[(None, "green"), (0.5, "orange"), (0.8, "red")]),
+        row("Speed"),
+        timeseries("Step time p50 / p95", "Quantiles of the step-duration histogram over the "
+                   "selected ranks.",
+                   Target(f"histogram_quantile(0.5, {q})", "p50"),
+                   Target(f"histogram_quantile(0.95, {q})", "p95"), unit="s"),
+        timeseries("Throughput", "Samples and tokens per second over the selected ranks.",
+                   Target(f"sum(rate(gpumon_samples_total{{{RUN}}}[{RATE}]))", "samples/s"),
+                   Target(f"sum(rate(gpumon_tokens_total{{{RUN}}}[{RATE}]))", "tokens/s"),
+                   options={"legend": {"displayMode": "table", "placement": "bottom",
+                                       "showLegend": True, "calcs": ["lastNotNull", "mean"]}}),
+        timeseries("MFU per rank", "Model FLOPs utilisation of each rank's latest step: step "
+                   "FLOPs over duration × the device's peak dense FLOP/s.",
+                   Target(f"gpumon_step_mfu_ratio{{{RUN}}}", "rank {{rank}}"),
+                   unit="percentunit", max=1, thresholds=[(None, "red"), (0.35, "green")]),
+        Panel("status-history", "Step time per rank (heatmap)",
+              "Mean step time of each rank: in synchronous data parallelism every rank should "
+              "match; a lasting difference points at a rank or node.",
+              [Target(f"rate(gpumon_step_duration_seconds_sum{{{RUN}}}[{RATE}])"
+                      f"\n  / rate(gpumon_step_duration_seconds_count{{{RUN}}}[{RATE}])",
+                      "rank {{rank}}")], unit="s"),
+        Panel("heatmap", "Step time distribution",
+              "Steps per duration bucket over time, all selected ranks.",
+              [Target(f"sum by (le) (increase(gpumon_step_duration_seconds_bucket{{{RUN}}}[{RATE}]))",
+                      "{{le}}", format="heatmap")], unit="s", width=24),
+        row("Where the time goes"),
+        timeseries("Bottleneck mix", "Share of analysed steps per verdict (input, host, "
+                   "communication, memory_bandwidth, compute, unknown).",
+                   Target(f"sum by (bottleneck) (rate(gpumon_step_bottleneck_total{{{RUN}}}[{RATE}]))",
+                          "{{bottleneck}}"), stack="percent", unit="short"),
+        table("Current verdict per rank", "The latest verdict of each rank, with its confidence.",
+              Target(f"max by (rank, bottleneck) (gpumon_step_bottleneck{{{RUN}}} == 1)"),
+              Target(f"max by (rank) (gpumon_step_bottleneck_confidence{{{RUN}}})")),
+        timeseries("Phase breakdown", "Mean seconds per step in each phase, over the selected "
+                   "ranks; data is the wait for the next batch, comm the exposed communication.",
+                   Target(f"sum by (phase) (rate(gpumon_step_phase_seconds_total{{{RUN}}}[{RATE}]))"
+                          f"\n  / ignoring (phase) group_left"
+                          f"\n  sum(rate(gpumon_steps_total{{{RUN}}}[{RATE}]))", "{{phase}}"),
+                   unit="s", stack="normal"),
+        timeseries("Data-loader wait share", "Share of each rank's step time waiting for data; "
+                   "input bound from 20 % (GpumonInputBound).",
+                   Target(_share("data"), "rank {{rank}}"), unit="percentunit", max=1,
+                   thresholds=[(None, "green"), (0.2, "red")]),
+        timeseries("Exposed communication share", "Share of each rank's step time in "
+                   "communication not overlapped with compute; bound from 15 %.",
+                   Target(_share("comm"), "rank {{rank}}"), unit="percentunit", max=1,
+                   thresholds=[(None, "green"), (0.15, "red")]),
+        timeseries("Straggler score", "Run median compute time per step over each rank's own "
+                   "(1 = typical, under 0.75 = straggler): run-wide from the recording rule, "
+                   "and the agent's node-local score.",
+                   Target(f"run_rank:gpumon_rank_straggler_score:ratio5m{{{RUN}}}",
+                          "rank {{rank}} (run-wide)"),
+                   Target(f"gpumon_rank_straggler_score{{{RUN}}}", "rank {{rank}} (node)"),
+                   thresholds=[(None, "red"), (0.75, "green")], width=24),
+        row("Memory"),
+        timeseries("GPU memory vs capacity", "Per rank: PyTorch allocated, reserved and per-step "
+                   "peak, the whole GPU's use (NVML) and its capacity.",
+                   Target(f"gpumon_torch_memory_allocated_bytes{{{RUN}}}", "rank {{rank}} allocated"),
+                   Target(f"gpumon_torch_memory_reserved_bytes{{{RUN}}}", "rank {{rank}} reserved"),
+                   Target(f"gpumon_torch_memory_peak_bytes{{{RUN}}}", "rank {{rank}} peak"),
+                   Target(f"run_rank:gpumon_gpu_memory_used_bytes{{{RUN}}}",
+                          "rank {{rank}} GPU {{gpu}} used"),
+                   Target(f"run_rank:gpumon_gpu_memory_total_bytes{{{RUN}}}",
+                          "rank {{rank}} GPU {{gpu}} capacity"), unit="bytes"),
+        timeseries("OOM prediction", "Seconds until the per-step peak reaches capacity at its "
+                   "current trend (absent while not growing); under 30 min with little headroom "
+                   "fires GpumonOOMPredicted.",
+                   Target(f"gpumon_oom_predicted_seconds{{{RUN}}}", "rank {{rank}}"), unit="s",
+                   thresholds=[(None, "red"), (1800, "green")]),
+        timeseries("OOM risk", "Composite out-of-memory risk per rank (high from 0.8).",
+                   Target(f"gpumon_oom_risk_ratio{{{RUN}}}", "rank {{rank}}"),
+                   unit="percentunit", max=1, thresholds=[(None, "green"), (0.8, "red")]),
+        timeseries("Memory headroom", "Capacity left on each rank's GPU: capacity - max(NVML "
+                   "used, torch reserved).",
+                   Target(f"gpumon_oom_headroom_bytes{{{RUN}}}", "rank {{rank}}"), unit="bytes"),
+        timeseries("Allocator retries and OOMs", "PyTorch allocator retries (cache flushed to "
+                   "fit) and out-of-memory errors per interval.",
+                   Target(f"sum by (rank) (increase(gpumon_torch_alloc_retries_total{{{RUN}}}[{RATE}]))",
+                          "rank {{rank}} retries"),
+                   Target(f"sum by (rank) (increase(gpumon_torch_ooms_total{{{RUN}}}[{RATE}]))",
+                          "rank {{rank}} OOMs"), width=24),
+        row("Training processes"),
+        timeseries("Process CPU", "CPU cores used by each rank's process (data loading and "
+                   "kernel launches run here).",
+                   Target(f"rate(gpumon_process_cpu_seconds_total{{{RUN}}}[{RATE}])",
+                          "rank {{rank}}"), unit="short"),
+        timeseries("Process resident memory", "Host memory of each rank's process.",
+                   Target(f"gpumon_process_resident_memory_bytes{{{RUN}}}", "rank {{rank}}"),
+                   unit="bytes"),
+    ]
+    return dashboard(
+        "gpumon-training", "gpumon / Training run",
+        "One training run as gpumon sees it: step time, throughput, MFU, per-step verdicts, "
+        "where the time goes, memory and OOM prediction.",
+        [query_variable("run", "Run", "label_values(gpumon_steps_total, run)"),
+         query_variable("rank", "Rank", 'label_values(gpumon_steps_total{run=~"$run"}, rank)',
+                        multi=True)],
+        panels)
+
+
+# --- Node / GPU -----------------------------------------------------------------------------
+
+GPUS = 'instance=~"$instance",gpu=~"$gpu"'
+NODE = 'instance=~"$instance"'
+
+
+def _gpu_ratio(title: str, metric: str, description: str) -> Panel:
+    return timeseries(title, description, Target(f"{metric}{{{GPUS}}}", "GPU {{gpu}}"),
+                      unit="percentunit", max=1)
+
+
+def node() -> dict[str, Any]:
+    """One node: its GPUs' activity, memory, links, power and errors, the host and the agent."""
+    panels = [
+        row("Overview"),
+        stat("GPUs up", "GPUs answering NVML (a lost GPU counts 0).",
+             Target(f"sum(gpumon_gpu_up{{{GPUS}}})")),
+        stat("NVML", "1 when the agent can use NVML (or its simulator).",
+             Target(f"min(gpumon_nvml_up{{{NODE}}})"),
+             thresholds=[(None, "red"), (1, "green")]),
+        stat("XID errors", "XID errors reported in the dashboard's time range.",
+             Target(f"sum(increase(gpumon_gpu_xid_errors_total{{{GPUS}}}[$__range])) or vector(0)"),
+             thresholds=[(None, "green"), (1, "red")]),
+        stat("Uncorrected ECC", "Uncorrected ECC errors in the dashboard's time range.",
+             Target(f'sum(increase(gpumon_gpu_ecc_errors_total{{{GPUS},type="uncorrected"}}[$__range]))'
+                    " or vector(0)"),
+             thresholds=[(None, "green"), (1, "red")]),
+        stat("Host CPU", "Share of the node's CPU time in use.",
+             Target(f"max(gpumon_host_cpu_utilization_ratio{{{NODE}}})"), unit="percentunit",
+             max=1, thresholds=[(None, "green"), (0.9, "red")]),
+        stat("Agent version", "Version of the gpumon agent.",
+             Target(f"max by (version) (gpumon_agent_info{{{NODE}}})", "{{version}}"),
+             options={"textMode": "name"}),
+        row("Activity"),
+        _gpu_ratio("GPU utilisation", "gpumon_gpu_utilization_ratio",
+                   "Share of time a kernel was running (not how much of the GPU it used)."),
+        _gpu_ratio("SM active", "gpumon_gpu_sm_active_ratio",
+                   "Share of SMs busy (GPM, Hopper and newer): how much of the GPU kernels use."),
+        _gpu_ratio("Tensor-core active", "gpumon_gpu_tensor_active_ratio",
+                   "Share of time the SMs ran tensor-core instructions (GPM)."),
+        _gpu_ratio("DRAM bandwidth active", "gpumon_gpu_dram_active_ratio",
+                   "Device-memory bandwidth used over its peak (GPM): high with little tensor "
+                   "activity means memory-bandwidth bound."),
+        _gpu_ratio("SM occupancy", "gpumon_gpu_sm_occupancy_ratio",
+                   "Resident warps over the theoretical maximum (GPM)."),
+        _gpu_ratio("Memory-controller busy", "gpumon_gpu_memory_utilization_ratio",
+                   "Share of time device memory was read or written (NVML)."),
+        row("Memory"),
+        timeseries("GPU memory used vs total", "Device memory in use and in total per GPU.",
+                   Target(f"gpumon_gpu_memory_used_bytes{{{GPUS}}}", "GPU {{gpu}} used"),
+                   Target(f"gpumon_gpu_memory_total_bytes{{{GPUS}}}", "GPU {{gpu}} total"),
+                   unit="bytes"),
+        table("GPU memory by process", "Device memory held by each compute process.",
+              Target(f"gpumon_gpu_process_memory_bytes{{{GPUS}}}"), unit="bytes"),
+        row("Interconnect"),
+        timeseries("NVLink throughput", "Bytes per second over all NVLink links, per GPU.",
+                   Target(f"rate(gpumon_gpu_nvlink_transmit_bytes_total{{{GPUS}}}[{RATE}])",
+                          "GPU {{gpu}} tx"),
+                   Target(f"rate(gpumon_gpu_nvlink_receive_bytes_total{{{GPUS}}}[{RATE}])",
+                          "GPU {{gpu}} rx"), unit="Bps"),
+        timeseries("PCIe throughput", "Bytes per second over PCIe, per GPU.",
+                   Target(f"rate(gpumon_gpu_pcie_transmit_bytes_total{{{GPUS}}}[{RATE}])",
+                          "GPU {{gpu}} tx"),
+                   Target(f"rate(gpumon_gpu_pcie_receive_bytes_total{{{GPUS}}}[{RATE}])",
+                          "GPU {{gpu}} rx"), unit="Bps"),
+        row("Power, temperature, clocks"),
+        timeseries("Power", "Power draw per GPU.",
+                   Target(f"gpumon_gpu_power_watts{{{GPUS}}}", "GPU {{gpu}}"), unit="watt", width=8),
+        timeseries("Temperature", "GPU core temperature.",
+                   Target(f"gpumon_gpu_temperature_celsius{{{GPUS}}}", "GPU {{gpu}}"),
+                   unit="celsius", width=8, min=None),
+        timeseries("SM clock", "Current SM clock; drops under load point at throttling.",
+                   Target(f"gpumon_gpu_sm_clock_hertz{{{GPUS}}}", "GPU {{gpu}}"), unit="hertz",
+                   width=8),
+        Panel("status-history", "Clock events (throttle reasons)",
+              "1 while a clock-event reason is active: thermal and HW slowdowns cost speed "
+              "(GpumonThermalThrottling); sw_power_cap is normal on a busy GPU.",
+              [Target(f"max by (gpu, reason) (gpumon_gpu_clock_event_active{{{GPUS}}})",
+                      "GPU {{gpu}} {{reason}}")], width=24, height=10, max=1,
+              thresholds=[(None, "green"), (1, "red")]),
+        row("Errors"),
+        table("XID errors by GPU", "XID errors per GPU and code in the dashboard's time range; see "
+              "GpumonXidError's runbook for which need a reset.",
+              Target(f"sum by (gpu, uuid, xid) (increase(gpumon_gpu_xid_errors_total{{{GPUS}}}[$__range]))")),
+        timeseries("ECC errors", "ECC errors per interval, per GPU and type.",
+                   Target(f"sum by (gpu, type) (increase(gpumon_gpu_ecc_errors_total{{{GPUS}}}[{RATE}]))",
+                          "GPU {{gpu}} {{type}}")),
+        row("Host and agent"),
+        timeseries("Host CPU and memory", "Share of the node's CPU time and memory in use.",
+                   Target(f"gpumon_host_cpu_utilization_ratio{{{NODE}}}", "CPU"),
+                   Target(f"gpumon_host_memory_used_bytes{{{NODE}}}"
+                          f" / gpumon_host_memory_total_bytes{{{NODE}}}",
+                          "memory"), unit="percentunit", max=1),
+        timeseries("Collector cycle duration", "Duration of each collector's last cycle; "
+                   "collection runs apart from scrapes.",
+                   Target(f"gpumon_collector_duration_seconds{{{NODE}}}", "{{collector}}"), unit="s"),
+        timeseries("Ingest", "Step records accepted and dropped per second, by kind and reason "
+                   "(GpumonIngestDropping).",
+                   Target(f"sum by (kind) (rate(gpumon_ingest_records_total{{{NODE}}}[{RATE}]))",
+                          "accepted {{kind}}"),
+                   Target(f"sum by (reason) (rate(gpumon_ingest_dropped_total{{{NODE}}}[{RATE}]))",
+                          "dropped {{reason}}")),
+        timeseries("Agent CPU and memory", "The agent's own cost: CPU cores and resident memory.",
+                   Target(f"rate(gpumon_agent_process_cpu_seconds_total{{{NODE}}}[{RATE}])", "CPU cores"),
+                   Target(f"gpumon_agent_process_resident_memory_bytes{{{NODE}}} / 2^30", "RSS GiB")),
+    ]
+    return dashboard(
+        "gpumon-node", "gpumon / Node and GPUs",
+        "One node: GPU activity (SM, tensor, DRAM), memory, NVLink/PCIe, power, temperature, "
+        "clocks and throttling, XID/ECC errors, the host and the gpumon agent.",
+        [query_variable("instance", "Node", "label_values(gpumon_agent_info, instance)"),
+         query_variable("gpu", "GPU", 'label_values(gpumon_gpu_info{instance=~"$instance"}, gpu)',
+                        multi=True)],
+        panels)
+
+
+# --- Fleet ----------------------------------------------------------------------------------
+
+JOB = 'job=~"$job"'
+
+
+def fleet() -> dict[str, Any]:
+    """Every node: how many GPUs hit which wall, which sit idle or near OOM, what fires."""
+    panels = [
+        row("Overview"),
+        stat("Nodes", "Agents scraped.", Target(f"count(gpumon_agent_info{{{JOB}}})")),
+        stat("Agents down", "Agent targets Prometheus cannot scrape (GpumonAgentDown).",
+             Target(f"count(up{{{JOB}}} == 0) or vector(0)"),
+             thresholds=[(None, "green"), (1, "red")]),
+        stat("GPUs", "GPUs known to the agents.", Target(f"count(gpumon_gpu_up{{{JOB}}})")),
+        stat("GPUs lost", "GPUs that stopped answering NVML (GpumonGpuLost).",
+             Target(f"count(gpumon_gpu_up{{{JOB}}} == 0) or vector(0)"),
+             thresholds=[(None, "green"), (1, "red")]),
+        stat("Idle GPUs", "GPUs under 10 % utilisation.",
+             Target(f"count(gpumon_gpu_utilization_ratio{{{JOB}}} < 0.1) or vector(0)"),
+             thresholds=[(None, "green"), (1, "orange")]),
+        stat("Firing alerts", "gpumon alerts firing now.",
+             Target('count(ALERTS{alertname=~"Gpumon.*",alertstate="firing"}) or vector(0)'),
+             thresholds=[(None, "green"), (1, "red")]),
+        row("Bottlenecks"),
+        timeseries("GPUs by bottleneck", "Ranks (one per GPU) by their current verdict.",
+                   Target(f"count by (bottleneck) (gpumon_step_bottleneck{{{JOB}}} == 1)",
+                          "{{bottleneck}}"), stack="normal"),
+        timeseries("Bottleneck mix by run", "Share of each run's steps per verdict.",
+                   Target("run_bottleneck:gpumon_step_bottleneck:ratio_rate5m",
+                          "{{run}} {{bottleneck}}"), unit="percentunit", max=1),
+        row("Runs"),
+        timeseries("Tokens / s by run", "Tokens per second of each run over all its ranks.",
+                   Target("run:gpumon_tokens:rate5m", "{{run}}")),
+        timeseries("Mean step time by run", "Mean step time of each run over all its ranks.",
+                   Target("run:gpumon_step_duration_seconds:mean5m", "{{run}}"), unit="s"),
+        timeseries("MFU by run", "Mean model FLOPs utilisation of each run's ranks.",
+                   Target(f"avg by (run) (gpumon_step_mfu_ratio{{{JOB}}})", "{{run}}"),
+                   unit="percentunit", max=1, thresholds=[(None, "red"), (0.2, "green")]),
+        timeseries("Input and communication share by run", "Share of step time waiting for "
+                   "data and in exposed communication, over each run's ranks.",
+                   Target(f"sum by (run, phase) (rate(gpumon_step_phase_seconds_total"
+                          f'{{{JOB},phase=~"data|comm"}}[{RATE}]))'
+                          f"\n  / ignoring (phase) group_left"
+                          f"\n  sum by (run) (rate(gpumon_step_duration_seconds_sum{{{JOB}}}[{RATE}]))",
+                          "{{run}} {{phase}}"), unit="percentunit", max=1),
+        row("Idle GPUs and memory pressure"),
+        table("Least busy GPUs", "The ten GPUs with the lowest mean utilisation over the time "
+              "range; red under 10 %.",
+              Target(f"bottomk(10, avg_over_time(gpumon_gpu_utilization_ratio{{{JOB}}}[$__range]))"),
+              unit="percentunit", max=1,
+              thresholds=[(None, "red"), (0.1, "orange"), (0.5, "green")]),
+        table("Ranks by OOM risk", "The ten ranks closest to running out of memory.",
+              Target(f"topk(10, gpumon_oom_risk_ratio{{{JOB}}})"), unit="percentunit", max=1,
+              thresholds=[(None, "green"), (0.5, "orange"), (0.8, "red")]),
+        table("GPUs by memory used", "The ten fullest GPUs (share of device memory in use).",
+              Target(f"topk(10, gpumon_gpu_memory_used_bytes{{{JOB}}}"
+                     f" / gpumon_gpu_memory_total_bytes{{{JOB}}})"),
+              unit="percentunit", max=1,
+              thresholds=[(None, "green"), (0.75, "orange"), (0.9, "red")]),
+        row("Alerts"),
+        table("gpumon alerts", "Firing and pending gpumon alerts (pending: the condition holds "
+              "but not yet for the rule's `for:`).",
+              Target('ALERTS{alertname=~"Gpumon.*"}'), width=24, min=None),
+    ]
+    return dashboard(
+        "gpumon-fleet", "gpumon / Fleet",
+        "All nodes and runs: GPUs by bottleneck, idle GPUs, memory pressure and firing alerts.",
+        [query_variable("job", "Job", "label_values(gpumon_agent_info, job)", multi=True)],
+        panels)
+
+
+DASHBOARDS = {"gpumon-training.json": training, "gpumon-node.json": node,
+              "gpumon-fleet.json": fleet}
+
+
+def render(build: Any) -> str:
+    """The dashboard's JSON text, as checked in."""
+    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+
+
+def main() -> int:
+    """Write every dashboard next to this script."""
+    for name, build in DASHBOARDS.items():
+        (HERE / name).write_text(render(build))
+        print(f"wrote dashboards/{name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
