@@ -195,13 +195,16 @@ class PrometheusProcess:
 
 def start_prometheus(tmp_path: Path, targets: list[str], scrape_interval: str = "1s",
                      rule_files: list[Path] | None = None,
-                     alertmanager: str | None = None) -> PrometheusProcess:
-    """Start Prometheus scraping ``targets`` (host:port) into a fresh TSDB under tmp_path."""
+                     alertmanager: str | None = None,
+                     scrape_extra: Mapping[str, Any] | None = None) -> PrometheusProcess:
+    """Start Prometheus scraping ``targets`` (host:port) into a fresh TSDB under tmp_path;
+    ``scrape_extra`` adds fields to the scrape job (scheme, tls_config, basic_auth, ...)."""
     binary = require_tool("prometheus")
     port = free_port()
     config = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-        "scrape_configs": [{"job_name": "gpumon", "static_configs": [{"targets": targets}]}],
+        "scrape_configs": [{"job_name": "gpumon", "static_configs": [{"targets": targets}],
+                            **(scrape_extra or {})}],
     }
     if rule_files:
         config["rule_files"] = [str(p) for p in rule_files]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,7 +13,11 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from gpumon.export.webconfig import WebConfig
+
 log = logging.getLogger(__name__)
+
+CONNECTION_TIMEOUT_S = 10.0
 
 
 class ServeError(RuntimeError):
@@ -23,6 +28,19 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
+    ssl_context: ssl.SSLContext | None = None
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        # TLS handshakes happen here, on the connection's own thread, so a slow or
+        # malicious client can never hold up accept() for everyone else.
+        if self.ssl_context is not None:
+            request.settimeout(CONNECTION_TIMEOUT_S)
+            try:
+                request = self.ssl_context.wrap_socket(request, server_side=True)
+            except (OSError, ssl.SSLError) as exc:
+                log.debug("TLS handshake with %s failed: %s", client_address, exc)
+                return
+        super().finish_request(request, client_address)
 
 
 class MetricsServer:
@@ -30,13 +48,16 @@ class MetricsServer:
 
     def __init__(self, address: str, port: int, registry: CollectorRegistry,
                  readiness: Callable[[], tuple[bool, dict[str, Any]]],
-                 snapshot: Callable[[], dict[str, Any]]) -> None:
-        handler = _make_handler(registry, readiness, snapshot)
+                 snapshot: Callable[[], dict[str, Any]], web: WebConfig | None = None) -> None:
+        web = web or WebConfig()
+        handler = _make_handler(registry, readiness, snapshot, web)
         try:
             self._server = _Server((address, port), handler)
         except OSError as exc:
             reason = exc.strerror or str(exc)
             raise ServeError(f"cannot listen on {address}:{port}: {reason}") from exc
+        self._server.ssl_context = web.ssl_context
+        self.scheme = "https" if web.ssl_context else "http"
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         kwargs={"poll_interval": 0.2},
                                         name="gpumon-http", daemon=True)
@@ -60,12 +81,22 @@ class MetricsServer:
 
 def _make_handler(registry: CollectorRegistry,
                   readiness: Callable[[], tuple[bool, dict[str, Any]]],
-                  snapshot: Callable[[], dict[str, Any]]) -> type[BaseHTTPRequestHandler]:
+                  snapshot: Callable[[], dict[str, Any]],
+                  web: WebConfig) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "gpumon"
+        timeout = CONNECTION_TIMEOUT_S  # an idle or trickling client loses its thread
 
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
+            # Liveness says nothing worth protecting, and probes rarely carry credentials.
+            if path != "/healthz" and not web.authorized(self.headers.get("Authorization")):
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Basic realm="gpumon"')
+                self.send_header("Content-Length", "13")
+                self.end_headers()
+                self.wfile.write(b"unauthorized\n")
+                return
             try:
                 if path == "/metrics":
                     # Always the text format: the metric contract has a counter and a gauge
