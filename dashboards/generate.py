@@ -161,12 +161,15 @@ def datasource_variable() -> dict[str, Any]:
             "current": {}, "options": []}
 
 
-def query_variable(name: str, label: str, query: str, *, multi: bool = False) -> dict[str, Any]:
-    """A variable filled from ``label_values(...)``; multi ones offer All (= ``.*``)."""
+def query_variable(name: str, label: str, query: str, *, multi: bool = False,
+                   all_value: str | None = ".*") -> dict[str, Any]:
+    """A variable filled from ``label_values(...)``; multi ones offer All: ``all_value``, or
+    with ``None`` Grafana's own, the listed values joined (``(a|b)``)."""
     return {"name": name, "label": label, "type": "query", "datasource": DATASOURCE,
             "query": {"query": query, "refId": "PrometheusVariableQueryEditor-VariableQuery"},
             "definition": query, "refresh": 2, "sort": 3, "regex": "", "hide": 0,
-            "multi": multi, "includeAll": multi, **({"allValue": ".*"} if multi else {}),
+            "multi": multi, "includeAll": multi,
+            **({"allValue": all_value} if multi and all_value is not None else {}),
             "current": {}, "options": []}
 
 
@@ -500,7 +503,9 @@ def fleet() -> dict[str, Any]:
     return dashboard(
         "gpumon-fleet", "gpumon / Fleet",
         "All nodes and runs: GPUs by bottleneck, idle GPUs, memory pressure and firing alerts.",
-        [query_variable("job", "Job", "label_values(gpumon_agent_info, job)", multi=True)],
+        # All = the agents' jobs, not `.*`: `up{job=~"$job"}` must not count other targets.
+        [query_variable("job", "Job", "label_values(gpumon_agent_info, job)", multi=True,
+                        all_value=None)],
         panels)
 
 

@@ -220,7 +220,10 @@ def _variable_choices(prometheus: PrometheusProcess,
             empty.append(f"variable {variable['name']}: {variable['definition']}")
             options = ["none"]
         first_values[variable["name"]] = options[0]
-        all_values[variable["name"]] = variable["allValue"] if variable["multi"] else options[0]
+        if not variable["multi"]:
+            all_values[variable["name"]] = options[0]
+        else:  # Grafana's All without an allValue: every listed value, as a regex
+            all_values[variable["name"]] = variable.get("allValue") or f"({'|'.join(options)})"
     return [all_values, first_values], empty
 
 
