@@ -57,7 +57,8 @@ def _load_generator() -> ModuleType:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
+    board: dict[str, Any] = json.loads(path.read_text())
+    return board
 
 
 def _panels(board: dict[str, Any]) -> list[dict[str, Any]]:
@@ -234,7 +235,7 @@ def _targets() -> list[tuple[str, str, dict[str, Any]]]:
 
 
 def _empty_queries(live: Live) -> list[str]:
-    empty = []
+    empty: list[str] = []
     for path in DASHBOARDS:
         board = _load(path)
         choices, empty_variables = _variable_choices(live.prometheus, board["templating"]["list"])

@@ -99,9 +99,11 @@ def test_kustomization_lists_the_manifests() -> None:
 
 def _agent_container(pod: dict[str, Any]) -> dict[str, Any]:
     containers = [*pod.get("initContainers", []), *pod["containers"]]
-    (agent,) = [c for c in containers if c["image"].startswith("ghcr.io/gpumon/gpumon")
-                and c.get("args") == ["agent"]]
-    return agent
+    agents: list[dict[str, Any]] = [c for c in containers
+                                    if c["image"].startswith("ghcr.io/gpumon/gpumon")
+                                    and c.get("args") == ["agent"]]
+    assert len(agents) == 1, agents
+    return agents[0]
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
