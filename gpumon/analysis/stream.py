@@ -37,7 +37,8 @@ History = Callable[[int, float, float], Sequence[GpuSample]]
 
 COMPUTE_HISTORY = 16  # steps per rank for its median compute time (straggler score)
 PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
-MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are analysed without waiting
+MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
+CLOCK_SKEW_TOLERANCE_S = 5.0  # a step "ending" later than this after receipt is re-based
 
 
 @dataclass
@@ -107,9 +108,11 @@ class StepAnalyzer:
 
     def add(self, steps: Iterable[StepRecord], received_t: float,
             pids: Mapping[RankKey, int | None] | None = None) -> None:
-        """Queue steps; a step without ``t_start`` is taken to have ended when received."""
+        """Queue steps; a step without ``t_start``, or one claiming to end well after it
+        was received (a client clock running ahead), is taken to have ended when received."""
         for step in steps:
-            if step.t_start is None:
+            end = step.t_end
+            if end is None or end > received_t + CLOCK_SKEW_TOLERANCE_S:
                 step = replace(step, t_start=received_t - step.duration_s)
             key = (step.run, step.rank)
             state = self._ranks.get(key)
@@ -143,10 +146,9 @@ class StepAnalyzer:
                 continue
             groups = _group(state.pending[:k], self.resolution_s)
             last = groups[-1]
-            # Hold back a recent last group shorter than the resolution when nothing
-            # follows it yet: its next step may still come. An old one (the job stopped)
-            # is analysed as it is.
-            if k == len(state.pending) and _span(last) < self.resolution_s \
+            # Hold back a recent last group shorter than the resolution: its next step may
+            # still come, or be waiting. An old one (the job stopped) is analysed as it is.
+            if _span(last) < self.resolution_s \
                     and (last[-1].t_end or 0.0) > cutoff - 5 * self.resolution_s:
                 groups.pop()
                 k -= len(last)
