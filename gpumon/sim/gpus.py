@@ -27,6 +27,8 @@ class GpuModel:
     max_sm_clock_hz: float
     power_limit_watts: float
     architecture: str
+    peak_flops: float | None = None
+    """Dense BF16 tensor-core peak, FLOP/s (the datasheets' sparse figure halved)."""
 
 
 H100_SXM = GpuModel(
@@ -38,7 +40,33 @@ H100_SXM = GpuModel(
     max_sm_clock_hz=1980e6,
     power_limit_watts=700.0,
     architecture="hopper",
+    peak_flops=989e12,
 )
+
+H200_SXM = GpuModel(
+    name="NVIDIA H200",
+    memory_total_bytes=141 * 1024**3,
+    nvlink_links=18,
+    nvlink_bytes_per_second=450e9,
+    pcie_bytes_per_second=64e9,
+    max_sm_clock_hz=1980e6,
+    power_limit_watts=700.0,
+    architecture="hopper",
+    peak_flops=989e12,
+)
+
+GPU_MODELS = {"h100-sxm": H100_SXM, "h200-sxm": H200_SXM}
+"""Simulated models by short name. Hopper parts only: the verdicts need GPM's SM, tensor and
+DRAM activity, which older GPUs do not report."""
+
+
+def gpu_model(name: str) -> GpuModel:
+    """The simulated model called ``name`` (``h100-sxm``, ``h200-sxm``); ValueError otherwise."""
+    try:
+        return GPU_MODELS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown GPU model {name!r}; choose from "
+                         f"{', '.join(GPU_MODELS)}") from None
 
 
 @dataclass(frozen=True)
@@ -179,4 +207,5 @@ def _clip(x: float) -> float:
     return min(1.0, max(0.0, x))
 
 
-__all__ = ["Activity", "GpuModel", "H100_SXM", "SimulatedSource"]
+__all__ = ["GPU_MODELS", "H100_SXM", "H200_SXM", "Activity", "GpuModel", "SimulatedSource",
+           "gpu_model"]
