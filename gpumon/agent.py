@@ -23,7 +23,7 @@ from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
 from gpumon import __version__
-from gpumon.analysis.stream import StepAnalyzer
+from gpumon.analysis.stream import RankAnalysis, StepAnalyzer
 from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer
 from gpumon.collectors.samples import GpuSample, GpuStatic
@@ -180,8 +180,10 @@ class Agent:
         if self._gpu_source is None:
             self._gpu_source, status = open_gpu_source(self.config, self.state.count_error)
         else:
+            # A source handed in while simulating is the caller's simulator (`gpumon demo`).
             status = NvmlStatus(up=True, driver_version=self._gpu_source.driver_version,
-                                nvml_version=self._gpu_source.nvml_version)
+                                nvml_version=self._gpu_source.nvml_version,
+                                simulated=self.config.simulate > 0)
         if not status.up:
             log.warning("no GPU metrics: %s; serving host and step metrics only", status.message)
         source = self._gpu_source
@@ -321,6 +323,8 @@ class Agent:
     def snapshot(self) -> dict[str, Any]:
         """The current state as JSON-ready data (for /api/v1/snapshot and `gpumon top`)."""
         snap = self.state.snapshot(time.time())
+        with self._analyzer_lock:
+            analyses = {(a.run, a.rank): a for a in self.analyzer.analyses()}
         gpus = []
         for gpu in snap.gpus:
             sample = snap.latest.get(gpu.index)
@@ -345,8 +349,8 @@ class Agent:
                 "memory_total_bytes": host.memory_total_bytes},
             "xid_errors": [{"gpu": g, "xid": x, "count": c}
                            for (g, x), c in sorted(snap.xid_counts.items())],
-            "ranks": [_rank_dict(r) for r in sorted(self.steps.ranks(),
-                                                    key=lambda r: (r.run, r.rank))],
+            "ranks": [_rank_dict(r, analyses.get((r.run, r.rank)))
+                      for r in sorted(self.steps.ranks(), key=lambda r: (r.run, r.rank))],
         }
 
 
@@ -358,7 +362,7 @@ def _sample_dict(sample: GpuSample) -> dict[str, Any]:
     return data
 
 
-def _rank_dict(state: RankState) -> dict[str, Any]:
+def _rank_dict(state: RankState, analysis: RankAnalysis | None) -> dict[str, Any]:
     return {
         "run": state.run, "rank": state.rank, "world": state.world,
         "local_rank": state.local_rank, "pid": state.pid, "gpu": state.gpu_hint,
@@ -369,4 +373,23 @@ def _rank_dict(state: RankState) -> dict[str, Any]:
         "memory_reserved_bytes": state.memory_reserved_bytes,
         "memory_peak_bytes": state.memory_peak_bytes,
         "alloc_retries_total": state.alloc_retries_total, "ooms_total": state.ooms_total,
+        "last_step_duration_seconds": state.last_duration_s,
+        "analysis": None if analysis is None else _analysis_dict(analysis),
+    }
+
+
+def _analysis_dict(analysis: RankAnalysis) -> dict[str, Any]:
+    verdict, oom = analysis.verdict, analysis.oom
+    return {
+        "gpu": analysis.gpu, "verdict_step": analysis.verdict_step,
+        "bottleneck": verdict.primary.value if verdict else None,
+        "confidence": verdict.confidence if verdict else None,
+        "flags": sorted(f.value for f in verdict.flags) if verdict else [],
+        "hint": verdict.hint if verdict else None,
+        "mfu": verdict.mfu if verdict else None,
+        "bottleneck_steps": dict(analysis.bottleneck_steps),
+        "straggler_score": analysis.straggler_score,
+        "oom": None if oom is None else {
+            "risk_ratio": oom.risk_ratio, "predicted_seconds": oom.predicted_seconds,
+            "headroom_bytes": oom.headroom_bytes, "reasons": list(oom.reasons)},
     }

@@ -44,6 +44,7 @@ class RankState:
     duration_sum_s: float = 0.0
     last_step: int | None = None
     last_step_end_t: float | None = None
+    last_duration_s: float | None = None
     memory_allocated_bytes: int | None = None
     memory_reserved_bytes: int | None = None
     memory_peak_bytes: int | None = None
@@ -69,6 +70,7 @@ class RankState:
         self.duration_sum_s += record.duration_s
         self.last_step = record.step
         self.last_step_end_t = record.t_end if record.t_end is not None else now_t
+        self.last_duration_s = record.duration_s
         mem = record.mem
         if mem is not None:
             if mem.allocated_bytes is not None:
