@@ -193,6 +193,50 @@ def classify(
     typer.echo(f"summary: {json.dumps(summary)}")
 
 
+@app.command()
+def demo(
+    gpus: Annotated[int, typer.Option(min=1, max=64, help="Simulated GPUs.")] = 8,
+    ranks: Annotated[int, typer.Option(min=1, max=64, help="Ranks of the synthetic data-parallel job, one per GPU.")] = 8,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="HTTP port of the agent (0: any free port), on 127.0.0.1.")] = DEFAULT_PORT,
+    socket: Annotated[str | None, typer.Option(help="Ingest socket [default: demo-<pid>.sock in $XDG_RUNTIME_DIR/gpumon, else in the temp directory].")] = None,
+    schedule: Annotated[str, typer.Option(help="Phases to run: a TOML schedule file, or the built-in 'default' or 'short'.")] = "default",
+    duration: Annotated[float | None, typer.Option(min=0.1, help="Stop after this many seconds [default: run until Ctrl-C].")] = None,
+    ui: Annotated[bool, typer.Option("--ui/--no-ui", help="Live view; without it (or when stdout is not a terminal) one line per phase change.")] = True,
+    interval: Annotated[float, typer.Option(min=0.05, max=60.0, help="Agent polling interval in seconds.")] = 1.0,
+    gpu_model: Annotated[str, typer.Option(help="Simulated GPU model: h100-sxm or h200-sxm.")] = "h100-sxm",
+) -> None:
+    """Run an agent, a simulated GPU node and a synthetic multi-rank training job, with a live view."""
+    from gpumon.demo import DemoError, DemoOptions, run_demo
+    from gpumon.sim.schedule import load_schedule
+
+    try:
+        options = DemoOptions(schedule=load_schedule(schedule), gpus=gpus, ranks=ranks, port=port,
+                              socket=socket, duration_s=duration, ui=ui, interval_s=interval,
+                              model=gpu_model)
+    except ValueError as exc:  # ScheduleError too
+        _fail(str(exc), 2)
+    try:
+        code = run_demo(options)
+    except DemoError as exc:
+        _fail(str(exc))
+    raise typer.Exit(code)
+
+
+@app.command()
+def top(
+    url: Annotated[str, typer.Option(help="The agent's base URL.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
+    interval: Annotated[float, typer.Option(min=0.1, max=60.0, help="Seconds between redraws.")] = 1.0,
+) -> None:
+    """Live terminal view of a running agent: GPUs, ranks, verdicts and OOM risk."""
+    from gpumon.top import run_top, snapshot_url
+
+    try:
+        snapshot_url(url)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    raise typer.Exit(run_top(url, interval))
+
+
 def main() -> None:
     """Console-script entry point."""
     app()
