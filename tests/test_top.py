@@ -1,0 +1,217 @@
+"""`gpumon top`: the rendered view of a snapshot, and the command in a pseudo-terminal."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pty
+import re
+import select
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from gpumon.agent import Agent
+from gpumon.config import AgentConfig
+from gpumon.sim.gpus import SimulatedSource
+from gpumon.sim.job import SimulatedJob
+from gpumon.sim.schedule import parse_schedule
+from gpumon.top import render, snapshot_url
+from tests.helpers import ROOT, agent_env, free_port, wait_for
+
+GIB = 1024**3
+
+SNAPSHOT: dict[str, Any] = {
+    "version": "0.1.0", "t": 1_800_000_000.0,
+    "nvml": {"up": True, "driver_version": "550.54.15", "nvml_version": "12.550",
+             "simulated": False, "message": None},
+    "host": {"cpu_utilization_ratio": 0.25, "memory_used_bytes": 64 * GIB,
+             "memory_total_bytes": 512 * GIB},
+    "gpus": [
+        {"index": 0, "uuid": "GPU-0", "model": "NVIDIA H100 80GB HBM3", "up": True,
+         "utilization_ratio": 0.97, "sm_active_ratio": 0.88, "tensor_active_ratio": 0.71,
+         "dram_active_ratio": 0.34, "memory_used_bytes": 76 * GIB,
+         "memory_total_bytes": 80 * GIB, "nvlink_tx_bytes_per_second": 54.4e9,
+         "power_watts": 640.0, "temperature_celsius": 71},
+        {"index": 1, "uuid": "GPU-1", "model": "NVIDIA H100 80GB HBM3", "up": False},
+        {"index": 2, "uuid": "GPU-2", "model": "NVIDIA H100 PCIe", "up": True,
+         "utilization_ratio": 0.05},
+    ],
+    "ranks": [
+        {"run": "llama", "rank": 0, "gpu": "GPU-0", "steps_total": 1234,
+         "last_step_duration_seconds": 0.412, "memory_peak_bytes": 72 * GIB,
+         "analysis": {"gpu": 0, "bottleneck": "input", "confidence": 0.91,
+                      "flags": ["memory_pressure", "straggler"], "mfu": 0.183,
+                      "oom": {"risk_ratio": 0.93, "predicted_seconds": 42.4}}},
+        {"run": "llama", "rank": 1, "gpu": None, "steps_total": 3},
+    ],
+}
+
+
+def text_of(renderable: Any, width: int = 160) -> str:
+    console = Console(width=width, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(renderable)
+    return console.export_text()
+
+
+def row(text: str, *cells: str) -> bool:
+    """Whether one line of a rendered table holds ``cells`` in order, between borders."""
+    pattern = r"\s*│\s*".join(re.escape(c) for c in cells)
+    return any(re.search(r"(^|│)\s*" + pattern + r"\s*(│|$)", line) for line in text.splitlines())
+
+
+def test_render_shows_gpus_ranks_verdicts_and_oom_risk() -> None:
+    text = text_of(render(SNAPSHOT, title="gpumon top http://node:9403"))
+    assert text.startswith("gpumon top http://node:9403  gpumon 0.1.0  3 GPUs  driver 550.54.15")
+    assert row(text, "0", "NVIDIA H100 80GB HBM3", "97%", "88%", "71%", "34%", "76.0/80.0",
+               "54.4 GB/s", "640 W", "71 °C")
+    assert row(text, "1", "NVIDIA H100 80GB HBM3", "lost")
+    assert row(text, "2", "NVIDIA H100 PCIe", "5%", "—", "—", "—", "—/—")  # absent, not 0
+    assert row(text, "llama", "0", "0", "1234", "0.41 s", "input", "91%",
+               "memory_pressure, straggler", "18%", "72.0", "93%", "42 s")
+    assert row(text, "llama", "1", "—", "3", "—", "—", "—", "—", "—", "—", "—", "—")
+
+
+def test_render_says_what_is_missing() -> None:
+    bare = {"version": "0.1.0", "gpus": [], "ranks": [],
+            "nvml": {"up": False, "message": "libnvidia-ml.so.1 not found", "simulated": False}}
+    text = text_of(render(bare))
+    assert "no GPU metrics: libnvidia-ml.so.1 not found" in text
+    assert "no training steps received yet" in text
+    assert "GPUs" not in text.splitlines()[1:]
+
+
+def test_snapshot_url_accepts_agent_addresses_only() -> None:
+    assert snapshot_url("http://10.0.0.7:9403") == "http://10.0.0.7:9403/api/v1/snapshot"
+    assert snapshot_url("https://node/") == "https://node/api/v1/snapshot"
+    for bad in ("10.0.0.7:9403", "ftp://node", "http://"):
+        with pytest.raises(ValueError, match="expected the agent's address"):
+            snapshot_url(bad)
+
+
+# --- the command, in a pseudo-terminal ------------------------------------------------------
+
+ANSI = re.compile(r"\x1b(\[[0-?]*[ -/]*[@-~]|\][^\x07]*\x07|[()][0-9A-Za-z]|[=>78])")
+
+
+class PtyProcess:
+    """A command whose stdin/stdout/stderr are a pseudo-terminal of a fixed size."""
+
+    def __init__(self, args: list[str], columns: int = 160, lines: int = 50) -> None:
+        master, slave = pty.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", lines, columns, 0, 0))
+        env = agent_env(extra={"TERM": "xterm-256color", "COLUMNS": str(columns),
+                               "LINES": str(lines)})
+        self.process = subprocess.Popen(args, stdin=slave, stdout=slave, stderr=slave, env=env,
+                                        cwd=ROOT, start_new_session=True)
+        os.close(slave)
+        self._master = master
+        self.output = ""
+
+    def read(self, timeout_s: float = 0.2) -> str:
+        """What the terminal received so far, without escape sequences."""
+        raw = b""
+        while select.select([self._master], [], [], timeout_s)[0]:
+            try:
+                chunk = os.read(self._master, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            raw += chunk
+            timeout_s = 0.0
+        self.output += ANSI.sub("", raw.decode(errors="replace"))
+        return self.output
+
+    def wait_for(self, predicate: Callable[[str], bool], timeout_s: float, what: str) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate(self.read()):
+                return self.output
+            assert self.process.poll() is None, f"exited early:\n{self.output}"
+        raise AssertionError(f"timed out waiting for {what}; terminal:\n{self.output[-4000:]}")
+
+    def stop(self, sig: int = signal.SIGINT, timeout_s: float = 10.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+        try:
+            code = self.process.wait(timeout_s)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+            self.read(0.0)
+            os.close(self._master)
+        return code
+
+
+@pytest.fixture
+def live_agent(tmp_path: Path) -> Iterator[Agent]:
+    """An agent on 3 simulated GPUs with a 2-rank compute-bound job reporting to it."""
+    source = SimulatedSource(3)
+    agent = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=3, interval=0.25,
+                              socket=str(tmp_path / "s.sock")), gpu_source=source)
+    agent.start()
+    job = SimulatedJob(source, parse_schedule('[[phase]]\nkind = "compute"\nseconds = 60\n'),
+                       ranks=2, socket_path=agent.config.socket, run="ptyjob")
+    job.start()
+    try:
+        yield agent
+    finally:
+        job.stop()
+        agent.stop()
+
+
+def test_top_in_a_terminal_shows_the_gpus_and_ranks(live_agent: Agent) -> None:
+    url = f"http://127.0.0.1:{live_agent.port}"
+    top = PtyProcess([sys.executable, "-m", "gpumon.cli", "top", "--url", url,
+                      "--interval", "0.5"])
+    try:
+        def complete(text: str) -> bool:
+            frame = text.rsplit("gpumon top", 1)[-1]  # the latest frame
+            return all(row(frame, "ptyjob", str(r), str(r)) for r in (0, 1)) \
+                and frame.count("compute") >= 2
+        screen = top.wait_for(complete, 30, "both ranks with a compute verdict")
+        frame = screen.rsplit("gpumon top", 1)[-1]
+        assert f"{url}  gpumon 0.1.0  3 GPUs (simulated)" in frame
+        for index in range(3):
+            assert row(frame, str(index), "NVIDIA H100 80GB HBM3")
+        assert "Ranks" in frame
+    finally:
+        code = top.stop(signal.SIGINT)
+    assert code == 0, top.output[-2000:]
+    assert "Traceback" not in top.output
+
+
+def test_top_keeps_trying_an_unreachable_agent_until_stopped(tmp_path: Path) -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    log = tmp_path / "top.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "gpumon.cli", "top", "--url", url,
+                                    "--interval", "0.2"], stdout=out, stderr=subprocess.STDOUT,
+                                   env=agent_env(), cwd=ROOT)
+    try:
+        wait_for(lambda: log.read_text().count("cannot read") >= 2, timeout=20,
+                 what="two failed attempts")
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(10)
+    assert code == 0, log.read_text()
+    printed = " ".join(log.read_text().split())  # unwrapped: not a terminal, 80 columns
+    assert f"gpumon top: cannot read {url}: [Errno 111] Connection refused; retrying" in printed
+
+
+def test_top_refuses_a_url_that_is_not_an_agent_address() -> None:
+    result = subprocess.run([sys.executable, "-m", "gpumon.cli", "top", "--url", "node:9403"],
+                            capture_output=True, text=True, env=agent_env(), cwd=ROOT, timeout=30)
+    assert result.returncode == 2
+    assert "gpumon: error: --url 'node:9403': expected the agent's address" in result.stderr
