@@ -10,6 +10,7 @@ Usable as a library::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -31,6 +32,7 @@ from gpumon.config import AgentConfig
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.server import MetricsServer
 from gpumon.export.step_metrics import analysis_families, step_families
+from gpumon.export.webconfig import WebConfig, WebConfigError, load_web_config
 from gpumon.protocol import Record
 from gpumon.record import Recorder
 from gpumon.state import NodeState, NvmlStatus
@@ -175,8 +177,14 @@ class Agent:
             except OSError as exc:
                 raise AgentError(f"cannot open recording {self.config.record}: "
                                  f"{exc.strerror or exc}") from exc
+        web = None
+        if self.config.web_config:
+            try:
+                web = load_web_config(Path(self.config.web_config))
+            except WebConfigError as exc:
+                raise AgentError(str(exc)) from exc
         self._server = MetricsServer(self.config.address, self.config.port, self.registry,
-                                     self.readiness, self.snapshot)
+                                     self.readiness, self.snapshot, web)
         if self._gpu_source is None:
             self._gpu_source, status = open_gpu_source(self.config, self.state.count_error)
         else:
@@ -218,6 +226,39 @@ class Agent:
             return
         self._ingest.start()
         log.info("receiving training steps on %s", self.config.socket)
+
+    def reload(self, config: AgentConfig) -> list[str]:
+        """Apply what can change while running (SIGHUP); returns one line per setting.
+
+        Users, TLS certificates, the uid allow-list, rank TTL and cap, and the log level change
+        at once; address, port, socket, interval, collectors, simulation and recording need a
+        restart and are reported as such. Raises AgentError (and changes nothing) when the
+        new web config is unusable.
+        """
+        web = None
+        if config.web_config:
+            try:
+                web = load_web_config(Path(config.web_config))
+            except WebConfigError as exc:
+                raise AgentError(str(exc)) from exc
+        notes = []
+        if self._server is not None and (config.web_config or self.config.web_config):
+            self._server.set_web(web or WebConfig())
+            notes.append(f"web_config: reloaded {config.web_config or '(none)'}")
+        if self._ingest is not None and config.allowed_uids != self.config.allowed_uids:
+            self._ingest.set_allowed_uids(config.allowed_uids)
+            notes.append(f"allowed_uids: {list(config.allowed_uids) or 'anyone'}")
+        self.steps.ttl_s, self.steps.max_ranks = config.rank_ttl_seconds, config.max_ranks
+        if config.log_level != self.config.log_level:
+            logging.getLogger().setLevel(config.log_level.upper())
+            notes.append(f"log_level: {config.log_level}")
+        for name in ("address", "port", "socket", "interval", "collectors", "simulate", "record"):
+            if getattr(config, name) != getattr(self.config, name):
+                notes.append(f"{name}: changed, takes effect after a restart")
+        self.config = dataclasses.replace(
+            config, **{n: getattr(self.config, n) for n in (
+                "address", "port", "socket", "interval", "collectors", "simulate", "record")})
+        return notes
 
     def stop(self) -> None:
         """Stop threads and the server; safe to call twice."""
@@ -294,9 +335,11 @@ class Agent:
         snap = self.state.snapshot(time.time())
         yield from node_families(snap)
         records, dropped = self.steps.counters()
-        yield from step_families(self.steps.ranks(), records, dropped, snap.processes)
         with self._analyzer_lock:
             analyses = self.analyzer.analyses()
+        uuids = {g.index: g.uuid for g in snap.gpus}
+        resolved = {(a.run, a.rank): uuids[a.gpu] for a in analyses if a.gpu in uuids}
+        yield from step_families(self.steps.ranks(), records, dropped, snap.processes, resolved)
         yield from analysis_families(analyses)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:

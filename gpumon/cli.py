@@ -54,6 +54,7 @@ def agent(
     config: Annotated[str | None, typer.Option(help="TOML config file ([agent] table) [env GPUMON_CONFIG].")] = None,
     collector: Annotated[list[str] | None, typer.Option(help="Enable only these collectors (repeatable): nvml, host, ingest [env GPUMON_COLLECTORS].")] = None,
     log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error [env GPUMON_LOG_LEVEL].")] = None,
+    web_config: Annotated[str | None, typer.Option(help="TLS and basic-auth file in the Prometheus exporters' web config format [env GPUMON_WEB_CONFIG].")] = None,
 ) -> None:
     """Run the node agent: collect, classify and serve /metrics until SIGTERM/SIGINT."""
     from gpumon.agent import Agent, AgentError
@@ -62,7 +63,7 @@ def agent(
     flags: dict[str, Any] = {
         "address": address, "port": port, "socket": socket, "interval": interval,
         "simulate": simulate, "record": record, "config": config,
-        "collectors": collector or None, "log_level": log_level,
+        "collectors": collector or None, "log_level": log_level, "web_config": web_config,
     }
     try:
         cfg = load_config(flags)
@@ -80,19 +81,37 @@ def agent(
         node.stop()
         _fail(str(exc))
     stop = threading.Event()
+    reload = threading.Event()
+    log = logging.getLogger("gpumon")
 
     def _on_signal(signum: int, _frame: Any) -> None:
-        logging.getLogger("gpumon").info("received %s, shutting down",
-                                         signal.Signals(signum).name)
+        if signum == signal.SIGHUP:
+            reload.set()
+            return
+        log.info("received %s, shutting down", signal.Signals(signum).name)
         stop.set()
 
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, _on_signal)
     try:
         while not stop.wait(0.5):
-            pass
+            if reload.is_set():
+                reload.clear()
+                _reload(node, flags, log)
     finally:
         node.stop()
+
+
+def _reload(node: Any, flags: dict[str, Any], log: logging.Logger) -> None:
+    """SIGHUP: re-read env and config file; a bad new config keeps the running one."""
+    from gpumon.agent import AgentError
+
+    try:
+        notes = node.reload(load_config(flags))
+    except (ConfigError, AgentError) as exc:
+        log.error("reload failed, keeping the running configuration: %s", exc)
+        return
+    log.info("configuration reloaded%s", "".join(f"; {n}" for n in notes))
 
 
 @app.command()

@@ -36,6 +36,7 @@ class AgentConfig:
     rank_ttl_seconds: float = 300.0
     max_ranks: int = 1024
     log_level: str = "info"
+    web_config: str | None = None
     config: str | None = field(default=None, compare=False)
 
     def enabled(self, collector: str) -> bool:
@@ -124,7 +125,7 @@ def _validate(values: dict[str, Any]) -> AgentConfig:
             if str(value).lower() not in _LOG_LEVELS:
                 raise ConfigError(f"{where}: choose one of {', '.join(_LOG_LEVELS)}")
             out[f.name] = str(value).lower()
-        elif f.name in ("socket", "record", "config"):
+        elif f.name in ("socket", "record", "config", "web_config"):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: expected a non-empty path")
             out[f.name] = value

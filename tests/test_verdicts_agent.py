@@ -98,3 +98,12 @@ def test_scrape_with_verdicts_passes_promtool(agent: Agent) -> None:
     result = subprocess.run([promtool, "check", "metrics"], input=scrape(agent),
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_rank_info_carries_the_resolved_device_uuid(agent: Agent) -> None:
+    uuid = agent.state.gpu_statics()[1].uuid
+    send(agent, [{"v": 1, "kind": "step", "run": "idx", "rank": 0, "step": 0,
+                  "t_start": time.time() - 3, "duration": 1.0, "gpu": 1}])  # a CUDA index
+    m = wait_for(lambda: (lambda m: values(m, "gpumon_rank_info", run="idx", gpu=uuid) and m)(
+        parse_metrics(scrape(agent))), what="rank attributed to GPU 1's UUID")
+    assert value(m, "gpumon_rank_info", run="idx", rank="0", gpu=uuid) == 1

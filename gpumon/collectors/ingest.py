@@ -123,6 +123,10 @@ class IngestServer:
                                          daemon=True)
         self.datagrams_total = 0
 
+    def set_allowed_uids(self, uids: tuple[int, ...]) -> None:
+        """Change which users may send (SIGHUP); empty allows everyone who can write."""
+        self._allowed = frozenset(uids)
+
     def start(self) -> None:
         """Start receiving and decoding."""
         self._receiver.start()

@@ -28,7 +28,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
     request_queue_size = 128
-    ssl_context: ssl.SSLContext | None = None
+    web: WebConfig = WebConfig()
+
+    @property
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return self.web.ssl_context
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         # TLS handshakes happen here, on the connection's own thread, so a slow or
@@ -50,17 +54,21 @@ class MetricsServer:
                  readiness: Callable[[], tuple[bool, dict[str, Any]]],
                  snapshot: Callable[[], dict[str, Any]], web: WebConfig | None = None) -> None:
         web = web or WebConfig()
-        handler = _make_handler(registry, readiness, snapshot, web)
+        handler = _make_handler(registry, readiness, snapshot)
         try:
             self._server = _Server((address, port), handler)
         except OSError as exc:
             reason = exc.strerror or str(exc)
             raise ServeError(f"cannot listen on {address}:{port}: {reason}") from exc
-        self._server.ssl_context = web.ssl_context
-        self.scheme = "https" if web.ssl_context else "http"
         self._thread = threading.Thread(target=self._server.serve_forever,
                                         kwargs={"poll_interval": 0.2},
                                         name="gpumon-http", daemon=True)
+        self.set_web(web)
+
+    def set_web(self, web: WebConfig) -> None:
+        """Swap TLS certificates and users (SIGHUP); new connections use them at once."""
+        self._server.web = web
+        self.scheme = "https" if web.ssl_context else "http"
 
     @property
     def port(self) -> int:
@@ -81,8 +89,7 @@ class MetricsServer:
 
 def _make_handler(registry: CollectorRegistry,
                   readiness: Callable[[], tuple[bool, dict[str, Any]]],
-                  snapshot: Callable[[], dict[str, Any]],
-                  web: WebConfig) -> type[BaseHTTPRequestHandler]:
+                  snapshot: Callable[[], dict[str, Any]]) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "gpumon"
         timeout = CONNECTION_TIMEOUT_S  # an idle or trickling client loses its thread
@@ -90,6 +97,7 @@ def _make_handler(registry: CollectorRegistry,
         def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
             path = self.path.split("?", 1)[0]
             # Liveness says nothing worth protecting, and probes rarely carry credentials.
+            web: WebConfig = self.server.web  # type: ignore[attr-defined]
             if path != "/healthz" and not web.authorized(self.headers.get("Authorization")):
                 self.send_response(401)
                 self.send_header("WWW-Authenticate", 'Basic realm="gpumon"')

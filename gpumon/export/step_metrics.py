@@ -20,11 +20,17 @@ RANK_LABELS = ["run", "rank"]
 
 
 def step_families(ranks: list[RankState], records_total: dict[str, int],
-                  dropped_total: dict[str, int],
-                  processes: dict[int, ProcessSample]) -> Iterator[Metric]:
-    """Step, phase, memory and process families per (run, rank), and ingest counters."""
+                  dropped_total: dict[str, int], processes: dict[int, ProcessSample],
+                  resolved_uuids: dict[tuple[str, int], str]) -> Iterator[Metric]:
+    """Step, phase, memory and process families per (run, rank), and ingest counters.
+
+    ``resolved_uuids`` holds the device UUID the agent attributed each rank to (by UUID,
+    NVML process list or CUDA index); ``gpumon_rank_info{gpu}`` carries it, so ranks join
+    GPU series on ``uuid`` even when their client reported only a CUDA index.
+    """
     info = GaugeMetricFamily(
-        "gpumon_rank_info", "Identity of each reporting rank (join on gpu/uuid with GPU series).",
+        "gpumon_rank_info", "Identity of each reporting rank; gpu is the device UUID when the "
+        "agent resolved it (join with gpumon_gpu_info on uuid), else what the client reported.",
         labels=[*RANK_LABELS, "world", "local_rank", "pid", "gpu"])
     steps = CounterMetricFamily("gpumon_steps", "Training steps reported.", labels=RANK_LABELS)
     duration = HistogramMetricFamily("gpumon_step_duration_seconds", "Wall time of each step.",
@@ -56,8 +62,9 @@ def step_families(ranks: list[RankState], records_total: dict[str, int],
                             "Resident memory of the training process.", labels=RANK_LABELS)
     for state in sorted(ranks, key=lambda s: (s.run, s.rank)):
         labels = [state.run, str(state.rank)]
+        gpu = resolved_uuids.get((state.run, state.rank), _text(state.gpu_hint))
         info.add_metric([*labels, _text(state.world), _text(state.local_rank),
-                         _text(state.pid), _text(state.gpu_hint)], 1.0)
+                         _text(state.pid), gpu], 1.0)
         steps.add_metric(labels, float(state.steps_total))
         buckets, cumulative = [], 0
         for bound, count in zip((*DURATION_BUCKETS_S, float("inf")),

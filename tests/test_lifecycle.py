@@ -1,0 +1,94 @@
+"""Agent lifecycle as a process: signals, reload, stale sockets, running unprivileged."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+
+import bcrypt
+import pytest
+
+from tests.helpers import http_get, start_agent, values, wait_for
+
+
+def step(run: str) -> bytes:
+    return json.dumps({"v": 1, "kind": "step", "run": run, "rank": 0, "step": 0,
+                       "duration": 0.1}).encode()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_shuts_down_cleanly(tmp_path: Path, sig: int) -> None:
+    agent = start_agent(tmp_path, "--simulate", "2")
+    assert agent.socket_path.exists()
+    served = agent.scrape()  # the last scrape before the signal is whole
+    assert "gpumon_gpu_up" in served
+    assert agent.stop(sig) == 0
+    assert not agent.socket_path.exists()
+    assert "Traceback" not in agent.log()
+
+
+def test_sighup_reloads_users_and_allow_list(tmp_path: Path) -> None:
+    config = tmp_path / "gpumon.toml"
+    config.write_text("[agent]\nsimulate = 1\n")
+    agent = start_agent(tmp_path, "--config", str(config))
+    try:
+        # 1. Restrict senders to another uid: our steps are now refused and counted.
+        config.write_text(f"[agent]\nsimulate = 1\nallowed_uids = [{os.getuid() + 4321}]\n"
+                          "interval = 2.0\n")
+        agent.process.send_signal(signal.SIGHUP)
+        wait_for(lambda: "configuration reloaded" in agent.log(), what="reload logged")
+        assert "interval: changed, takes effect after a restart" in agent.log()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(step("refused"), str(agent.socket_path))
+        wait_for(lambda: values(agent.metrics(), "gpumon_ingest_dropped_total",
+                                reason="uid_not_allowed"), what="refused sender counted")
+        # 2. A broken config keeps the running one.
+        config.write_text("[agent\n")
+        agent.process.send_signal(signal.SIGHUP)
+        wait_for(lambda: "reload failed, keeping the running configuration" in agent.log())
+        assert agent.process.poll() is None
+        # 3. Basic auth switched on at run time.
+        hashed = bcrypt.hashpw(b"pw", bcrypt.gensalt(rounds=4)).decode()
+        web = tmp_path / "web.yml"
+        web.write_text(f"basic_auth_users:\n  prom: {hashed}\n")
+        config.write_text(f'[agent]\nsimulate = 1\nweb_config = "{web}"\n')
+        agent.process.send_signal(signal.SIGHUP)
+        wait_for(lambda: http_get(agent.url + "/metrics")[0] == 401, what="auth enforced")
+        assert http_get(agent.url + "/healthz")[0] == 200
+    finally:
+        assert agent.stop() == 0
+
+
+def test_stale_socket_from_a_crashed_agent_is_replaced(tmp_path: Path) -> None:
+    first = start_agent(tmp_path, "--simulate", "1")
+    first.stop(signal.SIGKILL)
+    assert first.socket_path.exists()  # left behind by the crash
+    second = start_agent(tmp_path, "--simulate", "1", port=first.port)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(step("after-crash"), str(second.socket_path))
+        wait_for(lambda: values(second.metrics(), "gpumon_steps_total", run="after-crash"))
+    finally:
+        second.stop()
+
+
+def test_second_agent_on_the_same_socket_refuses_to_steal_it(tmp_path: Path) -> None:
+    first = start_agent(tmp_path, "--simulate", "1")
+    second = None
+    try:
+        # A later --socket wins over the helper's own.
+        second = start_agent(tmp_path, "--simulate", "1", "--socket", str(first.socket_path))
+        status, body = second.json("/readyz")
+        assert body["status"] == "degraded"
+        assert any("in use by another running agent" in p for p in body["problems"]), body
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(step("still-first"), str(first.socket_path))
+        wait_for(lambda: values(first.metrics(), "gpumon_steps_total", run="still-first"))
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+    assert not first.socket_path.exists()  # the second agent never removed it; the first did
