@@ -1,0 +1,190 @@
+"""Hostile and excessive input: a million mutated datagrams, a label explosion, a flood,
+and many concurrent scrapers. The agent keeps its bounds and keeps serving."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from gpumon.agent import Agent
+from gpumon.config import AgentConfig
+from gpumon.protocol import DROP_REASONS, decode_datagram, encode_datagrams
+from tests.helpers import http_get, parse_metrics, value, values, wait_for
+
+VALID = {"v": 1, "kind": "step", "run": "fuzz", "rank": 3, "world": 8, "step": 17,
+         "t_start": 1.7e9, "duration": 0.25, "samples": 32, "tokens": 4096, "flops": 1e12,
+         "gpu": "GPU-abc", "pid": 42,
+         "phases": {"data": 0.01, "forward": 0.1, "backward": 0.1, "optimizer": 0.02},
+         "mem": {"allocated": 1, "reserved": 2, "peak": 2, "retries": 0, "ooms": 0}}
+SEED_DATAGRAMS = [json.dumps(VALID).encode(), json.dumps([VALID, VALID]).encode()]
+NASTY = [b"", b"\x00", b"\xff", b"null", b"[]", b"{}", b"1e999", b"-0", b"NaN", b'"\\ud800"',
+         b"[[[[[[[[", b"}", b'{"v":1e400}', b'{"rank":-1}', b"9" * 50, b"true"]
+
+
+def mutate(rng: random.Random, data: bytes) -> bytes:
+    """One random mutation: flip, insert, delete, splice a nasty token, or truncate."""
+    buf = bytearray(data)
+    choice = rng.randrange(6)
+    pos = rng.randrange(len(buf) + 1)
+    if choice == 0 and buf:
+        buf[min(pos, len(buf) - 1)] ^= 1 << rng.randrange(8)
+    elif choice == 1:
+        buf[pos:pos] = bytes([rng.randrange(256)])
+    elif choice == 2 and buf:
+        del buf[pos:pos + rng.randrange(1, 8)]
+    elif choice == 3:
+        buf[pos:pos] = rng.choice(NASTY)
+    elif choice == 4:
+        del buf[pos:]
+    else:
+        buf = bytearray(rng.randbytes(rng.randrange(64)))
+    return bytes(buf)
+
+
+def test_a_million_mutated_datagrams_never_crash_the_decoder() -> None:
+    rng = random.Random(20261129)
+    rejected = accepted = 0
+    reasons = set()
+    corpus = list(SEED_DATAGRAMS)
+    for i in range(1_000_000):
+        data = mutate(rng, rng.choice(corpus))
+        for _ in range(rng.randrange(3)):
+            data = mutate(rng, data)
+        result = decode_datagram(data)  # must never raise
+        accepted += len(result.records)
+        rejected += len(result.rejected)
+        reasons.update(result.rejected)
+        if result.records and i % 97 == 0 and len(corpus) < 64:
+            corpus.append(data)  # survivors seed further mutations
+    assert reasons <= set(DROP_REASONS)
+    assert accepted > 0 and rejected > 100_000
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[Agent]:
+    node = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=1, max_ranks=1000,
+                             socket=str(tmp_path / "s.sock")))
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def scrape(agent: Agent, timeout: float = 5.0) -> dict:
+    status, body = http_get(f"http://127.0.0.1:{agent.port}/metrics", timeout=timeout)
+    assert status == 200
+    return parse_metrics(body.decode())
+
+
+def send_all(path: str, datagrams: list[bytes]) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        for d in datagrams:
+            while True:
+                try:
+                    s.sendto(d, path)
+                    break
+                except BlockingIOError:
+                    time.sleep(0.001)
+
+
+def test_a_hundred_thousand_distinct_ranks_are_capped(agent: Agent) -> None:
+    records = [{"v": 1, "kind": "step", "run": f"r{i // 100}", "rank": i % 100, "step": 0,
+                "duration": 0.1} for i in range(100_000)]
+    send_all(agent.config.socket, encode_datagrams(records))
+    m = wait_for(lambda: (lambda m: sum(values(m, "gpumon_ingest_dropped_total",
+                                               reason="too_many_ranks")) >= 99_000 and m)(
+        scrape(agent)), timeout=60, what="all 100,000 ranks processed")
+    assert len(values(m, "gpumon_steps_total")) == 1000
+    assert value(m, "gpumon_ingest_dropped_total", reason="too_many_ranks") == 99_000
+
+
+def test_flood_keeps_memory_bounded_and_metrics_answering(agent: Agent) -> None:
+    batch = encode_datagrams([{**VALID, "rank": k % 64, "step": k} for k in range(2000)])
+    stop = threading.Event()
+    process = psutil.Process(os.getpid())
+
+    def flood() -> None:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.setblocking(False)
+            while not stop.is_set():
+                for d in batch:
+                    try:
+                        s.sendto(d, agent.config.socket)
+                    except (BlockingIOError, OSError):
+                        pass
+
+    rss_before = process.memory_info().rss
+    senders = [threading.Thread(target=flood) for _ in range(2)]
+    for t in senders:
+        t.start()
+    slowest = 0.0
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            start = time.monotonic()
+            scrape(agent, timeout=10)
+            slowest = max(slowest, time.monotonic() - start)
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for t in senders:
+            t.join()
+    growth = process.memory_info().rss - rss_before
+    m = scrape(agent)
+    assert value(m, "gpumon_ingest_records_total", kind="step") > 0
+    # Everything under a flood is either processed or counted; memory stays bounded.
+    assert growth < 200 * 1024 * 1024, f"RSS grew {growth / 2**20:.0f} MiB under the flood"
+    assert slowest < 2.0, f"a scrape took {slowest:.2f}s during the flood"
+
+
+def test_fifty_concurrent_scrapers_while_ranks_report(agent: Agent) -> None:
+    stop = threading.Event()
+    errors: list[str] = []
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def ranks() -> None:
+        n = 0
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            while not stop.is_set():
+                s.sendto(json.dumps([{**VALID, "rank": r, "step": n, "t_start": time.time()}
+                                     for r in range(8)]).encode(), agent.config.socket)
+                n += 1
+                time.sleep(0.05)
+
+    def scraper() -> None:
+        while not stop.is_set():
+            start = time.monotonic()
+            try:
+                status, _ = http_get(f"http://127.0.0.1:{agent.port}/metrics", timeout=10)
+                if status != 200:
+                    errors.append(f"status {status}")
+            except OSError as exc:
+                errors.append(repr(exc))
+            with lock:
+                latencies.append(time.monotonic() - start)
+
+    threads = [threading.Thread(target=ranks)] + [threading.Thread(target=scraper)
+                                                  for _ in range(50)]
+    for t in threads:
+        t.start()
+    time.sleep(60)  # the campaign asks for a minute of it
+    stop.set()
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    latencies.sort()
+    assert len(latencies) > 500
+    p99 = latencies[int(0.99 * len(latencies))]
+    assert p99 < 5.0, f"p99 {p99:.2f}s with 50 concurrent scrapers"
+    assert values(scrape(agent), "gpumon_steps_total", run="fuzz")
