@@ -41,6 +41,7 @@ from gpumon.steps import RankState, Sender, StepStore
 log = logging.getLogger(__name__)
 
 HOST_INTERVAL_S = 5.0
+DISCOVER_EVERY_CYCLES = 30  # look for GPUs that appeared after start (30 s at 1 s polls)
 HOUSEKEEPING_INTERVAL_S = 1.0
 STUCK_AFTER_INTERVALS = 3
 
@@ -57,6 +58,8 @@ class GpuSource(Protocol):
     def sample(self, now: float, monotonic: float) -> list[GpuSample]: ...
 
     def xid_watcher(self, on_xid: Callable[[int, int], None]) -> Any: ...
+
+    def discover(self) -> list[GpuStatic]: ...
 
     def close(self) -> None: ...
 
@@ -166,6 +169,7 @@ class Agent:
         self._ingest: IngestServer | None = None
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
+        self._discovered_at = time.monotonic()
         self.started_at = time.time()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -296,8 +300,15 @@ class Agent:
 
     # -- collection ----------------------------------------------------------------
     def _collect_gpus(self, now: float, monotonic: float) -> None:
-        assert self._gpu_source is not None
-        samples = self._gpu_source.sample(now, monotonic)
+        source = self._gpu_source
+        assert source is not None
+        if monotonic - self._discovered_at >= DISCOVER_EVERY_CYCLES * self.config.interval:
+            self._discovered_at = monotonic
+            new = source.discover()
+            if new:
+                log.info("new GPU(s) found: %s", ", ".join(f"{g.index} ({g.uuid})" for g in new))
+                self.state.set_nvml(self.state.nvml, source.statics())
+        samples = source.sample(now, monotonic)
         self.state.put_gpu_samples(samples)
         if self._recorder is not None:
             self._recorder.gpus(samples, self.state.gpu_statics())

@@ -414,20 +414,29 @@ class XidWatcher(threading.Thread):
             on_error("xid", error_name(exc))
             return
         for device in devices:
-            try:
-                pynvml.nvmlDeviceRegisterEvents(device._handle, pynvml.nvmlEventTypeXidCriticalError,
-                                                self._event_set)
-            except pynvml.NVMLError as exc:
-                if exc.value != pynvml.NVML_ERROR_NOT_SUPPORTED:
-                    on_error("xid", error_name(exc))
-                continue
-            self.registered.append(device.index)
-            self._index_by_uuid[device.static.uuid] = device.index
+            self.register(device)
+
+    def register(self, device: NvmlDevice) -> None:
+        """Watch one more GPU (also one that appeared after start)."""
+        if self._event_set is None:
+            return
+        try:
+            pynvml.nvmlDeviceRegisterEvents(device._handle, pynvml.nvmlEventTypeXidCriticalError,
+                                            self._event_set)
+        except pynvml.NVMLError as exc:
+            if exc.value != pynvml.NVML_ERROR_NOT_SUPPORTED:
+                self._on_error("xid", error_name(exc))
+            return
+        self._index_by_uuid[device.static.uuid] = device.index
+        self.registered.append(device.index)
 
     def run(self) -> None:
-        if self._event_set is None or not self.registered:
+        if self._event_set is None:
             return
         while not self._stop_event.is_set():
+            if not self.registered:  # nothing to wait on yet: a GPU may still appear
+                self._stop_event.wait(self._timeout_ms / 1000.0)
+                continue
             try:
                 data = pynvml.nvmlEventSetWait_v2(self._event_set, self._timeout_ms)
             except pynvml.NVMLError as exc:
@@ -467,14 +476,36 @@ class NvmlSource:
     def __init__(self, on_error: Callable[[str, str], None]) -> None:
         self._on_error = on_error
         self.driver_version, self.nvml_version = init()
-        count = pynvml.nvmlDeviceGetCount()
         self.devices: list[NvmlDevice] = []
+        self._failed: set[int] = set()
+        self._watcher: XidWatcher | None = None
+        self.discover()
+
+    def discover(self) -> list[GpuStatic]:
+        """Open GPUs not seen before (at start, or appearing later); returns the new ones."""
+        try:
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as exc:
+            self._on_error("nvml", error_name(exc))
+            return []
+        known = {d.index for d in self.devices}
+        new: list[GpuStatic] = []
         for index in range(count):
+            if index in known:
+                continue
             try:
-                self.devices.append(NvmlDevice(index, on_error))
+                device = NvmlDevice(index, self._on_error)
             except pynvml.NVMLError as exc:
-                log.error("GPU %d cannot be opened: %s", index, exc)
-                on_error("nvml", error_name(exc))
+                if index not in self._failed:  # say it once, keep trying quietly
+                    self._failed.add(index)
+                    log.error("GPU %d cannot be opened: %s", index, exc)
+                    self._on_error("nvml", error_name(exc))
+                continue
+            self.devices.append(device)
+            new.append(device.static)
+            if self._watcher is not None:
+                self._watcher.register(device)
+        return new
 
     def statics(self) -> list[GpuStatic]:
         """Static facts of every GPU that could be opened."""
@@ -485,8 +516,9 @@ class NvmlSource:
         return [d.sample(now, monotonic) for d in self.devices]
 
     def xid_watcher(self, on_xid: Callable[[int, int], None]) -> XidWatcher:
-        """A (not yet started) thread delivering XID events."""
-        return XidWatcher(self.devices, on_xid, self._on_error)
+        """A (not yet started) thread delivering XID events, also for GPUs found later."""
+        self._watcher = XidWatcher(self.devices, on_xid, self._on_error)
+        return self._watcher
 
     def close(self) -> None:
         """Free per-GPU resources and shut NVML down."""

@@ -195,6 +195,10 @@ class SimulatedSource:
             pcie_rx_bytes_per_second=rates[3] if dt else None,
         )
 
+    def discover(self) -> list[GpuStatic]:
+        """Simulated GPUs never appear later."""
+        return []
+
     def xid_watcher(self, on_xid: object) -> None:
         """Simulated GPUs raise no XID events."""
         return None
