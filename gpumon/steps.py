@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 
 from gpumon.protocol import KNOWN_PHASES, EventRecord, HelloRecord, Record, StepRecord
@@ -35,7 +35,8 @@ class RankState:
     uid: int | None = None
     gpu_hint: str | int | None = None
     steps_total: int = 0
-    phase_seconds_total: Counter[str] = field(default_factory=Counter)
+    phase_seconds_total: defaultdict[str, float] = field(
+        default_factory=lambda: defaultdict(float))
     samples_total: int = 0
     tokens_total: int = 0
     flops_total: float = 0.0
@@ -193,7 +194,7 @@ def _note_identity(state: RankState, world: int | None, local_rank: int | None,
 
 def _copy(state: RankState) -> RankState:
     clone = RankState(**{k: getattr(state, k) for k in state.__dataclass_fields__})
-    clone.phase_seconds_total = Counter(state.phase_seconds_total)
+    clone.phase_seconds_total = defaultdict(float, state.phase_seconds_total)
     clone.duration_bucket_counts = list(state.duration_bucket_counts)
     clone.recent = deque(maxlen=STEP_HISTORY)  # scrapes never need the history
     return clone

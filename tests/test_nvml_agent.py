@@ -25,7 +25,6 @@ from tests.helpers import (
     agent_env,
     free_port,
     http_get,
-    parse_metrics,
     require_tool,
     start_agent,
     start_prometheus,

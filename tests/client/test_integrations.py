@@ -97,6 +97,7 @@ class TinyModule:
 
 def test_lightning_callback_reports_each_batch(receiver: Receiver) -> None:
     import lightning.pytorch as pl  # installed by scripts/setup: missing is a failure
+
     from gpumon.client.lightning import GpumonCallback
 
     callback = GpumonCallback(
@@ -122,6 +123,7 @@ def test_lightning_callback_reports_each_batch(receiver: Receiver) -> None:
 
 def test_lightning_callback_reports_oom_and_lets_it_propagate(receiver: Receiver) -> None:
     import lightning.pytorch as pl  # installed by scripts/setup: missing is a failure
+
     from gpumon.client.lightning import GpumonCallback
 
     module = TinyModule.make()
@@ -157,6 +159,7 @@ def test_hf_trainer_callback_reports_optimizer_steps(
 ) -> None:
     import accelerate  # noqa: F401  (the Trainer needs it; installed by scripts/setup)
     import transformers
+
     from gpumon.client.hf import GpumonTrainerCallback
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the model is built from a config: no downloads
