@@ -13,7 +13,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parent.parent
+
+Metrics = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 def free_port() -> int:
@@ -227,3 +230,29 @@ def start_prometheus(tmp_path: Path, targets: list[str], scrape_interval: str = 
         server.stop()
         raise AssertionError(f"prometheus did not start:\n{log_path.read_text()}") from None
     return server
+
+
+@contextmanager
+def library_agent(socket_path: Path, **config: Any) -> Iterator[Any]:
+    """An Agent used as a library, on 127.0.0.1 and a free port; stopped on exit."""
+    from gpumon.agent import Agent
+    from gpumon.config import AgentConfig
+
+    node = Agent(AgentConfig(address="127.0.0.1", port=0, socket=str(socket_path), **config))
+    node.start()
+    try:
+        yield node
+    finally:
+        node.stop()
+
+
+def scrape_text(agent: Any, timeout: float = 5.0) -> str:
+    """The /metrics body of an in-process agent (asserts HTTP 200)."""
+    status, body = http_get(f"http://127.0.0.1:{agent.port}/metrics", timeout=timeout)
+    assert status == 200, body
+    return body.decode()
+
+
+def scrape_metrics(agent: Any, timeout: float = 5.0) -> Metrics:
+    """The parsed /metrics of an in-process agent."""
+    return parse_metrics(scrape_text(agent, timeout))

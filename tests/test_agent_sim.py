@@ -11,25 +11,25 @@ from pathlib import Path
 import pytest
 
 from gpumon.agent import Agent
-from gpumon.config import AgentConfig
-from tests.helpers import http_get, parse_metrics, require_tool, value, values, wait_for
+from tests.helpers import (
+    http_get,
+    library_agent,
+    parse_metrics,
+    require_tool,
+    scrape_text,
+    value,
+    values,
+    wait_for,
+)
 
 
 @pytest.fixture
 def sim_agent(tmp_path: Path) -> Iterator[Agent]:
-    agent = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=2, interval=0.2,
-                              socket=str(tmp_path / "ingest.sock")))
-    agent.start()
-    try:
+    with library_agent(tmp_path / "ingest.sock", simulate=2, interval=0.2) as agent:
         yield agent
-    finally:
-        agent.stop()
 
 
-def scrape(agent: Agent) -> str:
-    status, body = http_get(f"http://127.0.0.1:{agent.port}/metrics")
-    assert status == 200
-    return body.decode()
+scrape = scrape_text
 
 
 def test_every_gpu_series_present_in_base_units(sim_agent: Agent) -> None:

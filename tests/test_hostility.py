@@ -16,9 +16,15 @@ import psutil
 import pytest
 
 from gpumon.agent import Agent
-from gpumon.config import AgentConfig
 from gpumon.protocol import DROP_REASONS, decode_datagram, encode_datagrams
-from tests.helpers import http_get, parse_metrics, value, values, wait_for
+from tests.helpers import (
+    http_get,
+    library_agent,
+    scrape_metrics,
+    value,
+    values,
+    wait_for,
+)
 
 VALID = {"v": 1, "kind": "step", "run": "fuzz", "rank": 3, "world": 8, "step": 17,
          "t_start": 1.7e9, "duration": 0.25, "samples": 32, "tokens": 4096, "flops": 1e12,
@@ -71,19 +77,11 @@ def test_a_million_mutated_datagrams_never_crash_the_decoder() -> None:
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Agent]:
-    node = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=1, max_ranks=1000,
-                             socket=str(tmp_path / "s.sock")))
-    node.start()
-    try:
+    with library_agent(tmp_path / "s.sock", simulate=1, max_ranks=1000) as node:
         yield node
-    finally:
-        node.stop()
 
 
-def scrape(agent: Agent, timeout: float = 5.0) -> dict:
-    status, body = http_get(f"http://127.0.0.1:{agent.port}/metrics", timeout=timeout)
-    assert status == 200
-    return parse_metrics(body.decode())
+scrape = scrape_metrics
 
 
 def send_all(path: str, datagrams: list[bytes]) -> None:

@@ -16,7 +16,14 @@ from gpumon.collectors.ingest import IngestError, IngestServer, bind_socket
 from gpumon.config import AgentConfig
 from gpumon.protocol import MAX_DATAGRAM_BYTES
 from gpumon.steps import Sender, StepStore
-from tests.helpers import http_get, parse_metrics, value, values, wait_for
+from tests.helpers import (
+    http_get,
+    library_agent,
+    scrape_metrics,
+    value,
+    values,
+    wait_for,
+)
 
 
 def step(run: str = "r", rank: int = 0, n: int = 0, **extra: object) -> dict[str, object]:
@@ -34,19 +41,11 @@ def send(path: Path, payload: bytes | object) -> None:
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Agent]:
-    node = Agent(AgentConfig(address="127.0.0.1", port=0, collectors=("ingest", "host"),
-                             socket=str(tmp_path / "run" / "ingest.sock")))
-    node.start()
-    try:
+    with library_agent(tmp_path / "run" / "ingest.sock", collectors=("ingest", "host")) as node:
         yield node
-    finally:
-        node.stop()
 
 
-def metrics(agent: Agent) -> dict:
-    status, body = http_get(f"http://127.0.0.1:{agent.port}/metrics")
-    assert status == 200
-    return parse_metrics(body.decode())
+metrics = scrape_metrics
 
 
 def test_socket_is_created_0660_in_a_new_directory(agent: Agent) -> None:

@@ -12,9 +12,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpumon.agent import Agent
-from gpumon.config import AgentConfig
 from gpumon.protocol import DROP_REASONS, MAX_DATAGRAM_BYTES
-from tests.helpers import http_get, parse_metrics, values, wait_for
+from tests.helpers import (
+    library_agent,
+    scrape_metrics,
+    values,
+    wait_for,
+)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
@@ -41,18 +45,12 @@ datagrams = st.one_of(
 
 @pytest.fixture(scope="module")
 def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
-    tmp = tmp_path_factory.mktemp("fuzz")
-    node = Agent(AgentConfig(address="127.0.0.1", port=0, collectors=("ingest",),
-                             socket=str(tmp / "ingest.sock")))
-    node.start()
-    yield node
-    node.stop()
+    with library_agent(tmp_path_factory.mktemp("fuzz") / "ingest.sock",
+                       collectors=("ingest",)) as node:
+        yield node
 
 
-def scrape(agent: Agent) -> dict:
-    status, body = http_get(f"http://127.0.0.1:{agent.port}/metrics")
-    assert status == 200
-    return parse_metrics(body.decode())
+scrape = scrape_metrics
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -12,22 +12,24 @@ from pathlib import Path
 import pytest
 
 from gpumon.agent import Agent
-from gpumon.config import AgentConfig
 from gpumon.sim.gpus import Activity
-from tests.helpers import http_get, parse_metrics, require_tool, value, values, wait_for
+from tests.helpers import (
+    library_agent,
+    parse_metrics,
+    require_tool,
+    scrape_text,
+    value,
+    values,
+    wait_for,
+)
 
 GIB = 1024**3
 
 
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[Agent]:
-    node = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=2, interval=0.2,
-                             socket=str(tmp_path / "s.sock")))
-    node.start()
-    try:
+    with library_agent(tmp_path / "s.sock", simulate=2, interval=0.2) as node:
         yield node
-    finally:
-        node.stop()
 
 
 def send(agent: Agent, records: list[dict]) -> None:
@@ -35,8 +37,7 @@ def send(agent: Agent, records: list[dict]) -> None:
         s.sendto(json.dumps(records).encode(), agent.config.socket)
 
 
-def scrape(agent: Agent) -> str:
-    return http_get(f"http://127.0.0.1:{agent.port}/metrics")[1].decode()
+scrape = scrape_text
 
 
 def test_input_bound_steps_get_an_input_verdict(agent: Agent) -> None:
