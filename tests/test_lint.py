@@ -1,0 +1,23 @@
+"""Static checks that CI runs with the tests: ruff everywhere, strict mypy on the pure core."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.helpers import ROOT
+
+
+def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_ruff_is_clean() -> None:
+    result = run_tool("ruff", "check", "gpumon", "tests", "benchmarks", "examples")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_strict_on_protocol_and_analysis() -> None:
+    result = run_tool("mypy", "--strict", "gpumon/protocol.py", "gpumon/analysis")
+    assert result.returncode == 0, result.stdout + result.stderr
