@@ -260,15 +260,21 @@ class Timeline:
         return Cycle(n, position, phase, steps, starts, start, start + allreduce_s)
 
 
-def check_job(schedule: Schedule, ranks: int, gpus: int) -> None:
-    """ValueError unless ``ranks`` ranks on ``gpus`` GPUs can run ``schedule``."""
+def check_job(schedule: Schedule, ranks: int, gpus: int, *, rank_offset: int = 0,
+              world: int | None = None) -> None:
+    """ValueError unless ``ranks`` ranks on ``gpus`` GPUs, the ranks from ``rank_offset`` of a
+    run of ``world`` ranks (default: just these), can run ``schedule``."""
+    world = ranks if world is None else world
     if not 1 <= ranks <= gpus:
         raise ValueError(f"{ranks} ranks on {gpus} GPUs: a data-parallel job runs one rank per "
                          "GPU, so ranks must be between 1 and the GPU count")
+    if rank_offset < 0 or rank_offset + ranks > world:
+        raise ValueError(f"ranks {rank_offset}-{rank_offset + ranks - 1} on this node, but the "
+                         f"run has ranks 0-{world - 1}")
     for n, phase in enumerate(schedule.phases, 1):
-        if phase.rank is not None and phase.rank >= ranks:
+        if phase.rank is not None and phase.rank >= world:
             raise ValueError(f"{schedule.source}: phase {n}: straggler rank {phase.rank}, "
-                             f"but the job has ranks 0-{ranks - 1}")
+                             f"but the job has ranks 0-{world - 1}")
 
 
 class _Stopped(Exception):
@@ -281,15 +287,23 @@ class SimulatedJob:
     ``start()`` launches the ranks; ``stop()`` ends them (the step in progress is not
     recorded), closes their monitors and leaves the GPUs idle. Without ``loop`` the job
     ends by itself after one pass through the schedule (``wait``).
+
+    A run spread over several nodes is one job per node, each given the run's ``world`` size
+    and its first rank (``rank_offset``): the node runs ranks ``rank_offset`` to
+    ``rank_offset + ranks - 1`` on its GPUs 0 to ``ranks - 1``. Every node plans the whole
+    run's steps, so its ranks wait in the all-reduce for a straggler on another node.
     """
 
     def __init__(self, source: SimulatedSource, schedule: Schedule, *, ranks: int,
-                 socket_path: str, run: str = "demo", loop: bool = True) -> None:
+                 socket_path: str, run: str = "demo", loop: bool = True, rank_offset: int = 0,
+                 world: int | None = None) -> None:
         gpus = source.statics()
-        check_job(schedule, ranks, len(gpus))
+        check_job(schedule, ranks, len(gpus), rank_offset=rank_offset, world=world)
         self.source = source
         self.schedule = schedule
         self.ranks = ranks
+        self.rank_offset = rank_offset
+        self.world = ranks if world is None else world
         self.socket_path = socket_path
         self.run = run
         self.loop = loop
@@ -302,11 +316,11 @@ class SimulatedJob:
         """Start every rank now."""
         for gpu in self.source.statics()[self.ranks:]:
             self.source.set_activity(gpu.index, idle_activity())
-        self._timeline = Timeline(self.schedule, self.ranks, self.source.model.memory_total_bytes,
+        self._timeline = Timeline(self.schedule, self.world, self.source.model.memory_total_bytes,
                                   time.monotonic(), self.loop)
         self._threads = [threading.Thread(target=self._run_rank, args=(rank,),
                                           name=f"gpumon-sim-rank{rank}", daemon=True)
-                         for rank in range(self.ranks)]
+                         for rank in range(self.rank_offset, self.rank_offset + self.ranks)]
         for thread in self._threads:
             thread.start()
 
@@ -335,8 +349,10 @@ class SimulatedJob:
         return self.schedule.at(time.monotonic() - timeline.t0, self.loop)
 
     def _run_rank(self, rank: int) -> None:
+        local_rank = rank - self.rank_offset
         monitor = StepMonitor(run=self.run, socket_path=self.socket_path, rank=rank,
-                              world=self.ranks, local_rank=rank, gpu=self._gpus[rank].uuid)
+                              world=self.world, local_rank=local_rank,
+                              gpu=self._gpus[local_rank].uuid)
         try:
             for cycle in monitor.loader(self._batches(rank)):
                 step = cycle.steps[rank]
@@ -359,7 +375,7 @@ class SimulatedJob:
     def _batches(self, rank: int) -> Iterator[Cycle]:
         """The rank's data loader: sets its GPU's counters for the step, waits for the batch."""
         assert self._timeline is not None
-        index = self._gpus[rank].index
+        index = self._gpus[rank - self.rank_offset].index
         n = 0
         while True:
             cycle = self._timeline.cycle(n, time.monotonic())

@@ -156,6 +156,12 @@ def test_a_job_needs_one_gpu_per_rank_and_its_straggler() -> None:
     with pytest.raises(ValueError, match="phase 1: straggler rank 4, but the job has ranks 0-3"):
         check_job(one_phase("straggler", extra="rank = 4"), 4, 8)
     check_job(one_phase("straggler", extra="rank = 3"), 4, 8)
+    # A node's share of a run spread over several nodes.
+    check_job(one_phase("straggler", extra="rank = 5"), 2, 2, rank_offset=4, world=6)
+    with pytest.raises(ValueError, match="ranks 4-5 on this node, but the run has ranks 0-4"):
+        check_job(one_phase("compute"), 2, 2, rank_offset=4, world=5)
+    with pytest.raises(ValueError, match="straggler rank 6, but the job has ranks 0-5"):
+        check_job(one_phase("straggler", extra="rank = 6"), 2, 2, rank_offset=4, world=6)
 
 
 @pytest.fixture
@@ -200,3 +206,40 @@ def test_ranks_report_through_the_real_hook_and_socket(receiver_path: Path) -> N
         assert 0.15 < min(s.duration_s for s in mine[1:])
     # The ranks are gone and their GPUs idle; the unused third GPU was idle all along.
     assert all(source.activity(i, time.time()).utilization == 0.0 for i in range(3))
+
+
+def test_a_node_of_a_multi_node_run_reports_its_ranks_and_waits_for_the_others(
+        receiver_path: Path) -> None:
+    """Ranks 2-3 of a 6-rank run on this node's GPUs 0-1; the straggler, rank 5, is on
+    another node, and these ranks still wait for it in the all-reduce."""
+    source = SimulatedSource(2)
+    uuids = [g.uuid for g in source.statics()]
+    records: list[object] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(receiver_path))
+        sock.settimeout(0.5)
+
+        def receive() -> None:
+            while True:
+                try:
+                    records.extend(decode_datagram(sock.recv(1 << 16)).records)
+                except TimeoutError:
+                    return
+
+        reader = threading.Thread(target=receive)
+        reader.start()
+        job = SimulatedJob(source, one_phase("straggler", 2, "rank = 5"), ranks=2,
+                           socket_path=str(receiver_path), run="t", loop=False, rank_offset=2,
+                           world=6)
+        job.start()
+        assert job.wait(10)
+        job.stop()
+        reader.join()
+    steps = [r for r in records if isinstance(r, StepRecord)]
+    assert {(s.rank, s.gpu, s.world, s.local_rank) for s in steps} == {
+        (2, uuids[0], 6, 0), (3, uuids[1], 6, 1)}
+    healthy = cycles(one_phase("compute"), 1)[0].steps[0]
+    straggler_extra_s = 0.6 * (healthy.forward_s + healthy.backward_s)  # slowdown 1.6
+    assert len(steps) >= 6
+    for step in steps:
+        assert step.phases_s["comm"] > 0.8 * straggler_extra_s, step.phases_s
