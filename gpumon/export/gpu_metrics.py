@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    InfoMetricFamily,
-    Metric,
-)
+from prometheus_client.core import InfoMetricFamily, Metric
 
 from gpumon import __version__
+from gpumon.export.exposition import CounterFamily, GaugeFamily
 from gpumon.state import Snapshot
 
 GPU_LABELS = ["gpu", "uuid", "model"]
@@ -58,23 +54,23 @@ def node_families(snap: Snapshot) -> Iterator[Metric]:
 def _gpu_families(snap: Snapshot) -> Iterator[Metric]:
     info = InfoMetricFamily("gpumon_gpu", "Static facts about each GPU.",
                             labels=["gpu", "uuid", "model", "pci_bus_id", "driver_version"])
-    up = GaugeMetricFamily("gpumon_gpu_up", "1 when the GPU answers NVML, 0 when it is lost.",
-                           labels=GPU_LABELS)
-    gauges = {name: GaugeMetricFamily(metric, doc, labels=GPU_LABELS)
+    up = GaugeFamily("gpumon_gpu_up", "1 when the GPU answers NVML, 0 when it is lost.",
+                     labels=GPU_LABELS)
+    gauges = {name: GaugeFamily(metric, doc, labels=GPU_LABELS)
               for name, metric, doc in GPU_GAUGES}
-    counters = {name: CounterMetricFamily(metric, doc, labels=GPU_LABELS)
+    counters = {name: CounterFamily(metric, doc, labels=GPU_LABELS)
                 for name, metric, doc in GPU_COUNTERS}
-    clock_events = GaugeMetricFamily(
+    clock_events = GaugeFamily(
         "gpumon_gpu_clock_event_active",
         "1 while a clock event reason (throttling, idle, power cap, ...) is active.",
         labels=[*GPU_LABELS, "reason"])
-    ecc = CounterMetricFamily("gpumon_gpu_ecc_errors", "ECC errors since driver load.",
-                              labels=[*GPU_LABELS, "type"])
-    process_memory = GaugeMetricFamily("gpumon_gpu_process_memory_bytes",
-                                       "Device memory used by each compute process.",
-                                       labels=[*GPU_LABELS, "pid"])
-    xid = CounterMetricFamily("gpumon_gpu_xid_errors", "XID critical errors seen by the agent.",
-                              labels=[*GPU_LABELS, "xid"])
+    ecc = CounterFamily("gpumon_gpu_ecc_errors", "ECC errors since driver load.",
+                        labels=[*GPU_LABELS, "type"])
+    process_memory = GaugeFamily("gpumon_gpu_process_memory_bytes",
+                                 "Device memory used by each compute process.",
+                                 labels=[*GPU_LABELS, "pid"])
+    xid = CounterFamily("gpumon_gpu_xid_errors", "XID critical errors seen by the agent.",
+                        labels=[*GPU_LABELS, "xid"])
     driver = snap.nvml.driver_version or ""
     statics = {g.index: g for g in snap.gpus}
     for gpu in snap.gpus:
@@ -112,27 +108,27 @@ def _gpu_families(snap: Snapshot) -> Iterator[Metric]:
 def _host_families(snap: Snapshot) -> Iterator[Metric]:
     if snap.host is None:
         return
-    yield GaugeMetricFamily("gpumon_host_cpu_utilization_ratio",
-                            "Fraction of the node's CPU time in use.",
-                            value=snap.host.cpu_utilization_ratio)
-    yield GaugeMetricFamily("gpumon_host_memory_used_bytes", "Host memory in use.",
-                            value=float(snap.host.memory_used_bytes))
-    yield GaugeMetricFamily("gpumon_host_memory_total_bytes", "Host memory in total.",
-                            value=float(snap.host.memory_total_bytes))
+    yield GaugeFamily("gpumon_host_cpu_utilization_ratio",
+                      "Fraction of the node's CPU time in use.",
+                      value=snap.host.cpu_utilization_ratio)
+    yield GaugeFamily("gpumon_host_memory_used_bytes", "Host memory in use.",
+                      value=float(snap.host.memory_used_bytes))
+    yield GaugeFamily("gpumon_host_memory_total_bytes", "Host memory in total.",
+                      value=float(snap.host.memory_total_bytes))
 
 
 def _agent_families(snap: Snapshot) -> Iterator[Metric]:
     yield InfoMetricFamily("gpumon_agent", "The gpumon agent.", value={"version": __version__})
-    yield GaugeMetricFamily("gpumon_nvml_up", "1 when NVML (or the simulator) is usable.",
-                            value=1.0 if snap.nvml.up else 0.0)
-    duration = GaugeMetricFamily("gpumon_collector_duration_seconds",
-                                 "Duration of the collector's last cycle.", labels=["collector"])
-    last_success = GaugeMetricFamily(
+    yield GaugeFamily("gpumon_nvml_up", "1 when NVML (or the simulator) is usable.",
+                      value=1.0 if snap.nvml.up else 0.0)
+    duration = GaugeFamily("gpumon_collector_duration_seconds",
+                           "Duration of the collector's last cycle.", labels=["collector"])
+    last_success = GaugeFamily(
         "gpumon_collector_last_success_timestamp_seconds",
         "Unix time of the collector's last successful cycle; a stale value means it is stuck.",
         labels=["collector"])
-    errors = CounterMetricFamily("gpumon_collector_errors", "Collector errors by kind.",
-                                 labels=["collector", "error"])
+    errors = CounterFamily("gpumon_collector_errors", "Collector errors by kind.",
+                           labels=["collector", "error"])
     for name, stats in sorted(snap.collectors.items()):
         if stats.last_duration_s is not None:
             duration.add_metric([name], stats.last_duration_s)

@@ -11,8 +11,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from gpumon.export.exposition import render
 from gpumon.export.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def _make_handler(registry: CollectorRegistry,
                     # Always the text format: the metric contract has a counter and a gauge
                     # sharing a stem (gpumon_step_bottleneck_total / gpumon_step_bottleneck),
                     # which OpenMetrics cannot express and the text format can.
-                    self._send(200, CONTENT_TYPE_LATEST, generate_latest(registry))
+                    self._send(200, CONTENT_TYPE_LATEST, render(registry.collect()))
                 elif path == "/healthz":
                     self._send(200, "text/plain; charset=utf-8", b"ok\n")
                 elif path == "/readyz":

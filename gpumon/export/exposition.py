@@ -1,0 +1,186 @@
+"""The text exposition format (0.0.4), rendered fast: the same bytes as prometheus_client's
+``generate_latest`` at about a seventh of its cost.
+
+At 8 GPUs × 64 ranks a scrape holds ~3,900 series. prometheus_client spends ~1.5 µs building
+each (a ``Sample`` and a label dict) and ~4 µs formatting it (label names re-validated on every
+sample): 23 ms a scrape. The families here keep each series as a row of label values; the
+renderer keeps the formatted label sets and values between scrapes (the same ranks and GPUs
+come back every time, and most values with them): 3 ms. Other families (prometheus_client's,
+e.g. the process collector's) are rendered sample by sample by the same rules.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from functools import lru_cache
+
+from prometheus_client.core import Metric
+from prometheus_client.openmetrics.exposition import escape_label_name, escape_metric_name
+from prometheus_client.samples import Sample
+
+Row = tuple[str, tuple[str, ...], tuple[str, ...], float]
+"""(sample name as exposed, label names, label values, value)."""
+
+_HEADER_TYPES = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram",
+                 "unknown": "untyped"}
+_HEADER_SUFFIXES = {"counter": "_total", "info": "_info"}
+_OPENMETRICS_ONLY = ("_created", "_gsum", "_gcount")  # moved to gauges of their own
+_SPECIAL_VALUES = {"inf": "+Inf", "-inf": "-Inf", "nan": "NaN"}
+
+
+class RowFamily(Metric):
+    """A metric family whose series are rows; ``samples`` are made only when read."""
+
+    def __init__(self, name: str, documentation: str, typ: str, labels: Sequence[str]) -> None:
+        self.rows: list[Row] = []
+        Metric.__init__(self, name, documentation, typ)
+        self.label_names = tuple(labels)
+
+    @property
+    def samples(self) -> list[Sample]:
+        """The rows as prometheus_client samples (for code other than ``render``)."""
+        return [Sample(name, dict(zip(names, values, strict=True)), value)
+                for name, names, values, value in self.rows]
+
+    @samples.setter
+    def samples(self, value: list[Sample]) -> None:
+        if value:  # Metric.__init__ sets it empty; series go in through add_metric
+            raise TypeError("add series with add_metric")
+
+
+class GaugeFamily(RowFamily):
+    """Like ``GaugeMetricFamily``: series with ``labels``, or the one ``value``."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str] = (),
+                 value: float | None = None) -> None:
+        super().__init__(name, documentation, "gauge", labels)
+        self._sample_name = _metric_name(self.name)
+        if value is not None:
+            self.add_metric([], value)
+
+    def add_metric(self, labels: Sequence[str], value: float) -> None:
+        """Add a series with these label values."""
+        self.rows.append((self._sample_name, self.label_names, tuple(labels), value))
+
+
+class CounterFamily(RowFamily):
+    """Like ``CounterMetricFamily`` with ``labels``: series are named ``<name>_total``."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        super().__init__(name.removesuffix("_total"), documentation, "counter", labels)
+        self._sample_name = _metric_name(self.name + "_total")
+
+    def add_metric(self, labels: Sequence[str], value: float) -> None:
+        """Add a series with these label values."""
+        self.rows.append((self._sample_name, self.label_names, tuple(labels), value))
+
+
+class HistogramFamily(RowFamily):
+    """Like ``HistogramMetricFamily`` with ``labels``."""
+
+    def __init__(self, name: str, documentation: str, labels: Sequence[str]) -> None:
+        super().__init__(name, documentation, "histogram", labels)
+        self._bucket_names = (*self.label_names, "le")
+        self._bucket, self._count, self._sum = (_metric_name(self.name + suffix)
+                                                for suffix in ("_bucket", "_count", "_sum"))
+
+    def add_metric(self, labels: Sequence[str], buckets: Sequence[tuple[str, float]],
+                   sum_value: float | None) -> None:
+        """Add one histogram: cumulative (upper bound, count) pairs ending at +Inf, and sum."""
+        values = tuple(labels)
+        rows = self.rows
+        for bound, count in buckets:
+            rows.append((self._bucket, self._bucket_names, (*values, bound), count))
+        if float(buckets[0][0]) >= 0 and sum_value is not None:
+            rows.append((self._count, self.label_names, values, buckets[-1][1]))
+            rows.append((self._sum, self.label_names, values, sum_value))
+
+
+def render(metrics: Iterable[Metric]) -> bytes:
+    """The text exposition of ``metrics``, byte for byte what ``generate_latest`` makes."""
+    out: list[str] = []
+    append = out.append
+    for metric in metrics:
+        mtype = metric.type
+        name = _metric_name(metric.name + _HEADER_SUFFIXES.get(mtype, ""))
+        doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+        append(f"# HELP {name} {doc}\n# TYPE {name} {_HEADER_TYPES.get(mtype, mtype)}\n")
+        if isinstance(metric, RowFamily):
+            for sample_name, names, values, value in metric.rows:
+                append(f"{sample_name}{_row_labels(names, values)} {_value(value)}\n")
+            continue
+        moved: dict[str, list[str]] = {}
+        for sample in metric.samples:
+            line = (f"{_metric_name(sample.name)}{_labels(sample.labels.items())} "
+                    f"{_value(sample.value)}")
+            if sample.timestamp is not None:
+                line += f" {int(float(sample.timestamp) * 1000):d}"
+            suffix = sample.name.removeprefix(metric.name)
+            if suffix in _OPENMETRICS_ONLY:
+                moved.setdefault(suffix, []).append(line + "\n")
+            else:
+                append(line + "\n")
+        for suffix, lines in sorted(moved.items()):
+            gauge = _metric_name(metric.name + suffix)
+            append(f"# HELP {gauge} {doc}\n# TYPE {gauge} gauge\n")
+            out.extend(lines)
+    return "".join(out).encode("utf-8")
+
+
+@lru_cache(maxsize=1024)
+def _metric_name(name: str) -> str:
+    return escape_metric_name(name)
+
+
+@lru_cache(maxsize=256)
+def _label_name(name: str) -> str:
+    return escape_label_name(name)
+
+
+def _labels(pairs: Iterable[tuple[str, str]]) -> str:
+    text = ",".join(f'{_label_name(k)}="{_escape(v)}"' for k, v in sorted(pairs))
+    return f"{{{text}}}" if text else ""
+
+
+@lru_cache(maxsize=256)
+def _label_format(names: tuple[str, ...]) -> str:
+    """A str.format template putting label values in the sorted order of their names."""
+    if not names:
+        return ""
+    order = sorted(range(len(names)), key=names.__getitem__)
+    pairs = ",".join(f'{_label_name(names[i])}="{{{i}}}"' for i in order)
+    return f"{{{{{pairs}}}}}"
+
+
+@lru_cache(maxsize=16384)
+def _row_labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    """A series' label set as exposed."""
+    joined = "".join(values)
+    if "\\" in joined or "\n" in joined or '"' in joined:
+        values = tuple(map(_escape, values))
+    return _label_format(names).format(*values)
+
+
+def _escape(value: str) -> str:
+    if "\\" in value or "\n" in value or '"' in value:
+        return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return value
+
+
+def _value(value: float) -> str:
+    """``floatToGoString``, cached: it runs once per series, and most values come back."""
+    if value == 0:  # 0.0 and -0.0 would share a cache entry, and print differently
+        return repr(float(value))
+    return _nonzero_value(value)
+
+
+@lru_cache(maxsize=4096)
+def _nonzero_value(value: float) -> str:
+    text = repr(float(value))
+    if value > 0:
+        dot = text.find(".")
+        if dot > 6:  # Go switches to an exponent sooner than Python
+            mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1:]}".rstrip("0.")
+            return f"{mantissa}e+{dot - 1:02d}"
+    if text[-1] in "fn":
+        return _SPECIAL_VALUES[text]
+    return text
