@@ -164,7 +164,7 @@ class Agent:
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
         self._host = HostSource() if config.enabled("host") else None
         self.steps = StepStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
-        self.analyzer = StepAnalyzer(resolution_s=config.interval)
+        self.analyzer = StepAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self._analyzer_lock = threading.Lock()  # fed by ingest, run by housekeeping
         self._ingest: IngestServer | None = None
         self.ingest_problem: str | None = None
@@ -253,6 +253,10 @@ class Agent:
             self._ingest.set_allowed_uids(config.allowed_uids)
             notes.append(f"allowed_uids: {list(config.allowed_uids) or 'anyone'}")
         self.steps.ttl_s, self.steps.max_ranks = config.rank_ttl_seconds, config.max_ranks
+        if config.thresholds != self.config.thresholds:
+            with self._analyzer_lock:
+                self.analyzer.thresholds = config.thresholds
+            notes.append("thresholds: reloaded")
         if config.log_level != self.config.log_level:
             logging.getLogger().setLevel(config.log_level.upper())
             notes.append(f"log_level: {config.log_level}")

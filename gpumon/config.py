@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gpumon.analysis.thresholds import Thresholds
+
 import tomllib
 
 DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
@@ -37,6 +39,7 @@ class AgentConfig:
     max_ranks: int = 1024
     log_level: str = "info"
     web_config: str | None = None
+    thresholds: Thresholds = field(default_factory=Thresholds)
     config: str | None = field(default=None, compare=False)
 
     def enabled(self, collector: str) -> bool:
@@ -61,7 +64,7 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) 
         values.update(_read_file(Path(config_path)))
         values["config"] = str(config_path)
     known = {f.name for f in fields(AgentConfig)}
-    for name in known - {"config"}:
+    for name in known - {"config", "thresholds"}:
         raw = env.get(_env_name(name))
         if raw is not None and raw != "":
             values[name] = _from_env(name, raw)
@@ -78,15 +81,34 @@ def _read_file(path: Path) -> dict[str, Any]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-    section = data.get("agent", data)
+    section = data.get("agent", {k: v for k, v in data.items() if k != "thresholds"})
     if not isinstance(section, dict):
         raise ConfigError(f"config file {path}: [agent] must be a table")
-    known = {f.name for f in fields(AgentConfig)} - {"config"}
+    known = {f.name for f in fields(AgentConfig)} - {"config", "thresholds"}
     unknown = sorted(set(section) - known)
     if unknown:
         raise ConfigError(f"config file {path}: unknown key(s) {', '.join(unknown)}; "
                           f"known keys are {', '.join(sorted(known))}")
-    return dict(section)
+    values = dict(section)
+    if "thresholds" in data:
+        values["thresholds"] = _thresholds(data["thresholds"], path)
+    return values
+
+
+def _thresholds(table: Any, path: Path) -> Thresholds:
+    """The classifier's thresholds from a [thresholds] table (names as in Thresholds)."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"config file {path}: [thresholds] must be a table")
+    known = {f.name for f in fields(Thresholds)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"config file {path}: unknown threshold(s) {', '.join(unknown)}; "
+                          f"known: {', '.join(sorted(known))}")
+    try:
+        return dataclasses.replace(Thresholds(), **{
+            k: (frozenset(v) if isinstance(v, list) else v) for k, v in table.items()})
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config file {path}: [thresholds]: {exc}") from exc
 
 
 def _from_env(name: str, raw: str) -> Any:
@@ -125,6 +147,8 @@ def _validate(values: dict[str, Any]) -> AgentConfig:
             if str(value).lower() not in _LOG_LEVELS:
                 raise ConfigError(f"{where}: choose one of {', '.join(_LOG_LEVELS)}")
             out[f.name] = str(value).lower()
+        elif f.name == "thresholds":
+            out[f.name] = value
         elif f.name in ("socket", "record", "config", "web_config"):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: expected a non-empty path")

@@ -68,3 +68,26 @@ def test_bad_files(tmp_path: Path) -> None:
     unknown.write_text("[agent]\nprot = 9403\n")
     with pytest.raises(ConfigError, match="unknown key\\(s\\) prot"):
         load_config({"config": str(unknown)}, env={})
+
+
+def test_thresholds_table(tmp_path: Path) -> None:
+    path = tmp_path / "gpumon.toml"
+    path.write_text("[agent]\nport = 9500\n[thresholds]\ninput_high_fraction = 0.3\n"
+                    "compute_mfu_min = 0.4\n")
+    cfg = load_config({"config": str(path)}, env={})
+    assert cfg.thresholds.input_high_fraction == 0.3
+    assert cfg.thresholds.compute_mfu_min == 0.4
+    assert cfg.thresholds.comm_high_fraction == 0.15  # untouched ones keep their defaults
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    ("input_hihg_fraction = 0.3", "unknown threshold(s) input_hihg_fraction"),
+    ("input_high_fraction = 1.5", "input_high_fraction must be within [0, 1]"),
+    ("input_moderate_fraction = 0.5", "input_moderate_fraction exceeds input_high_fraction"),
+])
+def test_bad_thresholds_are_named(tmp_path: Path, table: str, message: str) -> None:
+    path = tmp_path / "gpumon.toml"
+    path.write_text(f"[thresholds]\n{table}\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config({"config": str(path)}, env={})
+    assert message in str(excinfo.value)
