@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from gpumon.analysis.thresholds import Thresholds
-
 import tomllib
+
+from gpumon.analysis.thresholds import Thresholds
 
 DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"
