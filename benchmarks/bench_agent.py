@@ -5,9 +5,12 @@ Run from the repository root (builds the fake library with gcc)::
     .venv/bin/python benchmarks/bench_agent.py [--cycles 2000] [--scrapes 300]
 
 1. Collection: NvmlSource.sample() in a child process that loads the fake
-   libnvidia-ml.so.1 through the unmodified nvidia-ml-py binding; CPU seconds per cycle
-   and per GPU (process_time), against a baseline measured in the same child: the bare
-   pynvml calls a minimal exporter would make for the same fields (no gpumon logic).
+   libnvidia-ml.so.1 through the unmodified nvidia-ml-py binding, back to back, its clock
+   advancing one 1 s interval per cycle (so GPM pairs are read every cycle and the slow set
+   every tenth, as in the agent); CPU seconds per cycle and per GPU (process_time), against
+   a baseline measured in the same child: the bare pynvml calls a minimal exporter would
+   make for the same fields (no gpumon logic). bench_peers.py measures whole processes
+   against the peers instead.
 2. Scrape: a real agent subprocess; /metrics latency p50/p99 and body size, against
    /healthz on the same server in the same run (the HTTP floor).
 """
@@ -21,14 +24,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import ROOT, latencies, percentile
 
-from tests.fakenvml.build import build_fake_nvml  # noqa: E402
-from tests.helpers import agent_env, start_agent  # noqa: E402
+from tests.fakenvml.build import build_fake_nvml
+from tests.helpers import agent_env, start_agent
 
 SCENARIO = ROOT / "tests" / "fakenvml" / "scenarios" / "h100_8x_live.scn"
 
@@ -43,7 +44,7 @@ source = NvmlSource(lambda c, e: errors.append(e))
 gpus = len(source.devices)
 
 def gpumon_cycle(i):
-    source.sample(time.time(), time.monotonic())
+    source.sample(time.time(), 1000.0 + i)  # one 1 s interval per cycle
 
 handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(gpus)]
 fields = [(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0xFFFFFFFF),
@@ -62,12 +63,14 @@ def bare_cycle(i):
         pynvml.nvmlDeviceGetFieldValues(h, fields)
 
 results = {"gpumon": [], "bare": []}
+done = 0
 for _round in range(5):  # alternate, so machine noise hits both alike
     for name, fn in (("gpumon", gpumon_cycle), ("bare", bare_cycle)):
         start = time.process_time()
-        for i in range(cycles // 5):
+        for i in range(done, done + cycles // 5):
             fn(i)
         results[name].append((time.process_time() - start) / (cycles // 5))
+    done += cycles // 5
 print(json.dumps({"gpus": gpus, "errors": errors,
                   "gpumon_cycle_s": statistics.median(results["gpumon"]),
                   "bare_cycle_s": statistics.median(results["bare"])}))
@@ -88,22 +91,6 @@ def collection(lib_dir: Path, cycles: int) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _latencies(url: str, count: int) -> tuple[list[float], int]:
-    times, size = [], 0
-    for _ in range(count):
-        start = time.perf_counter()
-        with urllib.request.urlopen(url, timeout=10) as response:
-            body = response.read()
-        times.append(time.perf_counter() - start)
-        size = len(body)
-    return times, size
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def scrape(lib_dir: Path, count: int) -> dict[str, float]:
     """/metrics vs /healthz latency on a running agent over the 8-GPU scenario."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -113,17 +100,17 @@ def scrape(lib_dir: Path, count: int) -> dict[str, float]:
             metrics, health = [], []
             size = 0
             for _ in range(5):
-                m, size = _latencies(agent.url + "/metrics", count // 5)
-                h, _ = _latencies(agent.url + "/healthz", count // 5)
+                m, size = latencies(agent.url + "/metrics", count // 5)
+                h, _ = latencies(agent.url + "/healthz", count // 5)
                 metrics += m
                 health += h
         finally:
             agent.stop()
     return {
         "metrics_p50_s": statistics.median(metrics),
-        "metrics_p99_s": _percentile(metrics, 0.99),
+        "metrics_p99_s": percentile(metrics, 0.99),
         "healthz_p50_s": statistics.median(health),
-        "healthz_p99_s": _percentile(health, 0.99),
+        "healthz_p99_s": percentile(health, 0.99),
         "metrics_bytes": size,
     }
 

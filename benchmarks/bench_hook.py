@@ -1,13 +1,21 @@
-"""Cost of the client hook per training step, against the same loop without it.
+"""Cost of the client hook per training step, against the same loop without it and against
+TensorBoard logging the same figures.
 
-    python benchmarks/bench_hook.py [--blocks 2000] [--block-steps 200]
+    python benchmarks/bench_hook.py [--blocks 2000] [--block-steps 200] [--tensorboard]
 
-Blocks of empty steps are timed alternately bare and hooked (``mon.step()`` around three
-``mon.phase()`` blocks, optionally under ``mon.loader()`` with counts), in one process, sending
+Blocks of empty steps are timed in rotation, in one process: bare, and hooked (``mon.step()``
+around three ``mon.phase()`` blocks, optionally under ``mon.loader()`` with counts), sending
 to a real Unix datagram socket drained by a reader process (standing in for the agent).
-Between blocks the hooked records are flushed synchronously and that flush is timed too:
+After each block the hooked records are flushed synchronously and that flush is timed too:
 it is the background sender's cost per record, paid off the training thread but sharing
-its interpreter. Prints a table and a JSON line.
+its interpreter.
+
+``--tensorboard`` adds what a user would write instead: the loop timed by hand
+(perf_counter around the loader and each phase) and the same eight figures (step and phase
+seconds, samples, tokens, FLOPs) logged with ``torch.utils.tensorboard.SummaryWriter
+.add_scalar``; its ``flush()`` after each block is the writer thread's share. TensorBoard and
+torch (CPU) come from the peers' venv (benchmarks/.peers-venv, made on first use), which this
+script re-runs itself in. Prints a table and a JSON line.
 """
 
 from __future__ import annotations
@@ -18,13 +26,21 @@ import multiprocessing
 import os
 import socket
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from itertools import count
 from multiprocessing.connection import Connection
+from time import perf_counter
+from typing import Any
 
 from gpumon.client import StepMonitor
 from gpumon.protocol import decode_datagram
+
+Case = tuple[Callable[[int], None], Callable[[], None] | None]
+"""A loop of n steps, and what flushes its background work (None: nothing to flush)."""
 
 
 def reader(path: str, ready: Connection, done: Connection) -> None:
@@ -49,8 +65,35 @@ def reader(path: str, ready: Connection, done: Connection) -> None:
     done.send(records)
 
 
+@contextmanager
+def drained_socket() -> Iterator[tuple[str, Callable[[], int]]]:
+    """A socket path drained by a reader process, and a function that stops it and returns
+    the records it received."""
+    with tempfile.TemporaryDirectory(prefix="gpumon-bench") as tmp:
+        path = os.path.join(tmp, "ingest.sock")
+        ctx = multiprocessing.get_context("fork")
+        ready_recv, ready_send = ctx.Pipe(duplex=False)
+        done_parent, done_child = ctx.Pipe()
+        proc = ctx.Process(target=reader, args=(path, ready_send, done_child), daemon=True)
+        proc.start()
+        ready_recv.recv()
+
+        def finish() -> int:
+            done_parent.send(True)
+            received = int(done_parent.recv())
+            proc.join()
+            return received
+
+        yield path, finish
+
+
 def bare(n: int) -> None:
     for _ in range(n):
+        pass
+
+
+def bare_loader(n: int) -> None:
+    for _ in iter(range(n)):
         pass
 
 
@@ -82,45 +125,79 @@ def hooked_loader(mon: StepMonitor) -> Callable[[int], None]:
     return run
 
 
-def bare_loader(n: int) -> None:
-    for _ in iter(range(n)):
-        pass
+def tensorboard_loop(writer: Any) -> Callable[[int], None]:
+    """The loop timed by hand, logging what the hook reports: eight scalars per step."""
+    steps = count()
+    add = writer.add_scalar
+
+    def run(n: int) -> None:
+        batches = iter(range(n))
+        while True:
+            t0 = perf_counter()
+            if next(batches, None) is None:
+                break
+            t1 = perf_counter()  # forward
+            t2 = perf_counter()  # backward
+            t3 = perf_counter()  # optimizer
+            t4 = perf_counter()
+            step = next(steps)
+            add("step/duration_seconds", t4 - t0, step)
+            add("step/data_seconds", t1 - t0, step)
+            add("step/forward_seconds", t2 - t1, step)
+            add("step/backward_seconds", t3 - t2, step)
+            add("step/optimizer_seconds", t4 - t3, step)
+            add("step/samples", 32, step)
+            add("step/tokens", 65536, step)
+            add("step/flops", 1.2e15, step)
+
+    return run
 
 
-def measure(
-    name: str,
-    base: Callable[[int], None],
-    hook: Callable[[int], None],
-    mon: StepMonitor,
-    blocks: int,
-    block_steps: int,
-) -> dict[str, float]:
-    """Median µs per step of ``base`` and ``hook`` blocks, alternated, and the flush cost."""
-    base_us: list[float] = []
-    hook_us: list[float] = []
-    flush_us: list[float] = []
-    mon.flush()
+def measure(cases: dict[str, Case], blocks: int, block_steps: int) -> dict[str, dict[str, float]]:
+    """Median µs per step of each case's blocks, run in rotation, and of its flush after each
+    block (µs per step of that block)."""
+    loop_us: dict[str, list[float]] = {name: [] for name in cases}
+    flush_us: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
+    for _, flush in cases.values():
+        if flush is not None:
+            flush()
     for i in range(blocks):
-        order = (base, hook) if i % 2 else (hook, base)
-        for fn in order:
-            t0 = time.perf_counter()
-            fn(block_steps)
-            elapsed = (time.perf_counter() - t0) / block_steps * 1e6
-            (base_us if fn is base else hook_us).append(elapsed)
-        t0 = time.perf_counter()
-        mon.flush()
-        flush_us.append((time.perf_counter() - t0) / block_steps * 1e6)
-    bare_med = statistics.median(base_us)
-    hook_med = statistics.median(hook_us)
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            run, flush = cases[name]
+            t0 = perf_counter()
+            run(block_steps)
+            loop_us[name].append((perf_counter() - t0) / block_steps * 1e6)
+            if flush is not None:
+                t0 = perf_counter()
+                flush()
+                flush_us[name].append((perf_counter() - t0) / block_steps * 1e6)
+    return {name: {"loop_us_per_step": statistics.median(loop_us[name]),
+                   "flush_us_per_step": statistics.median(flush_us[name]) if flush_us[name] else 0.0}
+            for name in cases}
+
+
+def compare(base: str, hook: str, results: dict[str, dict[str, float]]) -> dict[str, float]:
+    """One hooked case against its bare loop."""
+    bare_us = results[base]["loop_us_per_step"]
+    hook_us = results[hook]["loop_us_per_step"]
+    sender_us = results[hook]["flush_us_per_step"]
     return {
-        "case": name,
-        "bare_us_per_step": bare_med,
-        "hooked_us_per_step": hook_med,
-        "hook_us_per_step": hook_med - bare_med,
-        "sender_us_per_record": statistics.median(flush_us),
-        "total_us_per_step": hook_med - bare_med + statistics.median(flush_us),
-        "hooked_over_bare": hook_med / bare_med,
+        "bare_us_per_step": bare_us,
+        "hooked_us_per_step": hook_us,
+        "hook_us_per_step": hook_us - bare_us,
+        "sender_us_per_record": sender_us,
+        "total_us_per_step": hook_us - bare_us + sender_us,
+        "hooked_over_bare": hook_us / bare_us,
     }
+
+
+def _have_tensorboard() -> bool:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def main() -> None:
@@ -128,41 +205,54 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=2000)
     parser.add_argument("--block-steps", type=int, default=200)
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also TensorBoard's add_scalar (runs in the peers' venv)")
     args = parser.parse_args()
+    if args.tensorboard and not _have_tensorboard():
+        from common import ROOT, peers_python
 
-    with tempfile.TemporaryDirectory(prefix="gpumon-bench") as tmp:
-        path = os.path.join(tmp, "ingest.sock")
-        ctx = multiprocessing.get_context("fork")
-        ready_recv, ready_send = ctx.Pipe(duplex=False)
-        done_parent, done_child = ctx.Pipe()
-        proc = ctx.Process(target=reader, args=(path, ready_send, done_child), daemon=True)
-        proc.start()
-        ready_recv.recv()
+        python = str(peers_python())
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        os.execve(python, [python, __file__, *sys.argv[1:]], env)
+
+    with drained_socket() as (path, finish), tempfile.TemporaryDirectory() as logdir:
         mon = StepMonitor(run="bench", socket_path=path)
-        results = [
-            measure("step + 3 phases", bare, hooked(mon), mon, args.blocks, args.block_steps),
-            measure(
-                "loader + step(counts) + 3 phases",
-                bare_loader,
-                hooked_loader(mon),
-                mon,
-                args.blocks,
-                args.block_steps,
-            ),
-        ]
-        mon.close()
-        time.sleep(0.2)
-        done_parent.send(True)
-        received = done_parent.recv()
-        proc.join()
+        cases: dict[str, Case] = {
+            "bare": (bare, None), "hooked": (hooked(mon), mon.flush),
+            "bare_loader": (bare_loader, None), "hooked_loader": (hooked_loader(mon), mon.flush),
+        }
+        writer = None
+        if args.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
 
+            writer = SummaryWriter(log_dir=logdir)
+            cases["tensorboard"] = (tensorboard_loop(writer), writer.flush)
+        raw = measure(cases, args.blocks, args.block_steps)
+        mon.close()
+        if writer is not None:
+            writer.close()
+        time.sleep(0.2)
+        received = finish()
+
+    results = [
+        {"case": "step + 3 phases", **compare("bare", "hooked", raw)},
+        {"case": "loader + step(counts) + 3 phases", **compare("bare_loader", "hooked_loader", raw)},
+    ]
+    if writer is not None:
+        results.append({"case": "TensorBoard: timed by hand + 8 add_scalar",
+                        **compare("bare_loader", "tensorboard", raw)})
     stats = mon.stats
-    print(f"{'case':36} {'bare µs':>8} {'hooked µs':>10} {'hook µs':>8} {'sender µs':>10} {'total µs':>9}")
+    print(f"{'case':42} {'bare µs':>8} {'with µs':>9} {'cost µs':>8} {'bg µs':>7} {'total µs':>9}")
     for r in results:
         print(
-            f"{r['case']:36} {r['bare_us_per_step']:8.3f} {r['hooked_us_per_step']:10.3f} "
-            f"{r['hook_us_per_step']:8.3f} {r['sender_us_per_record']:10.3f} {r['total_us_per_step']:9.3f}"
+            f"{r['case']:42} {r['bare_us_per_step']:8.3f} {r['hooked_us_per_step']:9.3f} "
+            f"{r['hook_us_per_step']:8.3f} {r['sender_us_per_record']:7.3f} {r['total_us_per_step']:9.3f}"
         )
+    print("cost: on the training thread, over the bare loop; bg: the flush after each block "
+          "(gpumon's sender, TensorBoard's writer), per step")
+    if writer is not None:
+        ratio = results[1]["total_us_per_step"] / results[2]["total_us_per_step"]
+        print(f"gpumon (loader + counts) / TensorBoard, total per step: {ratio:.3f}×")
     print(
         f"steps {stats.steps}, records sent {stats.records_sent}, received {received}, "
         f"dropped {stats.dropped}, cpus {os.cpu_count()}"

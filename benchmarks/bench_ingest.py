@@ -15,16 +15,14 @@ import argparse
 import json
 import multiprocessing as mp
 import socket
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from common import step_record
 
-from gpumon.protocol import encode_datagrams  # noqa: E402
-from tests.helpers import agent_env, parse_metrics, start_agent, values  # noqa: E402
+from gpumon.protocol import encode_datagrams
+from tests.helpers import agent_env, parse_metrics, start_agent, values
 
 RANKS = 8
 RETRY_BUDGET_S = 0.05  # what the client's sender allows a full queue per flush
@@ -33,31 +31,8 @@ RETRY_BUDGET_S = 0.05  # what the client's sender allows a full queue per flush
 def datagrams(count: int) -> list[bytes]:
     """Realistic step records from 8 ranks, packed as the client packs them."""
     now = time.time()
-    records = [
-        {
-            "v": 1,
-            "kind": "step",
-            "run": "bench",
-            "rank": i % RANKS,
-            "step": i // RANKS,
-            "t_start": now + i * 1e-3,
-            "duration": 0.35,
-            "samples": 32,
-            "tokens": 65536,
-            "flops": 3.1e15,
-            "pid": 4242,
-            "phases": {"data": 0.01, "forward": 0.11, "backward": 0.19, "comm": 0.02, "optimizer": 0.015},
-            "mem": {
-                "allocated": 51_234_567_890,
-                "reserved": 60_000_000_000,
-                "peak": 58_123_456_789,
-                "retries": 0,
-                "ooms": 0,
-            },
-        }
-        for i in range(count)
-    ]
-    return encode_datagrams(records)
+    return encode_datagrams([step_record("bench", i % RANKS, i // RANKS, now + i * 1e-3, 0.35)
+                             for i in range(count)])
 
 
 def _send(path: str, rate: float, seconds: float, queue: mp.Queue) -> None:

@@ -1,0 +1,99 @@
+"""Run every benchmark of benchmarks/RESULTS.md, one after another, and check the targets.
+
+    .venv/bin/python benchmarks/run_all.py [--only peers,hook,...]
+
+Each script prints its own tables (shown as they come) and a JSON line last; this reads
+the JSON lines and ends with one table: each target, the figure measured, met or missed.
+Takes about 15 minutes; the peers' venv is made on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+MB = 1e6
+
+Check = tuple[str, Callable[[dict[str, Any]], float], Callable[[float], str], Callable[[float], bool]]
+"""(target, figure from the JSON line, how to print it, whether it meets the target)."""
+
+BENCHMARKS: dict[str, tuple[list[str], list[Check]]] = {
+    "peers": (["bench_peers.py"], [
+        ("collection: gpumon CPU per cycle ≤ 0.5× nvitop-exporter's",
+         lambda r: r["cpu_per_cycle_s"]["gpumon"] / r["cpu_per_cycle_s"]["nvitop-exporter"],
+         lambda x: f"{x:.3f}×", lambda x: x <= 0.5),
+        ("scrape: gpumon /metrics p99 ≤ 10 ms (8 GPUs × 64 ranks)",
+         lambda r: r["scrape"]["gpumon /metrics"]["p99_s"],
+         lambda x: f"{x * 1e3:.2f} ms", lambda x: x <= 0.010),
+    ]),
+    "footprint": (["bench_footprint.py"], [
+        ("footprint: peak RSS ≤ 80 MB over a simulated day of 64 ranks",
+         lambda r: r["rss_peak_bytes"][0], lambda x: f"{x / MB:.1f} MB", lambda x: x <= 80 * MB),
+        ("footprint: no growth over the second half (fed − idle twin ≤ 1 MiB)",
+         lambda r: (r["second_half_slope_mib_per_hour"][0] - r["second_half_slope_mib_per_hour"][1])
+         * r["hours"] / 2, lambda x: f"{x:+.2f} MiB", lambda x: x <= 1.0),
+    ]),
+    "hook": (["bench_hook.py", "--tensorboard"], [
+        ("hook: ≤ 10 µs per step (training thread + sender)",
+         lambda r: r["results"][1]["total_us_per_step"], lambda x: f"{x:.2f} µs",
+         lambda x: x <= 10.0),
+        ("hook: ≤ 0.2× TensorBoard add_scalar for the same figures",
+         lambda r: r["results"][1]["total_us_per_step"] / r["results"][2]["total_us_per_step"],
+         lambda x: f"{x:.3f}×", lambda x: x <= 0.2),
+    ]),
+    "train": (["bench_train.py"], [
+        ("training: throughput with the hook ≥ 99% of without (median of pairs)",
+         lambda r: r["median_ratio"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
+    ]),
+    "ingest": (["bench_ingest.py"], [
+        ("ingest: ≥ 50,000 records/s with zero drops",
+         lambda r: r["sustained_zero_loss_per_s"], lambda x: f"{x:,.0f}/s",
+         lambda x: x >= 50_000),
+    ]),
+}
+
+
+def run(script: list[str]) -> dict[str, Any]:
+    """Run one benchmark, echoing its output; its last JSON line."""
+    proc = subprocess.Popen([sys.executable, str(HERE / script[0]), *script[1:]],
+                            stdout=subprocess.PIPE, text=True)
+    last: dict[str, Any] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("{"):
+            last = json.loads(line)
+        else:
+            print(line, end="", flush=True)
+    if proc.wait() != 0:
+        raise SystemExit(f"{script[0]} failed ({proc.returncode})")
+    return last
+
+
+def main() -> None:
+    """Run the benchmarks and print the targets table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default=",".join(BENCHMARKS),
+                        help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    args = parser.parse_args()
+    rows = []
+    for name in args.only.split(","):
+        script, checks = BENCHMARKS[name]
+        print(f"\n=== {' '.join(script)}", flush=True)
+        result = run(script)
+        for target, figure, show, meets in checks:
+            value = figure(result)
+            rows.append((target, show(value), "met" if meets(value) else "MISSED"))
+    print()
+    width = max(len(r[0]) for r in rows)
+    for target, value, verdict in rows:
+        print(f"{target:<{width}}  {value:>12}  {verdict}")
+
+
+if __name__ == "__main__":
+    main()
