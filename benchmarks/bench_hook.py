@@ -234,7 +234,7 @@ def main() -> None:
         time.sleep(0.2)
         received = finish()
 
-    results = [
+    results: list[dict[str, Any]] = [
         {"case": "step + 3 phases", **compare("bare", "hooked", raw)},
         {"case": "loader + step(counts) + 3 phases", **compare("bare_loader", "hooked_loader", raw)},
     ]

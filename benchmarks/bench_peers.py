@@ -16,7 +16,8 @@ h100_8x_live scenario. The peers come from PyPI into benchmarks/.peers-venv.
    host metrics (every cycle).
 2. Scrape: the three run side by side, gpumon receiving ``--ranks`` ranks of live steps
    over its socket; ``/metrics`` of gpumon and nvitop-exporter and a `gpustat --json` per
-   GET are timed in rotation, with gpumon's /healthz as the HTTP floor.
+   GET (a tenth as many: each takes 0.8 s) are timed in rotation, with gpumon's /healthz
+   as the HTTP floor.
 Prints the tables, what each covers, and a JSON line.
 """
 
@@ -52,7 +53,7 @@ from common import (
 from counted import read_count
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import free_port, http_get, wait_for
+from tests.helpers import AgentProcess, free_port, http_get, wait_for
 
 COUNTED = str(Path(__file__).resolve().parent / "counted.py")
 COLLECTORS = ("gpumon", "nvitop-exporter", "gpustat", "idle-loop")
@@ -60,13 +61,12 @@ SCRAPED = COLLECTORS[:3]
 
 
 @dataclass
-class Running:
-    """One collector process and how to read its cycle count."""
+class Running(AgentProcess):
+    """One collector process (stopped, and gpumon's scraped, as the tests' agents are) and
+    its cycle count."""
 
-    name: str
-    process: subprocess.Popen[bytes]
-    count_file: str
-    url: str | None
+    name: str = ""
+    count_file: str = ""
 
     def cycles(self) -> int:
         return read_count(self.count_file)
@@ -74,25 +74,16 @@ class Running:
     def rss_bytes(self) -> int:
         return int(psutil.Process(self.process.pid).memory_info().rss)
 
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
 
 def start(name: str, lib: Path, scenario: Path, tmp: Path, interval_s: float,
           serve: bool = False) -> Running:
     """Start one collector; with ``serve`` gpustat answers `gpustat --json` per GET instead."""
     port = free_port()
     count_file = str(tmp / f"{name}-{port}.count")
-    url: str | None = f"http://127.0.0.1:{port}"
+    socket_path = tmp / f"ingest-{port}.sock"
     if name == "gpumon":
         args = [sys.executable, COUNTED, count_file, "gpumon", "--address", "127.0.0.1",
-                "--port", str(port), "--socket", str(tmp / f"ingest-{port}.sock"),
+                "--port", str(port), "--socket", str(socket_path),
                 "--interval", str(interval_s), "--log-level", "warning"]
     elif name == "nvitop-exporter":
         args = [str(peers_python()), COUNTED, count_file, "nvitop-exporter", "--hostname",
@@ -101,16 +92,16 @@ def start(name: str, lib: Path, scenario: Path, tmp: Path, interval_s: float,
     else:
         mode = ["--serve", str(port)] if serve else ["--interval", str(interval_s)]
         args = [str(peers_python()), COUNTED, count_file, name, *mode]
-        url = url if serve else None
-    log = open(tmp / f"{name}-{port}.log", "wb")
-    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=nvml_env(lib, scenario),
-                               cwd=ROOT)
-    running = Running(name, process, count_file, url)
-    probe = f"{url}/readyz" if name == "gpumon" else (url if serve else None)
+    log_path = tmp / f"{name}-{port}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                   env=nvml_env(lib, scenario), cwd=ROOT)
+    running = Running(process, port, socket_path, log_path, name, count_file)
+    probe = running.url + "/readyz" if name == "gpumon" else (running.url if serve else None)
 
     def ready() -> bool:
         if process.poll() is not None:
-            raise AssertionError(f"{name} exited:\n{(tmp / f'{name}-{port}.log').read_text()}")
+            raise AssertionError(f"{name} exited:\n{running.log()}")
         if probe is not None:
             return http_get(probe)[0] == 200
         return Path(count_file).exists() and running.cycles() > 0
@@ -172,10 +163,9 @@ def scrape(lib: Path, scenario: Path, tmp: Path, scrapes: int, ranks: int, inter
         for name in SCRAPED:
             running[name] = start(name, lib, scenario, tmp, interval_s, serve=True)
         gpumon = running["gpumon"]
-        socket_path = tmp / f"ingest-{str(gpumon.url).rsplit(':', 1)[1]}.sock"
         step_s = 0.5
         feeder = mp.get_context("fork").Process(
-            target=_feed, args=(str(socket_path), ranks, step_s, 3600.0), daemon=True)
+            target=_feed, args=(str(gpumon.socket_path), ranks, step_s, 3600.0), daemon=True)
         feeder.start()
 
         def every_rank_has_a_verdict() -> bool:
@@ -186,16 +176,17 @@ def scrape(lib: Path, scenario: Path, tmp: Path, scrapes: int, ranks: int, inter
         targets: dict[str, str] = {
             "gpumon /metrics": f"{gpumon.url}/metrics",
             "nvitop-exporter /metrics": f"{running['nvitop-exporter'].url}/metrics",
-            "gpustat --json (on demand)": str(running["gpustat"].url),
+            "gpustat --json (on demand)": running["gpustat"].url,
             "gpumon /healthz (HTTP floor)": f"{gpumon.url}/healthz",
         }
         times: dict[str, list[float]] = {name: [] for name in targets}
         sizes: dict[str, int] = {}
-        per_round = max(1, scrapes // 10)
         names = list(targets)
         for r in range(10):
             for name in names[r % len(names):] + names[:r % len(names)]:
-                t, sizes[name] = latencies(targets[name], per_round)
+                # A gpustat query sleeps 0.1 s per GPU: a tenth as many of those.
+                count = max(1, scrapes // (100 if name.startswith("gpustat") else 10))
+                t, sizes[name] = latencies(targets[name], count)
                 times[name] += t
         bodies = {name: get(url).decode() for name, url in targets.items()}
     finally:
@@ -212,9 +203,9 @@ def _samples(text: str) -> list[tuple[str, dict[str, str]]]:
     return [(s.name, s.labels) for f in text_string_to_metric_families(text) for s in f.samples]
 
 
-def coverage(bodies: dict[str, str]) -> dict[str, dict[str, object]]:
+def coverage(bodies: dict[str, str]) -> dict[str, dict[str, Any]]:
     """Series per GPU (and in all) in each scrape, and the metric names for one GPU."""
-    out: dict[str, dict[str, object]] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, gpu_label in (("gpumon /metrics", "gpu"), ("nvitop-exporter /metrics", "index")):
         samples = _samples(bodies[name])
         gpu0 = [n for n, labels in samples if labels.get(gpu_label) == "0"
@@ -231,7 +222,7 @@ def coverage(bodies: dict[str, str]) -> dict[str, dict[str, object]]:
 
 
 def _median(rows: list[dict[str, Any]], key: str) -> float:
-    return statistics.median(row[key] for row in rows)
+    return float(statistics.median(row[key] for row in rows))
 
 
 def _thread_medians(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -300,7 +291,7 @@ def main() -> None:
         extra = (f", {c['series_total']} series in all, {c['series_per_rank']} per rank"
                  if "series_total" in c else "")
         print(f"{name}: {c['series_gpu0']} for GPU 0{extra}")
-        print(f"    {', '.join(str(m) for m in c['metrics_gpu0'])}")  # type: ignore[union-attr]
+        print(f"    {', '.join(str(m) for m in c['metrics_gpu0'])}")  # type: ignore[attr-defined]
     print(json.dumps({"benchmark": "peers", "interval_s": args.interval,
                       "cpu_per_cycle_s": per_cycle, "collection_rounds": cpu,
                       "scrape": scrape_stats, "coverage": cover}))

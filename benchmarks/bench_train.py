@@ -39,7 +39,7 @@ def run(socket_path: str, hook: bool, steps: int, extra: list[str]) -> float:
         summary = train(argv)
     if hook and summary["dropped"]:
         raise RuntimeError(f"the hooked run dropped records: {summary['dropped']}")
-    return float(summary["samples_per_second"])  # type: ignore[arg-type]
+    return float(summary["samples_per_second"])
 
 
 def main() -> None:
