@@ -187,13 +187,19 @@ class PrometheusProcess:
         return list(data["data"]["result"])
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
+
+
+def terminate(process: subprocess.Popen[bytes], timeout: float = 10.0) -> int:
+    """SIGTERM a service, SIGKILL it if it lingers; its exit status."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    return process.returncode
 
 
 def start_prometheus(tmp_path: Path, targets: list[str], scrape_interval: str = "1s",

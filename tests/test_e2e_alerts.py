@@ -44,6 +44,7 @@ from tests.helpers import (
     http_get,
     require_tool,
     start_prometheus,
+    terminate,
     wait_for,
 )
 
@@ -232,13 +233,7 @@ class AlertmanagerProcess:
     log_path: Path
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
 
 
 def start_alertmanager(tmp_path: Path, webhook_url: str) -> AlertmanagerProcess:
