@@ -12,9 +12,10 @@ ones until the window spans it, and the verdict counts for every step merged.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from gpumon.analysis.bottleneck import (
@@ -39,6 +40,8 @@ COMPUTE_HISTORY = 16  # steps per rank for its median compute time (straggler sc
 PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
 MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
 CLOCK_SKEW_TOLERANCE_S = 5.0  # a step "ending" later than this after receipt is re-based
+VERDICT_WORK = 32  # a verdict costs about as much as merging 32 steps (~0.1 ms)
+SLICE_WORK = 256  # ~1 ms of a pass: 8 verdicts of a few steps each
 
 
 @dataclass
@@ -132,10 +135,31 @@ class StepAnalyzer:
     def process(self, now_t: float, history: History, statics: Sequence[GpuStatic],
                 latest: Mapping[int, GpuSample]) -> list[StepVerdict]:
         """Analyse every step whose window is complete; returns the verdicts reached."""
+        return next(self.process_in_slices(now_t, history, statics, latest, math.inf), [])
+
+    def process_in_slices(self, now_t: float, history: History, statics: Sequence[GpuStatic],
+                          latest: Mapping[int, GpuSample],
+                          slice_work: float = SLICE_WORK) -> Iterator[list[StepVerdict]]:
+        """``process`` a little at a time: yields the verdicts of each slice of about
+        ``slice_work`` units (a step grouped is one, a verdict ``VERDICT_WORK``).
+
+        Between slices the caller may release its lock, so that ``add`` and ``analyses`` wait
+        for one slice rather than for the whole pass. The verdicts are those of an unsliced
+        pass: a rank's analysis depends only on its own steps, and the one figure that
+        compares ranks, the straggler score (each rank's median compute time against its
+        run's), is computed once, after the last slice, from every rank's history, exactly
+        as unsliced. A verdict reached during a pass uses the previous pass's score either
+        way. Steps added between slices are analysed in this pass if their rank's turn has
+        not come (as if added just before the pass), otherwise in the next (just after); a
+        rank first seen between slices waits for the next pass. A reader between slices sees
+        some ranks' new verdicts beside others' old ones, all with the previous scores.
+        """
         by_index = {s.index: s for s in statics}
-        done: list[StepVerdict] = []
+        thresholds = self.thresholds  # one pass, one set, even if reloaded between slices
         cutoff = now_t - self.lag_s
-        for state in self._ranks.values():
+        done: list[StepVerdict] = []
+        work = 0
+        for state in list(self._ranks.values()):
             # A rank's steps arrive in order: the ready ones are a prefix.
             k = 0
             for step in state.pending:
@@ -152,19 +176,26 @@ class StepAnalyzer:
                     and (last[-1].t_end or 0.0) > cutoff - 5 * self.resolution_s:
                 groups.pop()
                 k -= len(last)
+            # Taken off before the first yield: steps added meanwhile land after these.
             del state.pending[:k]
+            work += k
             for members in groups:
                 merged = merge_steps(members)
                 verdict = self._analyse(state, merged, len(members), members[-1], history,
-                                        by_index, latest)
+                                        by_index, latest, thresholds)
                 done.append(StepVerdict(merged.run, merged.rank,
                                         tuple(m.step for m in members), verdict))
+                work += VERDICT_WORK
+                if work >= slice_work:
+                    yield done
+                    done, work = [], 0
         self._score_stragglers()
-        return done
+        if done:
+            yield done
 
     def _analyse(self, state: _RankState, group: StepRecord, steps: int, last: StepRecord,
                  history: History, statics: Mapping[int, GpuStatic],
-                 latest: Mapping[int, GpuSample]) -> Verdict:
+                 latest: Mapping[int, GpuSample], thresholds: Thresholds) -> Verdict:
         analysis = state.analysis
         index = attribute_gpu(last.gpu, last.pid or state.last_pid, list(statics.values()),
                               latest)
@@ -185,7 +216,7 @@ class StepAnalyzer:
             straggler_score=analysis.straggler_score,
             previous_alloc_retries=previous.mem.alloc_retries if previous and previous.mem else None,
             previous_ooms=previous.mem.ooms if previous and previous.mem else None,
-            thresholds=self.thresholds,
+            thresholds=thresholds,
         )
         analysis.verdict = verdict
         analysis.verdict_step = last.step

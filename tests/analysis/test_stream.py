@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from gpumon.analysis.stream import StepAnalyzer, attribute_gpu
+from dataclasses import replace
+
+from gpumon.analysis.bottleneck import Flag
+from gpumon.analysis.stream import StepAnalyzer, StepVerdict, attribute_gpu
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.protocol import StepRecord
 
@@ -57,3 +60,63 @@ def test_gpu_attribution_prefers_uuid_then_process_list_then_index() -> None:
     assert attribute_gpu(0, None, [H100, other], {}) == 0
     assert attribute_gpu(7, None, [H100, other], {}) is None
     assert attribute_gpu("GPU-zzz", None, [H100, other], {}) is None
+
+
+def fleet_steps(runs: int, ranks: int, steps: range, slow_rank: int) -> list[StepRecord]:
+    """0.5 s steps of every rank of ``runs`` runs. From step 6 on, all but ``slow_rank``
+    compute twice as fast: it becomes a straggler as its run's median moves."""
+    out = []
+    for n in steps:
+        for run in range(runs):
+            for rank in range(ranks):
+                compute = 0.2 if rank == slow_rank or n < 6 else 0.1
+                out.append(StepRecord(run=f"run{run}", rank=rank, step=n, duration_s=0.5,
+                                      t_start=10.0 + n * 0.5, gpu="GPU-a",
+                                      phases_s={"forward": compute * 0.4,
+                                                "backward": compute * 0.6}))
+    return out
+
+
+def test_a_pass_in_slices_reaches_the_verdicts_and_scores_of_one_pass() -> None:
+    whole, sliced = StepAnalyzer(resolution_s=1.0), StepAnalyzer(resolution_s=1.0)
+    for analyzer in (whole, sliced):
+        analyzer.add(fleet_steps(2, 32, range(2), slow_rank=31), received_t=11.0)
+    verdicts: dict[str, list[StepVerdict]] = {"whole": [], "sliced": []}
+    slices = 0
+    for second in range(1, 12):
+        # Steps 2s-2 and 2s-1 are ready (ended by 10 + s); the next ones, which a live agent
+        # lets in between slices while other threads read, are not.
+        now = 11.5 + second
+        following = fleet_steps(2, 32, range(2 * second, 2 * second + 2), slow_rank=31)
+        verdicts["whole"] += whole.process(now, history, [H100], {})
+        whole.add(following, received_t=now)
+        for part in sliced.process_in_slices(now, history, [H100], {}):
+            slices += 1
+            verdicts["sliced"] += part
+            assert len(sliced.analyses()) == 64
+            sliced.add(following[:16], received_t=now)
+            following = following[16:]
+        sliced.add(following, received_t=now)
+    assert slices >= 11 * 8  # 64 verdicts a pass, at most 8 a slice
+    assert len(verdicts["whole"]) == 11 * 64
+    assert verdicts["sliced"] == verdicts["whole"]
+    assert sliced.analyses() == whole.analyses()
+    scores = {(a.run, a.rank): a.straggler_score for a in whole.analyses()}
+    assert scores[("run0", 31)] == scores[("run1", 31)] == 0.5  # against its own run's median
+    assert scores[("run0", 30)] == 1.0
+    assert any(Flag.STRAGGLER in v.verdict.flags for v in verdicts["sliced"])
+
+
+def test_thresholds_reloaded_between_slices_apply_from_the_next_pass() -> None:
+    analyzer = StepAnalyzer(resolution_s=1.0)
+    analyzer.add(fleet_steps(1, 32, range(4), slow_rank=-1), received_t=12.0)
+    parts = analyzer.process_in_slices(20.0, history, [H100], {})
+    first = next(parts)
+    analyzer.thresholds = replace(analyzer.thresholds, compute_sm_min=0.99, compute_mfu_min=0.99)
+    rest = [v for part in parts for v in part]
+    assert len(first) + len(rest) == 32 * 2
+    assert {v.verdict.primary.value for v in first + rest} == {"compute"}
+    analyzer.add(fleet_steps(1, 32, range(4, 6), slow_rank=-1), received_t=14.0)
+    after = analyzer.process(22.0, history, [H100], {})
+    assert len(after) == 32
+    assert "compute" not in {v.verdict.primary.value for v in after}
