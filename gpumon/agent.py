@@ -11,6 +11,7 @@ Usable as a library::
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -218,6 +219,10 @@ class Agent:
         self._server.start()
         log.info("gpumon %s serving on http://%s:%d/metrics", __version__,
                  self.config.address, self._server.port)
+        # What exists now (imported modules, the agent's own objects) lives as long as the
+        # agent: out of the collector's sight, a full collection takes ~2 ms instead of ~20.
+        gc.collect()
+        gc.freeze()
 
     def _start_ingest(self) -> None:
         try:
@@ -295,6 +300,7 @@ class Agent:
             # A thread stuck inside NVML still holds it: do not shut NVML down under it.
             self._gpu_source.close()
         self._gpu_source = None
+        gc.unfreeze()  # a library user's process goes on: let what the agent held be collected
 
     @property
     def port(self) -> int:
@@ -337,7 +343,16 @@ class Agent:
         snap = self.state.snapshot(now)
         with self._analyzer_lock:
             self.analyzer.forget(expired)
-            self.analyzer.process(now, self._gpu_window, snap.gpus, snap.latest)
+            slices = self.analyzer.process_in_slices(now, self._gpu_window, snap.gpus,
+                                                     snap.latest)
+        # A whole pass holds the GIL for 5-15 ms at 64 ranks. In slices of ~1 ms, with the
+        # lock released and the GIL offered (sleep) between them, a scrape or an ingest
+        # waits for one slice instead; the results are the same (see process_in_slices).
+        while True:
+            with self._analyzer_lock:
+                if next(slices, None) is None:
+                    break
+            time.sleep(0)
         if self._recorder is not None:
             self._recorder.flush()
 

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from gpumon.agent import Agent
+from gpumon.config import AgentConfig
+from gpumon.protocol import StepRecord
+from gpumon.sim.gpus import SimulatedSource
+from gpumon.steps import Sender
 from tests.helpers import (
     http_get,
     library_agent,
@@ -78,3 +85,55 @@ def test_json_views(sim_agent: Agent) -> None:
     assert snapshot["nvml"]["simulated"] is True
     assert http_get(url + "/healthz") == (200, b"ok\n")
     assert http_get(url + "/nope")[0] == 404
+
+
+class _ScrapeBetweenHolds:
+    """The analyzer lock, with a scrape on another thread each time housekeeping lets go."""
+
+    def __init__(self, agent: Agent) -> None:
+        self._lock = threading.Lock()
+        self._agent = agent
+        self.holds = 0
+        self.scrapes = 0
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self._lock.release()
+        if threading.current_thread() is threading.main_thread():
+            self.holds += 1
+            scrape = threading.Thread(target=self._scrape)
+            scrape.start()
+            scrape.join(5.0)
+
+    def _scrape(self) -> None:
+        list(self._agent.families())
+        self.scrapes += 1
+
+
+def test_housekeeping_analyses_64_ranks_in_slices_letting_scrapes_in_between() -> None:
+    agent = Agent(AgentConfig(simulate=8, collectors=()))
+    source = SimulatedSource(8)
+    agent.state.set_nvml(agent.state.nvml, source.statics())
+    now = time.time()
+    for k in range(20):
+        agent.state.put_gpu_samples(source.sample(now - 10 + k * 0.5, k * 0.5))
+    agent._on_records([StepRecord(run="llm", rank=rank, step=n, duration_s=0.5,
+                                  t_start=now - 6 + n * 0.5, gpu=rank % 8,
+                                  phases_s={"forward": 0.2, "backward": 0.25})
+                       for n in range(4) for rank in range(64)], Sender())
+    probe = agent._analyzer_lock = _ScrapeBetweenHolds(agent)  # type: ignore[assignment]
+    agent._housekeeping(now, time.monotonic())
+    assert probe.holds >= 1 + 64 * 2 // 8  # forget, then at most 8 verdicts a slice
+    assert probe.scrapes == probe.holds
+    analyses = agent.analyzer.analyses()
+    assert len(analyses) == 64
+    assert all(a.verdict is not None and sum(a.bottleneck_steps.values()) == 4 for a in analyses)
+    assert {a.straggler_score for a in analyses} == {1.0}
+
+
+def test_what_exists_at_start_is_frozen_until_stop(tmp_path: Path) -> None:
+    with library_agent(tmp_path / "ingest.sock", simulate=1):
+        assert gc.get_freeze_count() > 10_000  # the imported modules at least
+    assert gc.get_freeze_count() == 0
