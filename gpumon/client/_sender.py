@@ -47,6 +47,9 @@ CLOSE_BUDGET_S = 1.0
 BUSY_RETRY_S = 0.002
 MAX_BACKLOG_RECORDS = 4096
 """Records kept for a busy agent; beyond that the oldest are dropped and counted."""
+MAX_PHASE_TEMPLATES = 64
+"""Distinct sequences of phase names kept formatted; code whose names change every step
+starts over at this many."""
 
 _MEM_KEYS = frozenset({"allocated", "reserved", "peak", "retries", "ooms"})
 _MEM_FORMAT = ',"mem":{{"allocated":{:d},"reserved":{:d},"peak":{:d},"retries":{:d},"ooms":{:d}}}'
@@ -65,7 +68,8 @@ class Sender:
         self.transport = transport
         self.hello = hello
         self._step_header = step_header
-        self._step_prefix = _prefix(step_header)
+        self._step_head = _step_head(step_header)
+        self._phase_templates: dict[tuple[str, ...], str] = {}
         self.clock: CudaClock | None = None
         self.records_sent = 0
         self.datagrams_sent = 0
@@ -87,7 +91,7 @@ class Sender:
     def set_gpu(self, gpu: str | int) -> None:
         """Report ``gpu`` on every later record."""
         self.hello = {**self.hello, "gpu": gpu}
-        self._step_prefix = _prefix({**self._step_header, "gpu": gpu})
+        self._step_head = _step_head({**self._step_header, "gpu": gpu})
 
     def add_control(self, record: dict[str, object]) -> None:
         """Queue a hello or event record for the next flush."""
@@ -158,15 +162,14 @@ class Sender:
         # or was encoded by json (the header), and every number is checked finite here.
         seq, step, t0, t1, _, samples, tokens, flops, mem, _ = item
         duration = t1 - t0
-        if step is not None and not (type(step) is int and 0 <= step <= MAX_INT):
+        if step is None:
+            step = seq
+        elif not (type(step) is int and 0 <= step <= MAX_INT):
             self.invalid_fields += 1
-            step = None
-        text = (
-            f'{self._step_prefix},"step":{seq if step is None else step},'
-            f'"t_start":{t0 + unix_offset:.6f},"duration":{duration:.9g}'
-        )
+            step = seq
+        text = self._step_head % (step, t0 + unix_offset, duration)
         if phases:
-            text += ',"phases":{' + ",".join(f'"{k}":{v:.9g}' for k, v in _fit_phases(phases, duration)) + "}"
+            text += self._phases_field(phases, duration)
         if samples is not None:
             text += self._count_field("samples", samples)
         if tokens is not None:
@@ -181,6 +184,29 @@ class Sender:
         elif mem is not None:
             text += self._memory_field(mem)
         return text + "}"
+
+    def _phases_field(self, phases: dict[str, float], duration: float) -> str:
+        """The ``phases`` field, through one cached template per sequence of phase names."""
+        names = tuple(phases)
+        template = self._phase_templates.get(names) or self._phase_template(names)
+        if template is None:  # more phases than a record takes: the last fold into "other"
+            return ',"phases":{' + ",".join(f'"{k}":{v:.9g}' for k, v in _fit_phases(phases, duration)) + "}"
+        seconds = tuple(phases.values())
+        total = sum(seconds)  # NaN if any is NaN, which fails total == total
+        if not (total == total and min(seconds) >= 0.0 and max(seconds) <= duration):
+            # GPU time of a phase can exceed the host window of its step when the CPU ran ahead.
+            seconds = tuple([_clamp(value, duration) for value in seconds])
+        return template % seconds
+
+    def _phase_template(self, names: tuple[str, ...]) -> str | None:
+        """The ``phases`` field with a ``%.9g`` slot per phase, for up to MAX_PHASES names."""
+        if len(names) > MAX_PHASES:
+            return None
+        if len(self._phase_templates) >= MAX_PHASE_TEMPLATES:
+            self._phase_templates.clear()  # phase names that change every step: rare, bounded
+        template = ',"phases":{' + ",".join(f'"{name}":%.9g' for name in names) + "}"
+        self._phase_templates[names] = template
+        return template
 
     def _memory_field(self, mem: Any) -> str:
         """The ``mem`` field from statistics the caller gave ``step(memory=)``."""
@@ -247,9 +273,11 @@ class Sender:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
 
 
-def _prefix(header: dict[str, object]) -> str:
-    """A step record's constant fields as the start of a JSON object (no closing brace)."""
-    return encode_record(header).decode()[:-1]
+def _step_head(header: dict[str, object]) -> str:
+    """A step record's start: its constant fields, then slots for the step number, start
+    (Unix seconds) and duration; the record is open for more fields (no closing brace)."""
+    prefix = encode_record(header).decode()[:-1].replace("%", "%%")
+    return prefix + ',"step":%d,"t_start":%.6f,"duration":%.9g'
 
 
 def _fit_phases(phases: Mapping[str, float], duration: float) -> Iterable[tuple[str, float]]:
