@@ -74,7 +74,7 @@ class StepMonitor:
 
     Raises ``ValueError`` for an invalid run name, GPU or inconsistent ranks. After that nothing it
     does raises into the training loop: an absent, slow or restarting agent costs records
-    (counted in ``stats``), never time. Records reach the agent within about 0.2 s of their
+    (counted in ``stats``), never time. Records reach the agent within about 0.3 s of their
     step's end; ``close()`` (also called at interpreter exit) sends what is left.
     """
 
