@@ -6,9 +6,9 @@ TensorBoard logging the same figures.
 Blocks of empty steps are timed in rotation, in one process: bare, and hooked (``mon.step()``
 around three ``mon.phase()`` blocks, optionally under ``mon.loader()`` with counts), sending
 to a real Unix datagram socket drained by a reader process (standing in for the agent).
-After each block the hooked records are flushed synchronously and that flush is timed too:
-it is the background sender's cost per record, paid off the training thread but sharing
-its interpreter.
+After each block the hooked records are flushed synchronously and that flush is timed too
+(its CPU time: it may also sleep while the reader drains a full socket): it is the background
+sender's cost per record, paid off the training thread but sharing its interpreter.
 
 ``--tensorboard`` adds what a user would write instead: the loop timed by hand
 (perf_counter around the loader and each phase) and the same eight figures (step and phase
@@ -28,7 +28,9 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import count
@@ -37,6 +39,7 @@ from time import perf_counter
 from typing import Any
 
 from gpumon.client import StepMonitor
+from gpumon.collectors.ingest import RECEIVE_BUFFER_BYTES
 from gpumon.protocol import decode_datagram
 
 Case = tuple[Callable[[int], None], Callable[[], None] | None]
@@ -44,18 +47,40 @@ Case = tuple[Callable[[int], None], Callable[[], None] | None]
 
 
 def reader(path: str, ready: Connection, done: Connection) -> None:
-    """Drain the socket, counting records, until told to stop; report the count."""
+    """Drain the socket as the agent's ingest does, and count the records, until told to stop;
+    report the count.
+
+    One thread only receives (into a queue) and another decodes, with the agent's GIL switch
+    interval and receive buffer: a reader that decoded between receives would leave the
+    socket full while it worked, and bill its slowness to the sender's retries.
+    """
+    sys.setswitchinterval(0.001)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
     sock.bind(path)
     sock.settimeout(0.05)
+    queue: deque[bytes] = deque()
+    stop = threading.Event()
+
+    def receive() -> None:
+        while not stop.is_set():
+            try:
+                queue.append(sock.recv(1 << 16))
+            except TimeoutError:
+                continue
+
+    receiver = threading.Thread(target=receive, daemon=True)
+    receiver.start()
     ready.send(True)
     records = 0
-    while not done.poll():
-        try:
-            data = sock.recv(1 << 16)
-        except TimeoutError:
-            continue
-        records += len(decode_datagram(data).records)
+    while True:
+        stopping = done.poll(0.01)
+        while queue:
+            records += len(decode_datagram(queue.popleft()).records)
+        if stopping:
+            break
+    stop.set()
+    receiver.join()
     sock.setblocking(False)
     while True:  # what is still queued
         try:
@@ -158,6 +183,7 @@ def measure(cases: dict[str, Case], blocks: int, block_steps: int) -> dict[str, 
     block (µs per step of that block)."""
     loop_us: dict[str, list[float]] = {name: [] for name in cases}
     flush_us: dict[str, list[float]] = {name: [] for name in cases}
+    flush_cpu_us: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
     for _, flush in cases.values():
         if flush is not None:
@@ -169,24 +195,34 @@ def measure(cases: dict[str, Case], blocks: int, block_steps: int) -> dict[str, 
             run(block_steps)
             loop_us[name].append((perf_counter() - t0) / block_steps * 1e6)
             if flush is not None:
-                t0 = perf_counter()
+                t0, c0 = perf_counter(), time.thread_time()
                 flush()
                 flush_us[name].append((perf_counter() - t0) / block_steps * 1e6)
+                flush_cpu_us[name].append((time.thread_time() - c0) / block_steps * 1e6)
     return {name: {"loop_us_per_step": statistics.median(loop_us[name]),
-                   "flush_us_per_step": statistics.median(flush_us[name]) if flush_us[name] else 0.0}
+                   "flush_us_per_step": statistics.median(flush_us[name]) if flush_us[name] else 0.0,
+                   "flush_cpu_us_per_step":
+                       statistics.median(flush_cpu_us[name]) if flush_cpu_us[name] else 0.0}
             for name in cases}
 
 
-def compare(base: str, hook: str, results: dict[str, dict[str, float]]) -> dict[str, float]:
-    """One hooked case against its bare loop."""
+def compare(
+    base: str, hook: str, results: dict[str, dict[str, float]], flush_on_thread: bool
+) -> dict[str, float]:
+    """One hooked case against its bare loop. ``flush_on_thread``: the case's flush does its
+    work on the calling thread (gpumon's sender), so its cost is that thread's CPU time,
+    not the time it may sleep while the reader catches up; otherwise (TensorBoard's
+    ``flush()`` waits for its writer thread) the flush's wall time."""
     bare_us = results[base]["loop_us_per_step"]
     hook_us = results[hook]["loop_us_per_step"]
-    sender_us = results[hook]["flush_us_per_step"]
+    wall_us = results[hook]["flush_us_per_step"]
+    sender_us = results[hook]["flush_cpu_us_per_step"] if flush_on_thread else wall_us
     return {
         "bare_us_per_step": bare_us,
         "hooked_us_per_step": hook_us,
         "hook_us_per_step": hook_us - bare_us,
         "sender_us_per_record": sender_us,
+        "sender_wall_us_per_record": wall_us,
         "total_us_per_step": hook_us - bare_us + sender_us,
         "hooked_over_bare": hook_us / bare_us,
     }
@@ -235,21 +271,24 @@ def main() -> None:
         received = finish()
 
     results: list[dict[str, Any]] = [
-        {"case": "step + 3 phases", **compare("bare", "hooked", raw)},
-        {"case": "loader + step(counts) + 3 phases", **compare("bare_loader", "hooked_loader", raw)},
+        {"case": "step + 3 phases", **compare("bare", "hooked", raw, True)},
+        {"case": "loader + step(counts) + 3 phases", **compare("bare_loader", "hooked_loader", raw, True)},
     ]
     if writer is not None:
         results.append({"case": "TensorBoard: timed by hand + 8 add_scalar",
-                        **compare("bare_loader", "tensorboard", raw)})
+                        **compare("bare_loader", "tensorboard", raw, False)})
     stats = mon.stats
-    print(f"{'case':42} {'bare µs':>8} {'with µs':>9} {'cost µs':>8} {'bg µs':>7} {'total µs':>9}")
+    print(f"{'case':42} {'bare µs':>8} {'with µs':>9} {'cost µs':>8} {'bg µs':>7} {'(wall)':>7} "
+          f"{'total µs':>9}")
     for r in results:
         print(
             f"{r['case']:42} {r['bare_us_per_step']:8.3f} {r['hooked_us_per_step']:9.3f} "
-            f"{r['hook_us_per_step']:8.3f} {r['sender_us_per_record']:7.3f} {r['total_us_per_step']:9.3f}"
+            f"{r['hook_us_per_step']:8.3f} {r['sender_us_per_record']:7.3f} "
+            f"{r['sender_wall_us_per_record']:7.3f} {r['total_us_per_step']:9.3f}"
         )
-    print("cost: on the training thread, over the bare loop; bg: the flush after each block "
-          "(gpumon's sender, TensorBoard's writer), per step")
+    print("cost: on the training thread, over the bare loop; bg: the flush after each block, per "
+          "step: gpumon's sender, CPU time (wall: with waits for a full socket); TensorBoard's "
+          "writer, wall time (its work is on the writer's thread)")
     if writer is not None:
         ratio = results[1]["total_us_per_step"] / results[2]["total_us_per_step"]
         print(f"gpumon (loader + counts) / TensorBoard, total per step: {ratio:.3f}×")
