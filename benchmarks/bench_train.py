@@ -1,15 +1,24 @@
 """Training throughput of examples/train_cpu.py with the hook against ``--no-hook``.
 
-    python benchmarks/bench_train.py [--pairs 31] [--steps 300] [-- extra example args]
+    python benchmarks/bench_train.py [--pairs 31] [--steps 300] [--blocks 201] [--block-steps 50]
+                                     [-- extra example args]
 
-The example's ``main()`` runs again and again in this one process (torch imported once,
-one intra-op thread), alternating hooked and bare runs and the order within each pair; each
-run builds its model and data afresh and times its own steps after a warm-up. On a shared
-machine throughput drifts by ±10 % over seconds: separate processes (2 s of torch import
-each) compare runs far apart in time; runs of a second, back to back, compare neighbours.
-The hooked runs report to a real Unix datagram socket drained by a reader process that
-decodes every datagram as the agent would. Prints a table, the median of the pairs'
-throughput ratios (and the ratio of the best run of each kind), and a JSON line.
+Two ways, both in this one process (torch imported once, one intra-op thread), alternating
+hooked and bare and the order within each pair:
+
+- runs: the example's ``main()`` again and again, each run building its model and data
+  afresh and timing its own steps after a warm-up (``--pairs`` pairs of ``--steps`` steps);
+- blocks: one model, one monitor; blocks of ``--block-steps`` steps through the example's
+  own ``train()``, hooked or not (``--blocks`` pairs). A hooked block ends with a synchronous
+  flush of its records, timed with it, so everything the sender does for its steps is
+  billed to it and none to the bare block after it.
+
+On a shared machine throughput drifts by ±10 % over seconds: runs of a second compare
+neighbours a second apart, blocks of ~0.2 s neighbours a fifth of that, which is why the
+blocks resolve a 1 % difference and the runs do not. The hooked steps report to a real Unix
+datagram socket drained by a reader process that receives and decodes every datagram as the
+agent would. Prints a table for each, the medians of the pairs' throughput ratios, and a
+JSON line.
 """
 
 from __future__ import annotations
@@ -20,13 +29,17 @@ import io
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 from bench_hook import drained_socket  # the same socket drain as the hook benchmark
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from train_cpu import main as train  # noqa: E402
+from train_cpu import main as train_main  # noqa: E402
+from train_cpu import make_job, parse_args, train  # noqa: E402
+
+from gpumon.client import StepMonitor  # noqa: E402
 
 
 def run(socket_path: str, hook: bool, steps: int, extra: list[str]) -> float:
@@ -36,10 +49,37 @@ def run(socket_path: str, hook: bool, steps: int, extra: list[str]) -> float:
     if not hook:
         argv.append("--no-hook")
     with contextlib.redirect_stdout(io.StringIO()):  # its summary line: returned below
-        summary = train(argv)
+        summary = train_main(argv)
     if hook and summary["dropped"]:
         raise RuntimeError(f"the hooked run dropped records: {summary['dropped']}")
     return float(summary["samples_per_second"])
+
+
+def block_pairs(socket_path: str, blocks: int, block_steps: int, extra: list[str]) -> list[float]:
+    """Throughput ratios (hooked / bare) of ``blocks`` pairs of blocks of one job."""
+    job = make_job(parse_args(["--threads", "1", *extra]))
+    monitor = StepMonitor("bench-train-blocks", socket_path=socket_path)
+
+    def seconds_per_step(hook: bool) -> float:
+        t0 = time.perf_counter()
+        if hook:
+            train(job, block_steps, monitor)
+            monitor.flush()
+        else:
+            train(job, block_steps)
+        return (time.perf_counter() - t0) / block_steps
+
+    for hook in (False, True):  # warm up both paths
+        seconds_per_step(hook)
+    ratios = []
+    for i in range(blocks):
+        order = (True, False) if i % 2 == 0 else (False, True)
+        result = {hook: seconds_per_step(hook) for hook in order}
+        ratios.append(result[False] / result[True])  # throughput is the inverse of step time
+    monitor.close()
+    if monitor.stats.dropped:
+        raise RuntimeError(f"the hooked blocks dropped records: {monitor.stats.dropped}")
+    return ratios
 
 
 def main() -> None:
@@ -47,10 +87,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=31)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--blocks", type=int, default=201)
+    parser.add_argument("--block-steps", type=int, default=50)
     parser.add_argument("extra", nargs="*", help="more arguments for the example")
     args = parser.parse_args()
-    if args.pairs < 5:
-        parser.error("--pairs must be at least 5")
+    if args.pairs < 5 or args.blocks < 5:
+        parser.error("--pairs and --blocks must be at least 5")
 
     rows = []
     with drained_socket() as (path, finish):
@@ -59,6 +101,7 @@ def main() -> None:
             order = (True, False) if i % 2 == 0 else (False, True)
             result = {hook: run(path, hook, args.steps, args.extra) for hook in order}
             rows.append((result[True], result[False], result[True] / result[False]))
+        block_ratios = block_pairs(path, args.blocks, args.block_steps, args.extra)
         received = finish()
 
     print(f"{'pair':>4} {'hook samples/s':>15} {'no-hook samples/s':>18} {'ratio':>7}")
@@ -74,7 +117,12 @@ def main() -> None:
     print(f"median: hook {hooked_median:.1f}, no-hook {bare_median:.1f}, ratio {median_ratio:.4f} "
           f"(quartiles {quartiles[0]:.4f}–{quartiles[2]:.4f})")
     print(f"best run of each: ratio {best_ratio:.4f}")
-    print(f"records received by the reader: {received} (expected {args.pairs * (args.steps + 1)})")
+    block_median = statistics.median(block_ratios)
+    block_quartiles = statistics.quantiles(block_ratios, n=4)
+    print(f"blocks: {args.blocks} pairs of {args.block_steps} steps, median ratio {block_median:.4f} "
+          f"(quartiles {block_quartiles[0]:.4f}–{block_quartiles[2]:.4f})")
+    expected = args.pairs * (args.steps + 1) + (args.blocks + 1) * args.block_steps + 1
+    print(f"records received by the reader: {received} (expected {expected})")
     print(
         json.dumps(
             {
@@ -88,6 +136,10 @@ def main() -> None:
                 "ratio_quartiles": [quartiles[0], quartiles[2]],
                 "best_ratio": best_ratio,
                 "ratios": [r[2] for r in rows],
+                "blocks": args.blocks,
+                "block_steps": args.block_steps,
+                "blocks_median_ratio": block_median,
+                "blocks_ratio_quartiles": [block_quartiles[0], block_quartiles[2]],
                 "records_received": received,
             }
         )

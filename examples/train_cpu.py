@@ -13,6 +13,8 @@ import argparse
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import islice
 
 import torch
 from torch import nn
@@ -53,20 +55,72 @@ def make_loader(args: argparse.Namespace) -> DataLoader[tuple[torch.Tensor, torc
 
 
 def batches(
-    loader: DataLoader[tuple[torch.Tensor, torch.Tensor]], steps: int
+    loader: DataLoader[tuple[torch.Tensor, torch.Tensor]],
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``steps`` batches, going round the loader as many epochs as needed."""
-    produced = 0
+    """Batches without end, going round the loader as many epochs as needed."""
     while True:
-        for batch in loader:
-            yield batch
-            produced += 1
-            if produced == steps:
-                return
+        yield from loader
 
 
-def main(argv: list[str] | None = None) -> dict[str, object]:
-    """Train, print a summary and return it."""
+@dataclass
+class Job:
+    """A model, its optimizer and an endless supply of batches."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: nn.Module
+    data: Iterator[tuple[torch.Tensor, torch.Tensor]]
+    flops_per_step: float
+
+
+def make_job(args: argparse.Namespace) -> Job:
+    """The MLP, AdamW and the data ``args`` describe (seeded: every job starts the same)."""
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = nn.Sequential(
+        nn.Linear(FEATURES, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, args.hidden),
+        nn.ReLU(),
+        nn.Linear(args.hidden, CLASSES),
+    )
+    params = sum(p.numel() for p in model.parameters())
+    return Job(
+        model=model,
+        optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+        loss_fn=nn.CrossEntropyLoss(),
+        data=batches(make_loader(args)),
+        flops_per_step=6.0 * params * args.batch_size,  # forward 2·params, backward 4·params per sample
+    )
+
+
+def train(job: Job, steps: int, monitor: StepMonitor | None = None) -> float:
+    """Run ``steps`` training steps, timed by ``monitor`` when given; the last loss."""
+    model, optimizer, loss_fn = job.model, job.optimizer, job.loss_fn
+    data = islice(job.data, steps)
+    loss = torch.zeros(())
+    if monitor is None:
+        for x, y in data:
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    else:
+        for x, y in monitor.loader(data):
+            with monitor.step(samples=len(x), flops=job.flops_per_step):
+                with monitor.phase("forward"):
+                    loss = loss_fn(model(x), y)
+                with monitor.phase("backward"):
+                    loss.backward()
+                with monitor.phase("optimizer"):
+                    optimizer.step()
+                    optimizer.zero_grad()
+    return float(loss.item())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; exits with a message on bad flags."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=5, help="steps not counted in the throughput")
@@ -81,52 +135,23 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
     args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 0 and below --steps")
+    return args
 
-    torch.manual_seed(0)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = nn.Sequential(
-        nn.Linear(FEATURES, args.hidden),
-        nn.ReLU(),
-        nn.Linear(args.hidden, args.hidden),
-        nn.ReLU(),
-        nn.Linear(args.hidden, CLASSES),
-    )
-    params = sum(p.numel() for p in model.parameters())
-    flops_per_step = 6.0 * params * args.batch_size  # forward 2·params, backward 4·params per sample
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = nn.CrossEntropyLoss()
-    data = batches(make_loader(args), args.steps)
-    timed_from = 0.0
 
-    if args.no_hook:
-        monitor = None
-        for i, (x, y) in enumerate(data):
-            if i == args.warmup:
-                timed_from = time.perf_counter()
-            loss = loss_fn(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    else:
-        monitor = StepMonitor(args.run, socket_path=args.socket)
-        for i, (x, y) in enumerate(monitor.loader(data)):
-            if i == args.warmup:
-                timed_from = time.perf_counter()
-            with monitor.step(samples=len(x), flops=flops_per_step):
-                with monitor.phase("forward"):
-                    loss = loss_fn(model(x), y)
-                with monitor.phase("backward"):
-                    loss.backward()
-                with monitor.phase("optimizer"):
-                    optimizer.step()
-                    optimizer.zero_grad()
+def main(argv: list[str] | None = None) -> dict[str, object]:
+    """Train, print a summary and return it."""
+    args = parse_args(argv)
+    job = make_job(args)
+    monitor = None if args.no_hook else StepMonitor(args.run, socket_path=args.socket)
+    train(job, args.warmup, monitor)
+    timed_from = time.perf_counter()
+    loss = train(job, args.steps - args.warmup, monitor)
     elapsed = time.perf_counter() - timed_from
     summary: dict[str, object] = {
         "samples_per_second": (args.steps - args.warmup) * args.batch_size / elapsed,
         "steps": args.steps,
         "hook": monitor is not None,
-        "final_loss": loss.item(),
+        "final_loss": loss,
     }
     if monitor is not None:
         monitor.close()
