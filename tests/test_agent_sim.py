@@ -137,3 +137,24 @@ def test_what_exists_at_start_is_frozen_until_stop(tmp_path: Path) -> None:
     with library_agent(tmp_path / "ingest.sock", simulate=1):
         assert gc.get_freeze_count() > 10_000  # the imported modules at least
     assert gc.get_freeze_count() == 0
+
+
+def _sleeps(thread: threading.Thread) -> int:
+    """How often a thread has blocked so far (each wakeup ends one)."""
+    status = Path(f"/proc/self/task/{thread.native_id}/status").read_text()
+    return int(status.split("\nvoluntary_ctxt_switches:")[1].split()[0])
+
+
+def test_idle_server_and_receiver_sleep_until_work_or_stop(tmp_path: Path) -> None:
+    with library_agent(tmp_path / "ingest.sock", simulate=1, interval=5.0) as agent:
+        idle = [t for t in threading.enumerate() if t.name in ("gpumon-http", "gpumon-ingest-recv")]
+        assert len(idle) == 2
+        time.sleep(0.3)
+        before = [_sleeps(t) for t in idle]
+        time.sleep(1.5)  # the old poll loops woke 4-5 times a second each
+        assert [_sleeps(t) - b for t, b in zip(idle, before, strict=True)] == [0, 0]
+        assert http_get(f"http://127.0.0.1:{agent.port}/healthz") == (200, b"ok\n")
+        started = time.monotonic()
+        agent.stop()
+        assert time.monotonic() - started < 0.5
+        assert not any(t.is_alive() for t in idle)

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,6 +140,22 @@ def test_uid_allow_list_uses_kernel_credentials(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert not path.exists()
+
+
+def test_stop_decodes_what_the_kernel_held_then_refuses_senders(tmp_path: Path) -> None:
+    received: list[object] = []
+    path = tmp_path / "ingest.sock"
+    server = IngestServer(path, lambda records, sender: received.extend(records),
+                          lambda reason, n: None)
+    for n in range(5):  # queued in the kernel before anyone reads (it holds ~10)
+        send(path, [step(n=4 * n + k) for k in range(4)])
+    server.start()
+    started = time.monotonic()
+    server.stop()
+    assert time.monotonic() - started < 0.5
+    assert [r.step for r in received] == list(range(20))  # type: ignore[attr-defined]
+    with pytest.raises(FileNotFoundError):
+        send(path, step())
 
 
 def test_stale_socket_is_replaced_and_a_live_one_is_not(tmp_path: Path) -> None:

@@ -112,8 +112,7 @@ class IngestServer:
         self._on_records = on_records
         self._on_dropped = on_dropped
         self._allowed = frozenset(allowed_uids)
-        self._sock = bind_socket(path)
-        self._sock.settimeout(0.25)
+        self._sock = bind_socket(path)  # blocking: the receiver sleeps until a datagram or stop()
         self._stop_event = threading.Event()
         self._queue: deque[tuple[bytes, list[tuple[int, int, bytes]], int]] = deque()
         self._ready = threading.Semaphore(0)
@@ -135,17 +134,17 @@ class IngestServer:
     def _receive(self) -> None:
         receive = self._sock.recvmsg
         queue = self._queue
-        while not self._stop_event.is_set():
+        while True:
             try:
                 item = receive(MAX_DATAGRAM_BYTES + 1, _ANCILLARY_BYTES)
-            except TimeoutError:
-                continue
             except OSError as exc:
                 if self._stop_event.is_set() or exc.errno == errno.EBADF:
                     break
                 log.warning("ingest receive failed: %s", exc)
                 self._on_dropped("receive_error", 1)
                 continue
+            if not item[0] and self._stop_event.is_set():
+                break  # stop()'s shutdown, once what the kernel held has been read
             if len(queue) >= QUEUE_DATAGRAMS:
                 self._on_dropped("agent_overloaded", 1)  # bounded memory under a flood
                 continue
@@ -183,15 +182,18 @@ class IngestServer:
     def stop(self) -> None:
         """Stop receiving, finish what was queued, close the socket and remove its file."""
         self._stop_event.set()
+        try:
+            self.path.unlink()  # senders see "no agent" from now on
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            log.warning("could not remove %s: %s", self.path, exc)
+        # Wakes the receiver, which blocks in recvmsg() with no timeout: it reads what the
+        # kernel still holds, then end-of-file; nothing more can arrive.
+        self._sock.shutdown(socket.SHUT_RD)
         if self._receiver.is_alive():
             self._receiver.join(timeout=2.0)
         self._ready.release()  # wakes the decoder once the queue is empty
         if self._decoder.is_alive():
             self._decoder.join(timeout=5.0)
         self._sock.close()
-        try:
-            self.path.unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not remove %s: %s", self.path, exc)

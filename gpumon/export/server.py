@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import selectors
+import socket
 import ssl
 import threading
 from collections.abc import Callable
@@ -61,9 +63,8 @@ class MetricsServer:
         except OSError as exc:
             reason = exc.strerror or str(exc)
             raise ServeError(f"cannot listen on {address}:{port}: {reason}") from exc
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.2},
-                                        name="gpumon-http", daemon=True)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name="gpumon-http", daemon=True)
         self.set_web(web)
 
     def set_web(self, web: WebConfig) -> None:
@@ -80,12 +81,26 @@ class MetricsServer:
         """Start serving in the background."""
         self._thread.start()
 
+    def _serve(self) -> None:
+        # serve_forever() wakes every poll_interval to look for shutdown(); this sleeps in
+        # select() with no timeout until a connection comes or stop() writes to the pair.
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._server, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = selector.select()
+                if any(key.fileobj is self._wake_r for key, _ in ready):
+                    return
+                self._server._handle_request_noblock()  # accept, then a thread per request
+
     def stop(self) -> None:
         """Stop serving (if started) and close the socket."""
         if self._thread.is_alive():
-            self._server.shutdown()  # blocks until serve_forever returns: only when started
+            self._wake_w.send(b"\0")
             self._thread.join()
         self._server.server_close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 def _make_handler(registry: CollectorRegistry,
