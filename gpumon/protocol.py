@@ -36,6 +36,7 @@ MAX_RANKS = 1 << 20
 """Largest accepted world size; rank and local_rank must be below it."""
 MAX_GPU_INDEX = 4096
 MAX_INT = (1 << 63) - 1
+MAX_PID = (1 << 32) - 1
 MAX_DURATION_S = 86_400.0
 """A step (or phase) must last less than a day."""
 PHASE_SLACK_RATIO = 0.01
@@ -156,6 +157,7 @@ _MEM_WIRE = (
     ("retries", "alloc_retries"),
     ("ooms", "ooms"),
 )
+_MEM_KEYS = tuple(wire for wire, _ in _MEM_WIRE)  # in MemoryStats' field order
 
 
 def to_wire(record: Record) -> dict[str, object]:
@@ -308,8 +310,14 @@ def is_label(value: str, max_chars: int = MAX_LABEL_CHARS) -> bool:
 
 
 def _decode_step(obj: dict[str, object]) -> StepRecord:
+    # The hot path of ingest. Each field's usual value (a plain int or float within range, a
+    # label seen before) is taken as it is; anything else goes through the general check,
+    # field by field in the same order, so a bad record is refused for the same reason.
     run, rank, world, local_rank = _identity(obj)
-    duration = _check_number(_required(obj, "duration"), "duration", MAX_DURATION_S, below=True)
+    duration = obj.get("duration")
+    if type(duration) is not float or not 0.0 <= duration < MAX_DURATION_S:
+        duration = _check_number(_required(obj, "duration"), "duration", MAX_DURATION_S,
+                                 below=True)
     phases = obj.get("phases")
     phases_s: dict[str, float] = {}
     if phases is not None:
@@ -319,7 +327,6 @@ def _decode_step(obj: dict[str, object]) -> StepRecord:
             raise ProtocolError("bad_value", "too many phases")
         limit = duration * (1 + PHASE_SLACK_RATIO) + PHASE_SLACK_S
         for name, seconds in phases.items():
-            # The hot path of ingest: plain floats within range skip the general checks.
             if name not in _KNOWN_LABELS:
                 _check_label(name, "phase", MAX_LABEL_CHARS)
             if type(seconds) is float and 0.0 <= seconds <= limit:
@@ -331,30 +338,38 @@ def _decode_step(obj: dict[str, object]) -> StepRecord:
     if mem is not None:
         if not isinstance(mem, dict):
             raise ProtocolError("bad_type", "mem")
-        mem_values: dict[str, int | None] = {}
-        for wire, attr in _MEM_WIRE:
+        counts: list[int | None] = []
+        for wire in _MEM_KEYS:
             value = mem.get(wire)
             if value is None or (type(value) is int and 0 <= value <= MAX_INT):
-                mem_values[attr] = value
+                counts.append(value)
             else:
-                mem_values[attr] = _check_int(value, wire, MAX_INT)
-        mem_stats = MemoryStats(**mem_values)
-    return StepRecord(
-        run=run,
-        rank=rank,
-        step=_check_int(_required(obj, "step"), "step", MAX_INT),
-        duration_s=duration,
-        world=world,
-        local_rank=local_rank,
-        t_start=_opt_number(obj, "t_start", MAX_UNIX_TIME_S),
-        phases_s=phases_s,
-        samples=_opt_int(obj, "samples", MAX_INT),
-        tokens=_opt_int(obj, "tokens", MAX_INT),
-        flops=_opt_number(obj, "flops", MAX_FLOPS),
-        gpu=_gpu(obj),
-        pid=_pid(obj),
-        mem=mem_stats,
-    )
+                counts.append(_check_int(value, wire, MAX_INT))
+        mem_stats = MemoryStats(*counts)
+    step = obj.get("step")
+    if type(step) is not int or not 0 <= step <= MAX_INT:
+        step = _check_int(_required(obj, "step"), "step", MAX_INT)
+    t_start = obj.get("t_start")
+    if t_start is not None and (type(t_start) is not float or not 0.0 <= t_start <= MAX_UNIX_TIME_S):
+        t_start = _check_number(t_start, "t_start", MAX_UNIX_TIME_S)
+    samples = obj.get("samples")
+    if samples is not None and (type(samples) is not int or not 0 <= samples <= MAX_INT):
+        samples = _check_int(samples, "samples", MAX_INT)
+    tokens = obj.get("tokens")
+    if tokens is not None and (type(tokens) is not int or not 0 <= tokens <= MAX_INT):
+        tokens = _check_int(tokens, "tokens", MAX_INT)
+    flops = obj.get("flops")
+    if flops is not None and (type(flops) is not float or not 0.0 <= flops <= MAX_FLOPS):
+        flops = _check_number(flops, "flops", MAX_FLOPS)
+    gpu = obj.get("gpu")
+    if not (type(gpu) is int and 0 <= gpu < MAX_GPU_INDEX) and not (
+            type(gpu) is str and gpu in _KNOWN_LABELS):
+        gpu = _gpu(obj)
+    pid = obj.get("pid")
+    if pid is not None and (type(pid) is not int or not 0 < pid <= MAX_PID):
+        pid = _pid(obj)
+    return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
+                      tokens, flops, gpu, pid, mem_stats)
 
 
 def _decode_event(obj: dict[str, object]) -> EventRecord:
@@ -386,10 +401,20 @@ def _decode_hello(obj: dict[str, object]) -> HelloRecord:
 
 
 def _identity(obj: Mapping[str, object]) -> tuple[str, int, int | None, int | None]:
-    run = _check_label(_required(obj, "run"), "run", MAX_RUN_CHARS)
-    rank = _check_int(_required(obj, "rank"), "rank", MAX_RANKS - 1)
-    world = _opt_int(obj, "world", MAX_RANKS)
-    local_rank = _opt_int(obj, "local_rank", MAX_RANKS - 1)
+    # Hot: usual values are taken as they are, anything else is checked in full (see above).
+    run = obj.get("run")
+    if type(run) is not str or run not in _KNOWN_LABELS:
+        run = _check_label(_required(obj, "run"), "run", MAX_RUN_CHARS)
+    rank = obj.get("rank")
+    if type(rank) is not int or not 0 <= rank < MAX_RANKS:
+        rank = _check_int(_required(obj, "rank"), "rank", MAX_RANKS - 1)
+    world = obj.get("world")
+    if world is not None and (type(world) is not int or not 0 <= world <= MAX_RANKS):
+        world = _check_int(world, "world", MAX_RANKS)
+    local_rank = obj.get("local_rank")
+    if local_rank is not None and (type(local_rank) is not int
+                                   or not 0 <= local_rank < MAX_RANKS):
+        local_rank = _check_int(local_rank, "local_rank", MAX_RANKS - 1)
     if world is not None:
         if world < 1:
             raise ProtocolError("bad_value", "world")
@@ -481,7 +506,7 @@ def _gpu(obj: Mapping[str, object]) -> str | int | None:
 
 
 def _pid(obj: Mapping[str, object]) -> int | None:
-    pid = _opt_int(obj, "pid", (1 << 32) - 1)
+    pid = _opt_int(obj, "pid", MAX_PID)
     if pid == 0:
         raise ProtocolError("bad_value", "pid")
     return pid
