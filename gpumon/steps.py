@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_left
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 from gpumon.protocol import KNOWN_PHASES, EventRecord, HelloRecord, Record, StepRecord
@@ -17,9 +17,9 @@ from gpumon.protocol import KNOWN_PHASES, EventRecord, HelloRecord, Record, Step
 # Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
 # large-model steps; le="+Inf" is added on export.
 DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-STEP_HISTORY = 256  # recent steps kept per rank, for verdicts and OOM trends
 
 RankKey = tuple[str, int]
+_KNOWN_PHASES = frozenset(KNOWN_PHASES)
 
 
 @dataclass
@@ -52,7 +52,6 @@ class RankState:
     alloc_retries_total: int | None = None
     torch_ooms_reported: int = 0
     oom_events_total: int = 0
-    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=STEP_HISTORY))
 
     @property
     def ooms_total(self) -> int:
@@ -63,14 +62,15 @@ class RankState:
         """Fold one step into the counters."""
         self.steps_total += 1
         for phase, seconds in record.phases_s.items():
-            self.phase_seconds_total[phase if phase in KNOWN_PHASES else "other"] += seconds
+            self.phase_seconds_total[phase if phase in _KNOWN_PHASES else "other"] += seconds
         self.samples_total += record.samples or 0
         self.tokens_total += record.tokens or 0
         self.flops_total += record.flops or 0.0
         self.duration_bucket_counts[bisect_left(DURATION_BUCKETS_S, record.duration_s)] += 1
         self.duration_sum_s += record.duration_s
         self.last_step = record.step
-        self.last_step_end_t = record.t_end if record.t_end is not None else now_t
+        end_t = record.t_end
+        self.last_step_end_t = end_t if end_t is not None else now_t
         self.last_duration_s = record.duration_s
         mem = record.mem
         if mem is not None:
@@ -84,7 +84,6 @@ class RankState:
                 self.alloc_retries_total = mem.alloc_retries
             if mem.ooms is not None:
                 self.torch_ooms_reported = max(self.torch_ooms_reported, mem.ooms)
-        self.recent.append(record)
 
 
 @dataclass(frozen=True)
@@ -196,5 +195,4 @@ def _copy(state: RankState) -> RankState:
     clone = RankState(**{k: getattr(state, k) for k in state.__dataclass_fields__})
     clone.phase_seconds_total = defaultdict(float, state.phase_seconds_total)
     clone.duration_bucket_counts = list(state.duration_bucket_counts)
-    clone.recent = deque(maxlen=STEP_HISTORY)  # scrapes never need the history
     return clone

@@ -113,6 +113,7 @@ class StepAnalyzer:
             pids: Mapping[RankKey, int | None] | None = None) -> None:
         """Queue steps; a step without ``t_start``, or one claiming to end well after it
         was received (a client clock running ahead), is taken to have ended when received."""
+        full: list[_RankState] = []
         for step in steps:
             end = step.t_end
             if end is None or end > received_t + CLOCK_SKEW_TOLERANCE_S:
@@ -124,8 +125,12 @@ class StepAnalyzer:
             state.pending.append(step)
             if pids and pids.get(key) is not None:
                 state.last_pid = pids[key]
-            if len(state.pending) > MAX_PENDING:
-                del state.pending[: len(state.pending) - MAX_PENDING]
+            if len(state.pending) == MAX_PENDING + 1:
+                full.append(state)
+        # Trimmed once per call rather than per step (a flood would move 4,096 steps for
+        # each one added); nothing reads them in between.
+        for state in full:
+            del state.pending[: len(state.pending) - MAX_PENDING]
 
     def forget(self, keys: Iterable[RankKey]) -> None:
         """Drop ranks the caller expired."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gpumon.analysis.bottleneck import Flag
-from gpumon.analysis.stream import StepAnalyzer, StepVerdict, attribute_gpu
+from gpumon.analysis.stream import MAX_PENDING, StepAnalyzer, StepVerdict, attribute_gpu
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.protocol import StepRecord
 
@@ -50,6 +50,17 @@ def test_a_client_clock_far_ahead_is_rebased_on_receipt() -> None:
     analyzer.add([step(0, 10_000.0, duration=1.0)], received_t=50.0)  # "ends" 10,000 s later
     verdicts = analyzer.process(52.0, history, [H100], {})
     assert [v.steps for v in verdicts] == [(0,)]
+
+
+def test_a_rank_waiting_too_long_keeps_its_newest_steps() -> None:
+    analyzer = StepAnalyzer(resolution_s=1.0)
+    steps = [step(n, 10.0 + n * 0.01, duration=0.01) for n in range(MAX_PENDING + 300)]
+    analyzer.add(steps[:7], received_t=60.0)
+    analyzer.add(steps[7:MAX_PENDING + 250], received_t=60.0)  # overflows within one call
+    for k in range(MAX_PENDING + 250, len(steps), 5):
+        analyzer.add(steps[k:k + 5], received_t=60.0)
+    verdicts = analyzer.process(1e4, history, [H100], {})
+    assert [n for v in verdicts for n in v.steps] == list(range(300, MAX_PENDING + 300))
 
 
 def test_gpu_attribution_prefers_uuid_then_process_list_then_index() -> None:
