@@ -15,9 +15,9 @@ import socket
 import stat
 import struct
 import threading
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from queue import SimpleQueue
 
 from gpumon.protocol import MAX_DATAGRAM_BYTES, Record, decode_datagram
 from gpumon.steps import Sender
@@ -114,8 +114,9 @@ class IngestServer:
         self._allowed = frozenset(allowed_uids)
         self._sock = bind_socket(path)  # blocking: the receiver sleeps until a datagram or stop()
         self._stop_event = threading.Event()
-        self._queue: deque[tuple[bytes, list[tuple[int, int, bytes]], int]] = deque()
-        self._ready = threading.Semaphore(0)
+        # C-level put and blocking get: no Python lock work per datagram on either thread.
+        self._queue: SimpleQueue[tuple[bytes, list[tuple[int, int, bytes]], int] | None] = \
+            SimpleQueue()
         self._receiver = threading.Thread(target=self._receive, name="gpumon-ingest-recv",
                                           daemon=True)
         self._decoder = threading.Thread(target=self._decode, name="gpumon-ingest",
@@ -145,19 +146,18 @@ class IngestServer:
                 continue
             if not item[0] and self._stop_event.is_set():
                 break  # stop()'s shutdown, once what the kernel held has been read
-            if len(queue) >= QUEUE_DATAGRAMS:
+            if queue.qsize() >= QUEUE_DATAGRAMS:
                 self._on_dropped("agent_overloaded", 1)  # bounded memory under a flood
                 continue
-            queue.append(item[:3])
-            self._ready.release()
+            queue.put(item[:3])
 
     def _decode(self) -> None:
-        queue = self._queue
+        get = self._queue.get
         while True:
-            self._ready.acquire()
-            if not queue:  # released by stop()
+            item = get()
+            if item is None:  # stop(): everything queued before it has been handled
                 break
-            data, ancillary, flags = queue.popleft()
+            data, ancillary, flags = item
             self.datagrams_total += 1
             try:
                 self._handle(data, ancillary, flags)
@@ -193,7 +193,7 @@ class IngestServer:
         self._sock.shutdown(socket.SHUT_RD)
         if self._receiver.is_alive():
             self._receiver.join(timeout=2.0)
-        self._ready.release()  # wakes the decoder once the queue is empty
+        self._queue.put(None)  # after what the receiver queued
         if self._decoder.is_alive():
             self._decoder.join(timeout=5.0)
         self._sock.close()
