@@ -220,7 +220,8 @@ class Agent:
         log.info("gpumon %s serving on http://%s:%d/metrics", __version__,
                  self.config.address, self._server.port)
         # What exists now (imported modules, the agent's own objects) lives as long as the
-        # agent: out of the collector's sight, a full collection takes ~2 ms instead of ~20.
+        # agent: frozen, the ~25,000 objects are no longer walked by every full collection
+        # (3-20 ms each, landing in whichever scrape or ingest is running).
         gc.collect()
         gc.freeze()
 
