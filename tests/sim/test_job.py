@@ -170,29 +170,42 @@ def receiver_path() -> Iterator[Path]:
         yield Path(short) / "r.sock"
 
 
-def test_ranks_report_through_the_real_hook_and_socket(receiver_path: Path) -> None:
-    source = SimulatedSource(3, H200_SXM)
-    uuids = [g.uuid for g in source.statics()]
+def run_and_receive(job: SimulatedJob, path: Path) -> list[object]:
+    """Run ``job`` to its end, receiving what its ranks send to ``path`` as the agent does (a
+    thread that only reads: the socket's queue holds few datagrams); every record, once the
+    job has stopped (its monitors flushed on close) and the socket is empty."""
     records: list[object] = []
+    job_done = threading.Event()
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(receiver_path))
-        sock.settimeout(0.5)
+        sock.bind(str(path))
+        sock.settimeout(0.1)
 
-        def receive() -> None:  # as the agent does: the socket's queue holds few datagrams
+        def receive() -> None:
             while True:
                 try:
                     records.extend(decode_datagram(sock.recv(1 << 16)).records)
                 except TimeoutError:
-                    return
+                    if job_done.is_set():
+                        return
 
         reader = threading.Thread(target=receive)
         reader.start()
-        job = SimulatedJob(source, one_phase("leak", 2), ranks=2, socket_path=str(receiver_path),
-                           run="t", loop=False)
         job.start()
-        assert job.wait(10)
-        job.stop()
-        reader.join()
+        try:
+            assert job.wait(10)
+        finally:
+            job.stop()
+            job_done.set()
+            reader.join()
+    return records
+
+
+def test_ranks_report_through_the_real_hook_and_socket(receiver_path: Path) -> None:
+    source = SimulatedSource(3, H200_SXM)
+    uuids = [g.uuid for g in source.statics()]
+    job = SimulatedJob(source, one_phase("leak", 2), ranks=2, socket_path=str(receiver_path),
+                       run="t", loop=False)
+    records = run_and_receive(job, receiver_path)
     steps = [r for r in records if isinstance(r, StepRecord)]
     assert {(s.rank, s.gpu, s.world, s.local_rank) for s in steps} == {
         (0, uuids[0], 2, 0), (1, uuids[1], 2, 1)}
@@ -214,27 +227,10 @@ def test_a_node_of_a_multi_node_run_reports_its_ranks_and_waits_for_the_others(
     another node, and these ranks still wait for it in the all-reduce."""
     source = SimulatedSource(2)
     uuids = [g.uuid for g in source.statics()]
-    records: list[object] = []
-    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.bind(str(receiver_path))
-        sock.settimeout(0.5)
-
-        def receive() -> None:
-            while True:
-                try:
-                    records.extend(decode_datagram(sock.recv(1 << 16)).records)
-                except TimeoutError:
-                    return
-
-        reader = threading.Thread(target=receive)
-        reader.start()
-        job = SimulatedJob(source, one_phase("straggler", 2, "rank = 5"), ranks=2,
-                           socket_path=str(receiver_path), run="t", loop=False, rank_offset=2,
-                           world=6)
-        job.start()
-        assert job.wait(10)
-        job.stop()
-        reader.join()
+    job = SimulatedJob(source, one_phase("straggler", 2, "rank = 5"), ranks=2,
+                       socket_path=str(receiver_path), run="t", loop=False, rank_offset=2,
+                       world=6)
+    records = run_and_receive(job, receiver_path)
     steps = [r for r in records if isinstance(r, StepRecord)]
     assert {(s.rank, s.gpu, s.world, s.local_rank) for s in steps} == {
         (2, uuids[0], 6, 0), (3, uuids[1], 6, 1)}
