@@ -9,9 +9,11 @@ hooked and bare and the order within each pair:
 - runs: the example's ``main()`` again and again, each run building its model and data
   afresh and timing its own steps after a warm-up (``--pairs`` pairs of ``--steps`` steps);
 - blocks: one model, one monitor; blocks of ``--block-steps`` steps through the example's
-  own ``train()``, hooked or not (``--blocks`` pairs). A hooked block ends with a synchronous
-  flush of its records, timed with it, so everything the sender does for its steps is
-  billed to it and none to the bare block after it.
+  own ``train()``: bare, hooked, and a control with the hook's shape but none of its work
+  (``--blocks`` rounds of the three). A hooked block ends with a synchronous flush of its
+  records, timed with it, so everything the sender does for its steps is billed to it and
+  none to the bare block after it. The control's ratio is this machine's floor: what any
+  Python at the hook's points of the loop costs here.
 
 On a shared machine throughput drifts by ±10 % over seconds: runs of a second compare
 neighbours a second apart, blocks of ~0.2 s neighbours a fifth of that, which is why the
@@ -30,7 +32,9 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 from bench_hook import drained_socket  # the same socket drain as the hook benchmark
 
@@ -40,6 +44,8 @@ from train_cpu import main as train_main  # noqa: E402
 from train_cpu import make_job, parse_args, train  # noqa: E402
 
 from gpumon.client import StepMonitor  # noqa: E402
+
+T = TypeVar("T")
 
 
 def run(socket_path: str, hook: bool, steps: int, extra: list[str]) -> float:
@@ -55,27 +61,45 @@ def run(socket_path: str, hook: bool, steps: int, extra: list[str]) -> float:
     return float(summary["samples_per_second"])
 
 
-def block_pairs(socket_path: str, blocks: int, block_steps: int, extra: list[str]) -> list[float]:
-    """Throughput ratios (hooked / bare) of ``blocks`` pairs of blocks of one job."""
+class StructureOnly:
+    """The hook's shape without its work: the same loader wrapper and ``with`` blocks, doing
+    nothing. Its ratio to bare is what this machine charges for any Python at those points of
+    the loop (caches the step's kernels evicted): the floor under the hook's own cost."""
+
+    def loader(self, iterable: Iterable[T]) -> Iterator[T]:
+        yield from iterable
+
+    def step(self, **_: object) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def phase(self, _name: str) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+
+def block_pairs(socket_path: str, blocks: int, block_steps: int, extra: list[str]) -> dict[str, list[float]]:
+    """Throughput ratios against bare blocks of one job (bare / other step time) of the
+    hooked blocks and of the ``StructureOnly`` control, ``blocks`` rounds in rotating order."""
     job = make_job(parse_args(["--threads", "1", *extra]))
     monitor = StepMonitor("bench-train-blocks", socket_path=socket_path)
+    control = StructureOnly()
 
-    def seconds_per_step(hook: bool) -> float:
+    def seconds_per_step(kind: str) -> float:
         t0 = time.perf_counter()
-        if hook:
+        if kind == "hooked":
             train(job, block_steps, monitor)
             monitor.flush()
         else:
-            train(job, block_steps)
+            train(job, block_steps, control if kind == "control" else None)  # type: ignore[arg-type]
         return (time.perf_counter() - t0) / block_steps
 
-    for hook in (False, True):  # warm up both paths
-        seconds_per_step(hook)
-    ratios = []
+    kinds = ["bare", "hooked", "control"]
+    for kind in kinds:  # warm every path up
+        seconds_per_step(kind)
+    ratios: dict[str, list[float]] = {"hooked": [], "control": []}
     for i in range(blocks):
-        order = (True, False) if i % 2 == 0 else (False, True)
-        result = {hook: seconds_per_step(hook) for hook in order}
-        ratios.append(result[False] / result[True])  # throughput is the inverse of step time
+        result = {kind: seconds_per_step(kind) for kind in kinds[i % 3:] + kinds[:i % 3]}
+        for kind in ratios:
+            ratios[kind].append(result["bare"] / result[kind])  # throughput: the inverse
     monitor.close()
     if monitor.stats.dropped:
         raise RuntimeError(f"the hooked blocks dropped records: {monitor.stats.dropped}")
@@ -101,7 +125,7 @@ def main() -> None:
             order = (True, False) if i % 2 == 0 else (False, True)
             result = {hook: run(path, hook, args.steps, args.extra) for hook in order}
             rows.append((result[True], result[False], result[True] / result[False]))
-        block_ratios = block_pairs(path, args.blocks, args.block_steps, args.extra)
+        blocks = block_pairs(path, args.blocks, args.block_steps, args.extra)
         received = finish()
 
     print(f"{'pair':>4} {'hook samples/s':>15} {'no-hook samples/s':>18} {'ratio':>7}")
@@ -117,10 +141,14 @@ def main() -> None:
     print(f"median: hook {hooked_median:.1f}, no-hook {bare_median:.1f}, ratio {median_ratio:.4f} "
           f"(quartiles {quartiles[0]:.4f}–{quartiles[2]:.4f})")
     print(f"best run of each: ratio {best_ratio:.4f}")
-    block_median = statistics.median(block_ratios)
-    block_quartiles = statistics.quantiles(block_ratios, n=4)
-    print(f"blocks: {args.blocks} pairs of {args.block_steps} steps, median ratio {block_median:.4f} "
-          f"(quartiles {block_quartiles[0]:.4f}–{block_quartiles[2]:.4f})")
+    block_median = statistics.median(blocks["hooked"])
+    block_quartiles = statistics.quantiles(blocks["hooked"], n=4)
+    control_median = statistics.median(blocks["control"])
+    control_quartiles = statistics.quantiles(blocks["control"], n=4)
+    print(f"blocks: {args.blocks} rounds of {args.block_steps} steps, median ratio to bare: hooked "
+          f"{block_median:.4f} (quartiles {block_quartiles[0]:.4f}–{block_quartiles[2]:.4f}), "
+          f"structure-only control {control_median:.4f} "
+          f"(quartiles {control_quartiles[0]:.4f}–{control_quartiles[2]:.4f})")
     expected = args.pairs * (args.steps + 1) + (args.blocks + 1) * args.block_steps + 1
     print(f"records received by the reader: {received} (expected {expected})")
     print(
@@ -140,6 +168,8 @@ def main() -> None:
                 "block_steps": args.block_steps,
                 "blocks_median_ratio": block_median,
                 "blocks_ratio_quartiles": [block_quartiles[0], block_quartiles[2]],
+                "blocks_control_median_ratio": control_median,
+                "blocks_control_ratio_quartiles": [control_quartiles[0], control_quartiles[2]],
                 "records_received": received,
             }
         )

@@ -52,6 +52,8 @@ BENCHMARKS: dict[str, tuple[list[str], list[Check]]] = {
          lambda r: r["blocks_median_ratio"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
         ("training: the same, whole runs (median of run pairs; drift-bound, for reference)",
          lambda r: r["median_ratio"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
+        ("training: control, the hook's with-blocks doing nothing (the floor, for reference)",
+         lambda r: r["blocks_control_median_ratio"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
     ]),
     "ingest": (["bench_ingest.py"], [
         ("ingest: ≥ 50,000 records/s offered with zero drops",
