@@ -222,20 +222,26 @@ def start_prometheus(tmp_path: Path, targets: list[str], scrape_interval: str = 
     config_path = tmp_path / f"prometheus-{port}.yml"
     config_path.write_text(json.dumps(config))  # JSON is valid YAML
     log_path = tmp_path / f"prometheus-{port}.log"
+    process = launch_service(
+        "prometheus",
+        [binary, f"--config.file={config_path}", f"--storage.tsdb.path={tmp_path / f'tsdb-{port}'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        log_path, f"http://127.0.0.1:{port}/-/ready")
+    return PrometheusProcess(process, port, log_path)
+
+
+def launch_service(name: str, argv: list[str], log_path: Path, ready_url: str) -> subprocess.Popen[bytes]:
+    """Start a service logging to ``log_path`` and wait until ``ready_url`` answers 200; if it
+    does not, stop it and fail with its log."""
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [binary, f"--config.file={config_path}",
-             f"--storage.tsdb.path={tmp_path / f'tsdb-{port}'}",
-             f"--web.listen-address=127.0.0.1:{port}"],
-            stdout=log, stderr=subprocess.STDOUT)
-    server = PrometheusProcess(process, port, log_path)
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
-        wait_for(lambda: process.poll() is None and http_get(server.url + "/-/ready")[0] == 200,
-                 timeout=30, what="prometheus readiness")
+        wait_for(lambda: process.poll() is None and http_get(ready_url)[0] == 200,
+                 timeout=30, what=f"{name} readiness")
     except AssertionError:
-        server.stop()
-        raise AssertionError(f"prometheus did not start:\n{log_path.read_text()}") from None
-    return server
+        terminate(process)
+        raise AssertionError(f"{name} did not start:\n{log_path.read_text()}") from None
+    return process
 
 
 @contextmanager

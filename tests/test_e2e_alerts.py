@@ -41,7 +41,7 @@ from tests.helpers import (
     ROOT,
     PrometheusProcess,
     free_port,
-    http_get,
+    launch_service,
     require_tool,
     start_prometheus,
     terminate,
@@ -250,20 +250,12 @@ def start_alertmanager(tmp_path: Path, webhook_url: str) -> AlertmanagerProcess:
     config_path = tmp_path / "alertmanager.yml"
     config_path.write_text(json.dumps(config))  # JSON is valid YAML
     log_path = tmp_path / "alertmanager.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [binary, f"--config.file={config_path}", f"--storage.path={tmp_path / 'am-data'}",
-             f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
-            stdout=log, stderr=subprocess.STDOUT)
-    server = AlertmanagerProcess(process, port, log_path)
-    try:
-        wait_for(lambda: process.poll() is None
-                 and http_get(f"http://127.0.0.1:{port}/-/ready")[0] == 200,
-                 timeout=30, what="alertmanager readiness")
-    except AssertionError:
-        server.stop()
-        raise AssertionError(f"alertmanager did not start:\n{log_path.read_text()}") from None
-    return server
+    process = launch_service(
+        "alertmanager",
+        [binary, f"--config.file={config_path}", f"--storage.path={tmp_path / 'am-data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+        log_path, f"http://127.0.0.1:{port}/-/ready")
+    return AlertmanagerProcess(process, port, log_path)
 
 
 # --- the demo nodes ---------------------------------------------------------------------------
