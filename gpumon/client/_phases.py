@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from time import perf_counter
 from typing import Any
 
-from gpumon.client.monitor import StepMonitor, _Phase, _Step
+from gpumon.client.monitor import Phase, Step, StepMonitor
 
 
 class PhaseSequence:
@@ -17,8 +17,8 @@ class PhaseSequence:
 
     def __init__(self, monitor: StepMonitor) -> None:
         self.monitor = monitor
-        self._step: _Step | None = None
-        self._phase: _Phase | None = None
+        self._step: Step | None = None
+        self._phase: Phase | None = None
 
     @property
     def in_step(self) -> bool:

@@ -1,8 +1,9 @@
 """``StepMonitor``: times training steps and their phases and reports them to the gpumon agent.
 
 The training thread only reads clocks and appends one tuple per step to a bounded buffer
-(a few microseconds); a daemon thread (``_sender``) encodes and sends them. Nothing here
-ever blocks the training loop or raises from the transport.
+(``HookCore``: in C where it was built, else ``_core``'s pure Python); a daemon thread
+(``_sender``) encodes and sends them. Nothing here ever blocks the training loop or raises
+from the transport.
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ import atexit
 import os
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from time import perf_counter, time
+from time import time
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING
 
 import gpumon
-from gpumon.client import _cuda
+from gpumon.client import _core, _cuda
 from gpumon.client._sender import Sender, StepTuple
 from gpumon.client.identity import resolve_identity, resolve_socket_path
 from gpumon.client.transport import Transport, UnixDatagramTransport
@@ -31,7 +31,19 @@ from gpumon.protocol import (
     is_label,
 )
 
-T = TypeVar("T")
+if TYPE_CHECKING or os.environ.get("GPUMON_PURE_PYTHON"):
+    from gpumon.client._core import HookCore, Phase, Step
+else:
+    try:
+        from gpumon.client._hook import HookCore, Phase, Step
+    except ImportError:  # not built here: no compiler at install time, or not Linux
+        from gpumon.client._core import HookCore, Phase, Step
+
+IMPLEMENTATION = "c" if HookCore is not _core.HookCore else "python"
+"""Which ``HookCore`` runs the hot path: ``"c"``, or ``"python"`` (``GPUMON_PURE_PYTHON=1``
+forces it)."""
+
+__all__ = ["IMPLEMENTATION", "ClientStats", "Phase", "Step", "StepMonitor"]
 
 BUFFER_STEPS = 4096
 """Steps held for the sender; when it falls behind, the oldest are dropped and counted."""
@@ -53,7 +65,7 @@ class ClientStats:
     invalid_fields: int = 0
 
 
-class StepMonitor:
+class StepMonitor(HookCore):
     """Times each training step and its phases and reports them to the node's gpumon agent.
 
     Args:
@@ -108,22 +120,8 @@ class StepMonitor:
             assert self.socket_path is not None
             transport = UnixDatagramTransport(self.socket_path)
         self._reset_peak = reset_peak_memory
-        # Hot-path state, touched only by the training thread.
-        self._enabled = True
-        self._seq = 0
-        self._step_depth = 0
-        self._step_t0 = 0.0
-        self._pending_t0: float | None = None  # start of timed work before the next step
-        self._phases: dict[str, float] = {}
-        self._phase_depth = 0
-        self._phase_t0 = 0.0
-        self._phase_event: Any = None
-        self._marks: list[_cuda.Mark] = []
-        self._phase_cache: dict[str, _Phase] = {}
-        self._cuda: _cuda.CudaClock | None = None
-        self._cuda_checked = False
-        self._last_ooms: int | None = None
-        self._buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
+        buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
+        super().__init__(buffer)  # the hot-path state, touched only by the training thread
 
         identity: dict[str, object] = {"v": PROTOCOL_VERSION, "run": self.run, "rank": self.rank}
         if self.world is not None:
@@ -135,7 +133,7 @@ class StepMonitor:
             transport,
             step_header={**identity, "kind": "step"},
             hello={**identity, "kind": "hello", "client_version": gpumon.__version__},
-            buffer=self._buffer,
+            buffer=buffer,
         )
         if gpu is not None:
             self._sender.set_gpu(gpu)
@@ -143,67 +141,6 @@ class StepMonitor:
         self._sender.add_control(self._sender.hello)
         self._finalizer = weakref.finalize(self, self._sender.close)
         _live_monitors.add(self)
-
-    def step(
-        self,
-        *,
-        samples: int | None = None,
-        tokens: int | None = None,
-        flops: float | None = None,
-        step: int | None = None,
-        memory: Mapping[str, int] | None = None,
-    ) -> _Step:
-        """Context manager around one training step.
-
-        Args:
-            samples: samples this rank processed in the step (Python int).
-            tokens: tokens this rank processed in the step (Python int).
-            flops: floating-point operations this rank did in the step (e.g. 6·params·tokens).
-            step: the trainer's step number; default: this monitor's count of steps, from 0.
-            memory: the step's allocator statistics, for memory the hook cannot read from
-                PyTorch's CUDA allocator itself (which, when in use, wins): any of
-                ``allocated``, ``reserved`` and ``peak`` (bytes, the peak of this step) and
-                the cumulative counts ``retries`` and ``ooms``. Read after the step ends;
-                invalid entries are left out and counted in ``stats.invalid_fields``.
-
-        The step's window starts when the loader was asked for its batch (see ``loader``) or
-        when a phase was timed before it, else when the block is entered. Pass Python
-        numbers: a tensor would have to be read back from the GPU, so it is ignored (and
-        counted in ``stats.invalid_fields``). A nested ``step()`` is ignored: only the
-        outermost counts. If an exception escapes, the step is not recorded; a torch
-        ``OutOfMemoryError`` is reported as an ``oom`` event, and the exception propagates
-        unchanged.
-        """
-        return _Step(self, samples, tokens, flops, step, memory)
-
-    def phase(self, name: str) -> _Phase:
-        """Context manager timing part of a step: ``data``, ``forward``, ``backward``,
-        ``comm``, ``optimizer``, or any other label (the agent counts those as ``other``).
-
-        With CUDA in use, phases other than ``data`` are timed by CUDA events, read later
-        without synchronising. Nested phases: only the outermost is timed. A phase outside a
-        step belongs to the next step. Raises ``ValueError`` for a name that is not 1-64 of
-        ``[A-Za-z0-9_.:/-]``.
-        """
-        ctx = self._phase_cache.get(name)
-        if ctx is None:
-            if not isinstance(name, str) or not is_label(name, MAX_LABEL_CHARS):
-                raise ValueError(f"phase name {name!r}: use 1-64 of letters, digits, _ . : / -")
-            ctx = self._phase_cache[name] = _Phase(self, name, name in HOST_CLOCK_PHASES)
-        return ctx
-
-    def loader(self, iterable: Iterable[T]) -> Iterator[T]:
-        """Yield ``iterable``'s items, timing each wait as the ``data`` phase of the next step."""
-        t0 = perf_counter()
-        iterator = iter(iterable)
-        while True:
-            try:
-                item = next(iterator)
-            except StopIteration:
-                return
-            self._data_wait(t0, perf_counter())
-            yield item
-            t0 = perf_counter()
 
     @property
     def stats(self) -> ClientStats:
@@ -257,12 +194,6 @@ class StepMonitor:
 
     # --- used by the integrations -------------------------------------------------------
 
-    def _data_wait(self, t0: float, t1: float) -> None:
-        """Count ``t1 - t0`` (perf_counter) as waiting for input before the next step."""
-        if not self._step_depth and self._pending_t0 is None:
-            self._pending_t0 = t0
-        self._phases["data"] = self._phases.get("data", 0.0) + (t1 - t0)
-
     def _event(self, name: str, message: str | None, step: int) -> None:
         """Queue an event record (e.g. ``oom``) for the next flush."""
         if not self._enabled:
@@ -290,6 +221,12 @@ class StepMonitor:
                 self._sender.set_gpu(clock.gpu)
             if final:  # CUDA came into use after the hello: say hello again, with the device
                 self._sender.add_control(self._sender.hello)
+
+    def _new_phase(self, name: str) -> Phase:
+        if not isinstance(name, str) or not is_label(name, MAX_LABEL_CHARS):
+            raise ValueError(f"phase name {name!r}: use 1-64 of letters, digits, _ . : / -")
+        ctx = self._phase_cache[name] = Phase(self, name, name in HOST_CLOCK_PHASES)
+        return ctx
 
     def _step_failed(self, exc: BaseException | None, step: int | None) -> None:
         self._phases = {}
@@ -320,110 +257,3 @@ def _after_fork_in_child() -> None:
 
 atexit.register(_close_live_monitors)
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-class _Step:
-    """One step's context manager; the hot path, so it does as little as possible."""
-
-    __slots__ = ("_m", "_samples", "_tokens", "_flops", "_step", "_memory")
-
-    def __init__(
-        self,
-        m: StepMonitor,
-        samples: Any,
-        tokens: Any,
-        flops: Any,
-        step: int | None,
-        memory: Mapping[str, int] | None = None,
-    ) -> None:
-        self._m = m
-        self._samples = samples
-        self._tokens = tokens
-        self._flops = flops
-        self._step = step
-        self._memory = memory
-
-    def __enter__(self) -> _Step:
-        m = self._m
-        m._step_depth += 1
-        if m._step_depth == 1:
-            if not m._cuda_checked:
-                m._detect_cuda(final=True)
-            m._step_t0 = perf_counter()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        m = self._m
-        m._step_depth -= 1
-        if m._step_depth:
-            return
-        t1 = perf_counter()
-        if exc_type is not None:
-            m._step_failed(exc, self._step)
-            return
-        t0 = m._pending_t0
-        if t0 is None:
-            t0 = m._step_t0
-        else:
-            m._pending_t0 = None
-        phases = m._phases
-        m._phases = {}
-        marks = None
-        mem: _cuda.MemoryTuple | Mapping[str, int] | None = None
-        if m._cuda is not None:
-            marks = m._marks
-            m._marks = []
-            mem = m._cuda.memory()
-            if mem is not None:
-                m._last_ooms = mem[4]
-        if mem is None:
-            mem = self._memory
-        if m._enabled:
-            m._buffer.append(
-                (m._seq, self._step, t0, t1, phases, self._samples, self._tokens, self._flops, mem, marks)
-            )
-        m._seq += 1
-
-
-class _Phase:
-    """A named phase's context manager, one per name and monitor (reused)."""
-
-    __slots__ = ("_m", "_name", "_host_clock")
-
-    def __init__(self, m: StepMonitor, name: str, host_clock: bool) -> None:
-        self._m = m
-        self._name = name
-        self._host_clock = host_clock
-
-    def __enter__(self) -> _Phase:
-        m = self._m
-        if not m._phase_depth:
-            if m._cuda is not None and not self._host_clock:
-                m._phase_event = m._cuda.event()
-            t = m._phase_t0 = perf_counter()
-            if not m._step_depth and m._pending_t0 is None:
-                m._pending_t0 = t
-        m._phase_depth += 1
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        m = self._m
-        m._phase_depth -= 1
-        if not m._phase_depth:
-            phases = m._phases
-            name = self._name
-            phases[name] = phases.get(name, 0.0) + (perf_counter() - m._phase_t0)
-            start = m._phase_event
-            if start is not None:
-                m._phase_event = None
-                m._marks.append((name, start, m._cuda.event()))  # type: ignore[union-attr]

@@ -1,0 +1,811 @@
+/* gpumon.client._hook: the training thread's half of StepMonitor, in C.
+ *
+ * The same classes as gpumon/client/_core.py, which is the reference: every method here
+ * follows its Python twin statement by statement, and tests/client/test_core.py runs the
+ * client tests against both. On a CPU-sized step most of the hook's cost is the
+ * interpreter's work at the points the loop passes through each step (loader, step, phase
+ * boundaries), on caches the step's kernels have evicted; C does the same work in a fraction
+ * of the instructions.
+ *
+ * Timestamps are CLOCK_MONOTONIC seconds as doubles, computed as time.perf_counter() computes
+ * them on Linux, so they mix with the perf_counter() readings of the Python code around.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <time.h>
+
+#if !defined(__linux__)
+#error "timestamps must match time.perf_counter(), which is CLOCK_MONOTONIC on Linux only"
+#endif
+#ifdef Py_GIL_DISABLED
+#error "the reuse of step objects relies on the GIL"
+#endif
+
+static PyObject *str_append, *str_event, *str_memory, *str_detect_cuda, *str_step_failed,
+    *str_new_phase, *str_data;
+static PyObject *step_kwnames[5]; /* samples, tokens, flops, step, memory */
+
+#define OR_NONE(x) ((x) == NULL ? Py_None : (x))
+
+static inline double
+now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    long long ns = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    return (double)ns / 1e9;
+}
+
+/* ---- HookCore ----------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    char enabled;
+    char cuda_checked;
+    int step_depth;
+    int phase_depth;
+    int has_pending;
+    long long seq;
+    double step_t0;
+    double pending_t0;
+    double phase_t0;
+    PyObject *phases;       /* dict: phase name -> host seconds */
+    PyObject *phase_event;  /* CUDA event of the open phase, or NULL */
+    PyObject *marks;        /* list of (name, start, end) */
+    PyObject *phase_cache;  /* dict: name -> Phase */
+    PyObject *cuda;         /* CudaClock or None */
+    PyObject *last_ooms;    /* int or None */
+    PyObject *buffer;       /* deque of step tuples, shared with the sender */
+    PyObject *spare_step;   /* a Step object reused while nothing else holds it */
+} HookCore;
+
+typedef struct {
+    PyObject_HEAD
+    HookCore *core;
+    PyObject *samples, *tokens, *flops, *step, *memory;
+} Step;
+
+typedef struct {
+    PyObject_HEAD
+    HookCore *core;
+    PyObject *name;
+    char host_clock;
+} Phase;
+
+typedef struct {
+    PyObject_HEAD
+    HookCore *core;
+    PyObject *iterable; /* until the first next(), as a generator would */
+    PyObject *iterator;
+} Loader;
+
+static PyTypeObject HookCoreType, StepType, PhaseType, LoaderType;
+
+/* phases[name] += seconds */
+static int
+add_seconds(PyObject *phases, PyObject *name, double seconds)
+{
+    PyObject *old = PyDict_GetItemWithError(phases, name); /* borrowed */
+    if (old == NULL && PyErr_Occurred())
+        return -1;
+    double total = seconds;
+    if (old != NULL) {
+        total += PyFloat_AsDouble(old);
+        if (total == -1.0 && PyErr_Occurred())
+            return -1;
+    }
+    PyObject *value = PyFloat_FromDouble(total);
+    if (value == NULL)
+        return -1;
+    int rc = PyDict_SetItem(phases, name, value);
+    Py_DECREF(value);
+    return rc;
+}
+
+static PyObject *
+HookCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    HookCore *self = (HookCore *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->enabled = 1;
+    self->phases = PyDict_New();
+    self->marks = PyList_New(0);
+    self->phase_cache = PyDict_New();
+    self->cuda = Py_NewRef(Py_None);
+    self->last_ooms = Py_NewRef(Py_None);
+    self->buffer = Py_NewRef(Py_None);
+    if (self->phases == NULL || self->marks == NULL || self->phase_cache == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static int
+HookCore_init(HookCore *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", NULL};
+    PyObject *buffer;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &buffer))
+        return -1;
+    Py_XSETREF(self->buffer, Py_NewRef(buffer));
+    return 0;
+}
+
+static int
+HookCore_traverse(HookCore *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->phases);
+    Py_VISIT(self->phase_event);
+    Py_VISIT(self->marks);
+    Py_VISIT(self->phase_cache);
+    Py_VISIT(self->cuda);
+    Py_VISIT(self->last_ooms);
+    Py_VISIT(self->buffer);
+    Py_VISIT(self->spare_step);
+    return 0;
+}
+
+static int
+HookCore_clear(HookCore *self)
+{
+    Py_CLEAR(self->phases);
+    Py_CLEAR(self->phase_event);
+    Py_CLEAR(self->marks);
+    Py_CLEAR(self->phase_cache);
+    Py_CLEAR(self->cuda);
+    Py_CLEAR(self->last_ooms);
+    Py_CLEAR(self->buffer);
+    Py_CLEAR(self->spare_step);
+    return 0;
+}
+
+static void
+HookCore_dealloc(HookCore *self)
+{
+    /* A Python subclass's dealloc calls this one and then releases its heap type itself. */
+    PyObject_GC_UnTrack(self);
+    HookCore_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+HookCore_step(HookCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *values[5] = {Py_None, Py_None, Py_None, Py_None, Py_None};
+    if (nargs) {
+        PyErr_SetString(PyExc_TypeError, "step() takes keyword arguments only");
+        return NULL;
+    }
+    Py_ssize_t nkw = kwnames == NULL ? 0 : PyTuple_GET_SIZE(kwnames);
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *key = PyTuple_GET_ITEM(kwnames, i);
+        int j = 0;
+        while (j < 5 && key != step_kwnames[j]) /* interned: the usual case */
+            j++;
+        for (int k = 0; j == 5 && k < 5; k++) {
+            int eq = PyUnicode_Compare(key, step_kwnames[k]);
+            if (eq == -1 && PyErr_Occurred())
+                return NULL;
+            if (eq == 0)
+                j = k;
+        }
+        if (j < 5) {
+            values[j] = args[nargs + i];
+        } else {
+            PyErr_Format(PyExc_TypeError, "step() got an unexpected keyword argument '%U'", key);
+            return NULL;
+        }
+    }
+    Step *step = (Step *)self->spare_step;
+    if (step != NULL && Py_REFCNT(step) == 1) {
+        /* Nobody else holds the last step object (its `with` block has ended): reuse it. */
+        Py_INCREF(step);
+    } else {
+        step = PyObject_GC_New(Step, &StepType);
+        if (step == NULL)
+            return NULL;
+        step->core = (HookCore *)Py_NewRef(self);
+        step->samples = step->tokens = step->flops = step->step = step->memory = NULL;
+        PyObject_GC_Track(step);
+        if (self->spare_step == NULL)
+            self->spare_step = Py_NewRef(step);
+    }
+    Py_XSETREF(step->samples, Py_NewRef(values[0]));
+    Py_XSETREF(step->tokens, Py_NewRef(values[1]));
+    Py_XSETREF(step->flops, Py_NewRef(values[2]));
+    Py_XSETREF(step->step, Py_NewRef(values[3]));
+    Py_XSETREF(step->memory, Py_NewRef(values[4]));
+    return (PyObject *)step;
+}
+
+static PyObject *
+HookCore_phase(HookCore *self, PyObject *name)
+{
+    PyObject *ctx = PyDict_GetItemWithError(self->phase_cache, name); /* borrowed */
+    if (ctx != NULL)
+        return Py_NewRef(ctx);
+    if (PyErr_Occurred())
+        return NULL;
+    return PyObject_CallMethodOneArg((PyObject *)self, str_new_phase, name);
+}
+
+static PyObject *
+HookCore_loader(HookCore *self, PyObject *iterable)
+{
+    Loader *loader = PyObject_GC_New(Loader, &LoaderType);
+    if (loader == NULL)
+        return NULL;
+    loader->core = (HookCore *)Py_NewRef(self);
+    loader->iterable = Py_NewRef(iterable);
+    loader->iterator = NULL;
+    PyObject_GC_Track(loader);
+    return (PyObject *)loader;
+}
+
+static int
+data_wait(HookCore *self, double t0, double t1)
+{
+    if (!self->step_depth && !self->has_pending) {
+        self->pending_t0 = t0;
+        self->has_pending = 1;
+    }
+    return add_seconds(self->phases, str_data, t1 - t0);
+}
+
+static PyObject *
+HookCore_data_wait(HookCore *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "_data_wait(t0, t1) takes two perf_counter readings");
+        return NULL;
+    }
+    double t0 = PyFloat_AsDouble(args[0]);
+    if (t0 == -1.0 && PyErr_Occurred())
+        return NULL;
+    double t1 = PyFloat_AsDouble(args[1]);
+    if (t1 == -1.0 && PyErr_Occurred())
+        return NULL;
+    if (data_wait(self, t0, t1) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+HookCore_get_pending_t0(HookCore *self, void *closure)
+{
+    if (!self->has_pending)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->pending_t0);
+}
+
+static int
+HookCore_set_pending_t0(HookCore *self, PyObject *value, void *closure)
+{
+    if (value == NULL || value == Py_None) {
+        self->has_pending = 0;
+        return 0;
+    }
+    double t = PyFloat_AsDouble(value);
+    if (t == -1.0 && PyErr_Occurred())
+        return -1;
+    self->pending_t0 = t;
+    self->has_pending = 1;
+    return 0;
+}
+
+/* An object attribute that must stay set (a dict or list the hot path uses unchecked). */
+#define OBJECT_GETSET(field, check, what)                                          \
+    static PyObject *HookCore_get_##field(HookCore *self, void *closure)            \
+    {                                                                               \
+        return Py_NewRef(self->field);                                              \
+    }                                                                               \
+    static int HookCore_set_##field(HookCore *self, PyObject *value, void *closure) \
+    {                                                                               \
+        if (value == NULL || !check(value)) {                                       \
+            PyErr_SetString(PyExc_TypeError, "_" #field " must be " what);          \
+            return -1;                                                              \
+        }                                                                           \
+        Py_SETREF(self->field, Py_NewRef(value));                                   \
+        return 0;                                                                   \
+    }
+
+OBJECT_GETSET(phases, PyDict_CheckExact, "a dict")
+OBJECT_GETSET(marks, PyList_CheckExact, "a list")
+OBJECT_GETSET(phase_cache, PyDict_CheckExact, "a dict")
+
+static int
+is_object(PyObject *value)
+{
+    return 1;
+}
+
+OBJECT_GETSET(cuda, is_object, "set")
+OBJECT_GETSET(last_ooms, is_object, "set")
+OBJECT_GETSET(buffer, is_object, "set")
+
+static PyGetSetDef HookCore_getset[] = {
+    {"_pending_t0", (getter)HookCore_get_pending_t0, (setter)HookCore_set_pending_t0, NULL, NULL},
+    {"_phases", (getter)HookCore_get_phases, (setter)HookCore_set_phases, NULL, NULL},
+    {"_marks", (getter)HookCore_get_marks, (setter)HookCore_set_marks, NULL, NULL},
+    {"_phase_cache", (getter)HookCore_get_phase_cache, (setter)HookCore_set_phase_cache, NULL, NULL},
+    {"_cuda", (getter)HookCore_get_cuda, (setter)HookCore_set_cuda, NULL, NULL},
+    {"_last_ooms", (getter)HookCore_get_last_ooms, (setter)HookCore_set_last_ooms, NULL, NULL},
+    {"_buffer", (getter)HookCore_get_buffer, (setter)HookCore_set_buffer, NULL, NULL},
+    {NULL},
+};
+
+static PyMemberDef HookCore_members[] = {
+    {"_enabled", T_BOOL, offsetof(HookCore, enabled), 0, NULL},
+    {"_cuda_checked", T_BOOL, offsetof(HookCore, cuda_checked), 0, NULL},
+    {"_seq", T_LONGLONG, offsetof(HookCore, seq), 0, NULL},
+    {"_step_depth", T_INT, offsetof(HookCore, step_depth), 0, NULL},
+    {"_phase_depth", T_INT, offsetof(HookCore, phase_depth), 0, NULL},
+    {"_step_t0", T_DOUBLE, offsetof(HookCore, step_t0), 0, NULL},
+    {"_phase_t0", T_DOUBLE, offsetof(HookCore, phase_t0), 0, NULL},
+    {"_phase_event", T_OBJECT, offsetof(HookCore, phase_event), 0, NULL},
+    {NULL},
+};
+
+static PyMethodDef HookCore_methods[] = {
+    {"step", (PyCFunction)(void (*)(void))HookCore_step, METH_FASTCALL | METH_KEYWORDS,
+     "step(*, samples=None, tokens=None, flops=None, step=None, memory=None)\n--\n\n"
+     "A context manager around one training step (see gpumon.client._core.HookCore.step)."},
+    {"phase", (PyCFunction)HookCore_phase, METH_O,
+     "phase(name)\n--\n\nA context manager timing part of a step (see gpumon.client._core)."},
+    {"loader", (PyCFunction)HookCore_loader, METH_O,
+     "loader(iterable)\n--\n\n"
+     "Yield iterable's items, timing each wait as the data phase of the next step."},
+    {"_data_wait", (PyCFunction)(void (*)(void))HookCore_data_wait, METH_FASTCALL,
+     "_data_wait(t0, t1)\n--\n\nCount t1 - t0 (perf_counter) as waiting for input."},
+    {NULL},
+};
+
+static PyTypeObject HookCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpumon.client._hook.HookCore",
+    .tp_doc = "State the training thread owns, and the three calls a training loop makes.",
+    .tp_basicsize = sizeof(HookCore),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_new = HookCore_new,
+    .tp_init = (initproc)HookCore_init,
+    .tp_dealloc = (destructor)HookCore_dealloc,
+    .tp_traverse = (traverseproc)HookCore_traverse,
+    .tp_clear = (inquiry)HookCore_clear,
+    .tp_methods = HookCore_methods,
+    .tp_members = HookCore_members,
+    .tp_getset = HookCore_getset,
+};
+
+/* ---- Step --------------------------------------------------------------------------- */
+
+static int
+Step_traverse(Step *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->core);
+    Py_VISIT(self->samples);
+    Py_VISIT(self->tokens);
+    Py_VISIT(self->flops);
+    Py_VISIT(self->step);
+    Py_VISIT(self->memory);
+    return 0;
+}
+
+static int
+Step_clear(Step *self)
+{
+    Py_CLEAR(self->core);
+    Py_CLEAR(self->samples);
+    Py_CLEAR(self->tokens);
+    Py_CLEAR(self->flops);
+    Py_CLEAR(self->step);
+    Py_CLEAR(self->memory);
+    return 0;
+}
+
+static void
+Step_dealloc(Step *self)
+{
+    PyObject_GC_UnTrack(self);
+    Step_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyObject *
+Step_enter(Step *self, PyObject *unused)
+{
+    HookCore *m = self->core;
+    if (m == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "step of a cleared monitor");
+        return NULL;
+    }
+    m->step_depth += 1;
+    if (m->step_depth == 1) {
+        if (!m->cuda_checked) {
+            PyObject *r = PyObject_CallMethodOneArg((PyObject *)m, str_detect_cuda, Py_True);
+            if (r == NULL) {
+                m->step_depth -= 1;
+                return NULL;
+            }
+            Py_DECREF(r);
+        }
+        m->step_t0 = now();
+    }
+    return Py_NewRef(self);
+}
+
+static PyObject *
+Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    HookCore *m = self->core;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__ takes three arguments");
+        return NULL;
+    }
+    if (m == NULL)
+        Py_RETURN_NONE;
+    m->step_depth -= 1;
+    if (m->step_depth)
+        Py_RETURN_NONE;
+    double t1 = now();
+    if (args[0] != Py_None) {
+        PyObject *step = self->step == NULL ? Py_None : self->step;
+        PyObject *call[3] = {(PyObject *)m, args[1], step};
+        PyObject *r = PyObject_VectorcallMethod(
+            str_step_failed, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        if (r == NULL)
+            return NULL;
+        Py_DECREF(r);
+        Py_RETURN_NONE;
+    }
+    double t0 = m->step_t0;
+    if (m->has_pending) {
+        t0 = m->pending_t0;
+        m->has_pending = 0;
+    }
+    PyObject *fresh = PyDict_New();
+    if (fresh == NULL)
+        return NULL;
+    PyObject *phases = m->phases; /* the reference moves to the record */
+    m->phases = fresh;
+    PyObject *marks = NULL, *mem = NULL;
+    if (m->cuda != Py_None) {
+        PyObject *fresh_marks = PyList_New(0);
+        if (fresh_marks == NULL)
+            goto error;
+        marks = m->marks;
+        m->marks = fresh_marks;
+        mem = PyObject_CallMethodNoArgs(m->cuda, str_memory);
+        if (mem == NULL)
+            goto error;
+        if (mem == Py_None) {
+            Py_CLEAR(mem);
+        } else {
+            PyObject *ooms = PySequence_GetItem(mem, 4);
+            if (ooms == NULL)
+                goto error;
+            Py_SETREF(m->last_ooms, ooms);
+        }
+    }
+    if (mem == NULL)
+        mem = Py_NewRef(OR_NONE(self->memory));
+    if (marks == NULL)
+        marks = Py_NewRef(Py_None);
+    if (m->enabled) {
+        PyObject *seq = PyLong_FromLongLong(m->seq);
+        PyObject *start = PyFloat_FromDouble(t0);
+        PyObject *end = PyFloat_FromDouble(t1);
+        PyObject *record = NULL;
+        if (seq != NULL && start != NULL && end != NULL)
+            record = PyTuple_Pack(10, seq, OR_NONE(self->step), start, end, phases,
+                                  OR_NONE(self->samples), OR_NONE(self->tokens),
+                                  OR_NONE(self->flops), mem, marks);
+        Py_XDECREF(seq);
+        Py_XDECREF(start);
+        Py_XDECREF(end);
+        if (record == NULL)
+            goto error;
+        PyObject *r = PyObject_CallMethodOneArg(m->buffer, str_append, record);
+        Py_DECREF(record);
+        if (r == NULL)
+            goto error;
+        Py_DECREF(r);
+    }
+    m->seq += 1;
+    Py_DECREF(phases);
+    Py_DECREF(mem);
+    Py_DECREF(marks);
+    Py_RETURN_NONE;
+error:
+    Py_DECREF(phases);
+    Py_XDECREF(mem);
+    Py_XDECREF(marks);
+    return NULL;
+}
+
+static PyMethodDef Step_methods[] = {
+    {"__enter__", (PyCFunction)Step_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))Step_exit, METH_FASTCALL, NULL},
+    {NULL},
+};
+
+static PyMemberDef Step_members[] = {
+    {"_m", T_OBJECT, offsetof(Step, core), READONLY, NULL},
+    {"_samples", T_OBJECT, offsetof(Step, samples), 0, NULL},
+    {"_tokens", T_OBJECT, offsetof(Step, tokens), 0, NULL},
+    {"_flops", T_OBJECT, offsetof(Step, flops), 0, NULL},
+    {"_step", T_OBJECT, offsetof(Step, step), 0, NULL},
+    {"_memory", T_OBJECT, offsetof(Step, memory), 0, NULL},
+    {NULL},
+};
+
+static PyTypeObject StepType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpumon.client._hook.Step",
+    .tp_doc = "One step's context manager.",
+    .tp_basicsize = sizeof(Step),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)Step_dealloc,
+    .tp_traverse = (traverseproc)Step_traverse,
+    .tp_clear = (inquiry)Step_clear,
+    .tp_methods = Step_methods,
+    .tp_members = Step_members,
+};
+
+/* ---- Phase -------------------------------------------------------------------------- */
+
+static PyObject *
+Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"m", "name", "host_clock", NULL};
+    PyObject *core, *name;
+    int host_clock;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!Up", kwlist, &HookCoreType, &core, &name,
+                                     &host_clock))
+        return NULL;
+    Phase *self = (Phase *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->core = (HookCore *)Py_NewRef(core);
+    self->name = Py_NewRef(name);
+    self->host_clock = (char)host_clock;
+    return (PyObject *)self;
+}
+
+static int
+Phase_traverse(Phase *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->core);
+    Py_VISIT(self->name);
+    return 0;
+}
+
+static int
+Phase_clear(Phase *self)
+{
+    Py_CLEAR(self->core);
+    Py_CLEAR(self->name);
+    return 0;
+}
+
+static void
+Phase_dealloc(Phase *self)
+{
+    PyObject_GC_UnTrack(self);
+    Phase_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+Phase_enter(Phase *self, PyObject *unused)
+{
+    HookCore *m = self->core;
+    if (m == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "phase of a cleared monitor");
+        return NULL;
+    }
+    if (!m->phase_depth) {
+        if (m->cuda != Py_None && !self->host_clock) {
+            PyObject *event = PyObject_CallMethodNoArgs(m->cuda, str_event);
+            if (event == NULL)
+                return NULL;
+            Py_XSETREF(m->phase_event, event);
+        }
+        double t = m->phase_t0 = now();
+        if (!m->step_depth && !m->has_pending) {
+            m->pending_t0 = t;
+            m->has_pending = 1;
+        }
+    }
+    m->phase_depth += 1;
+    return Py_NewRef(self);
+}
+
+static PyObject *
+Phase_exit(Phase *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    HookCore *m = self->core;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "__exit__ takes three arguments");
+        return NULL;
+    }
+    if (m == NULL)
+        Py_RETURN_NONE;
+    m->phase_depth -= 1;
+    if (!m->phase_depth) {
+        if (add_seconds(m->phases, self->name, now() - m->phase_t0) < 0)
+            return NULL;
+        PyObject *start = m->phase_event;
+        if (start != NULL && start != Py_None) {
+            m->phase_event = NULL; /* the reference moves to the mark */
+            PyObject *end = PyObject_CallMethodNoArgs(m->cuda, str_event);
+            if (end == NULL) {
+                Py_DECREF(start);
+                return NULL;
+            }
+            PyObject *mark = PyTuple_Pack(3, self->name, start, end);
+            Py_DECREF(start);
+            Py_DECREF(end);
+            if (mark == NULL)
+                return NULL;
+            int rc = PyList_Append(m->marks, mark);
+            Py_DECREF(mark);
+            if (rc < 0)
+                return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Phase_methods[] = {
+    {"__enter__", (PyCFunction)Phase_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)(void (*)(void))Phase_exit, METH_FASTCALL, NULL},
+    {NULL},
+};
+
+static PyMemberDef Phase_members[] = {
+    {"_m", T_OBJECT, offsetof(Phase, core), READONLY, NULL},
+    {"_name", T_OBJECT, offsetof(Phase, name), READONLY, NULL},
+    {"_host_clock", T_BOOL, offsetof(Phase, host_clock), READONLY, NULL},
+    {NULL},
+};
+
+static PyTypeObject PhaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpumon.client._hook.Phase",
+    .tp_doc = "Phase(m, name, host_clock)\n--\n\n"
+              "A named phase's context manager, one per name and monitor (reused).",
+    .tp_basicsize = sizeof(Phase),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = Phase_new,
+    .tp_dealloc = (destructor)Phase_dealloc,
+    .tp_traverse = (traverseproc)Phase_traverse,
+    .tp_clear = (inquiry)Phase_clear,
+    .tp_methods = Phase_methods,
+    .tp_members = Phase_members,
+};
+
+/* ---- Loader ------------------------------------------------------------------------- */
+
+static int
+Loader_traverse(Loader *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->core);
+    Py_VISIT(self->iterable);
+    Py_VISIT(self->iterator);
+    return 0;
+}
+
+static int
+Loader_clear(Loader *self)
+{
+    Py_CLEAR(self->core);
+    Py_CLEAR(self->iterable);
+    Py_CLEAR(self->iterator);
+    return 0;
+}
+
+static void
+Loader_dealloc(Loader *self)
+{
+    PyObject_GC_UnTrack(self);
+    Loader_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyObject *
+Loader_next(Loader *self)
+{
+    double t0 = now();
+    if (self->iterator == NULL) {
+        if (self->iterable == NULL)
+            return NULL; /* exhausted */
+        self->iterator = PyObject_GetIter(self->iterable);
+        Py_CLEAR(self->iterable);
+        if (self->iterator == NULL)
+            return NULL;
+    }
+    PyObject *item = (*Py_TYPE(self->iterator)->tp_iternext)(self->iterator);
+    if (item == NULL) {
+        /* Exhausted, or an error: either way this loader ends, as a generator would. */
+        Py_CLEAR(self->iterator);
+        return NULL;
+    }
+    if (self->core != NULL && data_wait(self->core, t0, now()) < 0) {
+        Py_DECREF(item);
+        return NULL;
+    }
+    return item;
+}
+
+static PyTypeObject LoaderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpumon.client._hook.Loader",
+    .tp_doc = "Yields a loader's items, timing each wait as the data phase of the next step.",
+    .tp_basicsize = sizeof(Loader),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)Loader_dealloc,
+    .tp_traverse = (traverseproc)Loader_traverse,
+    .tp_clear = (inquiry)Loader_clear,
+    .tp_iter = PyObject_SelfIter,
+    .tp_iternext = (iternextfunc)Loader_next,
+};
+
+/* ---- module ------------------------------------------------------------------------- */
+
+static PyObject *
+hook_perf_counter(PyObject *module, PyObject *unused)
+{
+    return PyFloat_FromDouble(now());
+}
+
+static PyMethodDef module_methods[] = {
+    {"perf_counter", hook_perf_counter, METH_NOARGS,
+     "The clock the hook reads: equal to time.perf_counter() on Linux."},
+    {NULL},
+};
+
+static struct PyModuleDef hook_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "gpumon.client._hook",
+    .m_doc = "The training thread's half of StepMonitor, in C (see gpumon.client._core).",
+    .m_size = -1,
+    .m_methods = module_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__hook(void)
+{
+    if (PyType_Ready(&HookCoreType) < 0 || PyType_Ready(&StepType) < 0 ||
+        PyType_Ready(&PhaseType) < 0 || PyType_Ready(&LoaderType) < 0)
+        return NULL;
+#define INTERN(var, text)                               \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) \
+        return NULL;
+    INTERN(str_append, "append");
+    INTERN(str_event, "event");
+    INTERN(str_memory, "memory");
+    INTERN(str_detect_cuda, "_detect_cuda");
+    INTERN(str_step_failed, "_step_failed");
+    INTERN(str_new_phase, "_new_phase");
+    INTERN(str_data, "data");
+    INTERN(step_kwnames[0], "samples");
+    INTERN(step_kwnames[1], "tokens");
+    INTERN(step_kwnames[2], "flops");
+    INTERN(step_kwnames[3], "step");
+    INTERN(step_kwnames[4], "memory");
+#undef INTERN
+    PyObject *module = PyModule_Create(&hook_module);
+    if (module == NULL)
+        return NULL;
+    if (PyModule_AddObjectRef(module, "HookCore", (PyObject *)&HookCoreType) < 0 ||
+        PyModule_AddObjectRef(module, "Step", (PyObject *)&StepType) < 0 ||
+        PyModule_AddObjectRef(module, "Phase", (PyObject *)&PhaseType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
+}
