@@ -1231,7 +1231,7 @@ def section_oom(report: Report, result: dict[str, Any], torch: Any, agent: Agent
         budget = int(MAX_MEMORY_SHARE * total) - used_now - 1 * GIB
     result["memory"] = {"total": total, "used_before": used_now, "to_hold": budget,
                         "max_share": MAX_MEMORY_SHARE}
-    chunks, grow_s, hold_s, after_s = 16, 8.0, 4.0, 4.0
+    chunks, grow_s, hold_s, after_s = 16, 8.0, 4.0, 8.0
     chunk = budget // chunks
     held: list[Any] = []
     series: list[dict[str, Any]] = []
