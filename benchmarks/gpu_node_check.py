@@ -692,6 +692,11 @@ def section_environment(report: Report, result: dict[str, Any]) -> Any:
         except importlib.metadata.PackageNotFoundError:
             versions[dist] = None
     result["packages"] = versions
+    try:
+        from gpumon.client.monitor import IMPLEMENTATION
+        result["hook_core"] = IMPLEMENTATION  # "c" where setup.py built gpumon.client._hook
+    except Exception as exc:  # recorded, and the other sections still run
+        result["hook_core"] = f"import failed: {exc!r}"
     if versions.get("pynvml"):
         report.finding(f"the deprecated 'pynvml' distribution {versions['pynvml']} is installed "
                        "beside nvidia-ml-py: it may shadow NVIDIA's binding")
