@@ -1,0 +1,156 @@
+"""Where the hook's time goes on a CUDA training step: each CUDA call it makes, timed alone,
+then alternated blocks of steps with parts of the hook switched off, and a profile.
+
+    PYTHONPATH=. python3 benchmarks/gpu_hook_profile.py [--pairs 10] [--block-steps 50]
+
+Needs a GPU (it is what ``gpu_node_check.py``'s overhead section could not explain: the
+hook's extra time per step there is far above its CPU cost here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_node_check import Workload  # noqa: E402
+
+from gpumon.client import StepMonitor  # noqa: E402
+from gpumon.client import _cuda  # noqa: E402
+from gpumon.client.monitor import IMPLEMENTATION  # noqa: E402
+
+
+def per_call(n: int = 2000) -> dict[str, float]:
+    """Microseconds per call of each CUDA query the hook makes, on an idle GPU."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    torch.cuda.synchronize()
+    calls: dict[str, Callable[[], Any]] = {
+        "memory_stats_as_nested_dict": lambda: torch.cuda.memory_stats_as_nested_dict(0),
+        "reset_peak_memory_stats": lambda: torch.cuda.reset_peak_memory_stats(0),
+        "_C._cuda_memoryStats": lambda: torch._C._cuda_memoryStats(0),
+        "memory_allocated": lambda: torch.cuda.memory_allocated(0),
+        "max_memory_allocated": lambda: torch.cuda.max_memory_allocated(0),
+        "Event(enable_timing=True)": lambda: torch.cuda.Event(enable_timing=True),
+        "event.record()": event.record,
+        "event.query()": event.query,
+        "time.perf_counter()": time.perf_counter,
+    }
+    out = {}
+    for name, call in calls.items():
+        call()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        out[name] = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return out
+
+
+def drain(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(path)
+
+    def run() -> None:
+        while True:
+            try:
+                sock.recv(1 << 17)
+            except OSError:
+                return
+
+    threading.Thread(target=run, daemon=True).start()
+    return sock
+
+
+def variants(work: Workload, path: str, pairs: int, block: int) -> dict[str, dict[str, float]]:
+    """Throughput ratio to bare blocks, and extra µs per step, of the hook with parts off."""
+    full = StepMonitor("profile-full", socket_path=path)
+    no_reset = StepMonitor("profile-noreset", socket_path=path, reset_peak_memory=False)
+    no_memory = StepMonitor("profile-nomem", socket_path=path)
+    host_only = StepMonitor("profile-host", socket_path=path)
+    monitors = {"full": full, "no_reset_peak": no_reset, "no_memory_stats": no_memory,
+                "host_clock_only": host_only}
+    for mon in monitors.values():
+        work.train(3, mon)
+    assert no_memory._cuda is not None
+    no_memory._cuda.memory = lambda: None  # type: ignore[method-assign]
+    host_only._cuda = None  # no events, no allocator statistics: the host-side hook alone
+    results: dict[str, dict[str, float]] = {}
+    for name, mon in monitors.items():
+        ratios, extra = [], []
+        for k in range(pairs):
+            times = {}
+            for kind in (("bare", name) if k % 2 == 0 else (name, "bare")):
+                work.sync()
+                t0 = time.perf_counter()
+                work.train(block, None if kind == "bare" else mon)
+                work.sync()
+                if kind != "bare":
+                    mon.flush()
+                times[kind] = (time.perf_counter() - t0) / block
+            ratios.append(times["bare"] / times[name])
+            extra.append((times[name] - times["bare"]) * 1e6)
+        results[name] = {"median_ratio": round(statistics.median(ratios), 4),
+                         "median_extra_us_per_step": round(statistics.median(extra), 1)}
+        print(f"  {work.kind:12s} {name:16s} {results[name]}", flush=True)
+    for mon in monitors.values():
+        mon.close()
+    return results
+
+
+def profile(work: Workload, path: str, steps: int) -> str:
+    mon = StepMonitor("profile-cprofile", socket_path=path)
+    work.train(5, mon)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    work.train(steps, mon)
+    work.sync()
+    profiler.disable()
+    mon.close()
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(25)
+    return out.getvalue()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--block-steps", type=int, default=50)
+    parser.add_argument("--models", default="mlp,transformer")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("gpu_hook_profile: needs CUDA")
+    print(f"hook core: {IMPLEMENTATION}; torch {torch.__version__}; {torch.cuda.get_device_name(0)}")
+    torch.cuda.init()
+    print("µs per call, idle GPU:")
+    for name, us in per_call().items():
+        print(f"  {name:30s} {us:8.2f}")
+    print(f"CudaClock.memory reads {_cuda.CudaClock.memory.__doc__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = str(Path(tmp) / "sink.sock")
+        sink = drain(path)
+        for kind in args.models.split(","):
+            work = Workload(torch, kind, "cuda")
+            work.train(10)
+            variants(work, path, args.pairs, args.block_steps)
+            if kind == "mlp":
+                print(profile(work, path, 300))
+        sink.close()
+
+
+if __name__ == "__main__":
+    main()
