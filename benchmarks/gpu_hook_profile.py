@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_node_check import Workload  # noqa: E402
 
 from gpumon.client import StepMonitor  # noqa: E402
-from gpumon.client import _cuda  # noqa: E402
 from gpumon.client.monitor import IMPLEMENTATION  # noqa: E402
 
 
@@ -139,7 +138,6 @@ def main() -> None:
     print("µs per call, idle GPU:")
     for name, us in per_call().items():
         print(f"  {name:30s} {us:8.2f}")
-    print(f"CudaClock.memory reads {_cuda.CudaClock.memory.__doc__}")
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "sink.sock")
         sink = drain(path)
