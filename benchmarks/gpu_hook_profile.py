@@ -1,10 +1,12 @@
-"""Where the hook's time goes on a CUDA training step: each CUDA call it makes, timed alone,
-then alternated blocks of steps with parts of the hook switched off, and a profile.
+"""Where the hook's time goes on a CUDA training step: each CUDA call it makes, timed alone
+(and again beside a thread running Python, to show which calls give up the GIL), then
+alternated blocks of steps with the hook as it was before the CUDA-path fixes, as it is now,
+and on host clocks only; optionally a profile.
 
-    PYTHONPATH=. python3 benchmarks/gpu_hook_profile.py [--pairs 10] [--block-steps 50]
+    PYTHONPATH=. python3 benchmarks/gpu_hook_profile.py [--pairs 20] [--transformer-pairs 8]
 
-Needs a GPU (it is what ``gpu_node_check.py``'s overhead section could not explain: the
-hook's extra time per step there is far above its CPU cost here).
+Needs a GPU: on one, ``gpu_node_check.py``'s overhead section found the hook costing far more
+per step than its CPU cost here, and this is what found why.
 """
 
 from __future__ import annotations
@@ -75,19 +77,67 @@ def drain(path: str) -> socket.socket:
     return sock
 
 
+def gil_release(n: int = 300) -> dict[str, float]:
+    """µs per call of each event method while another thread spins in Python: a call that
+    releases the GIL waits for it back (up to the 5 ms switch interval) and shows it here."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    end.record()
+    torch.cuda.synchronize()
+    stop = threading.Event()
+
+    def spin() -> None:
+        x = 0
+        while not stop.is_set():
+            x += 1
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    out = {}
+    for name, call in {"event.query()": end.query,
+                       "start.elapsed_time(end)": lambda: start.elapsed_time(end),
+                       "event.record()": end.record,
+                       "memory_stats_as_nested_dict": lambda: torch.cuda.memory_stats_as_nested_dict(0),
+                       "time.perf_counter()": time.perf_counter}.items():
+        t0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        out[name] = (time.perf_counter() - t0) / n * 1e6
+    stop.set()
+    spinner.join()
+    torch.cuda.synchronize()
+    return out
+
+
 def variants(work: Workload, path: str, pairs: int, block: int) -> dict[str, dict[str, float]]:
-    """Throughput ratio to bare blocks, and extra µs per step, of the hook with parts off."""
-    full = StepMonitor("profile-full", socket_path=path)
-    no_reset = StepMonitor("profile-noreset", socket_path=path, reset_peak_memory=False)
-    no_memory = StepMonitor("profile-nomem", socket_path=path)
-    host_only = StepMonitor("profile-host", socket_path=path)
-    monitors = {"full": full, "no_reset_peak": no_reset, "no_memory_stats": no_memory,
-                "host_clock_only": host_only}
+    """Throughput ratio to bare blocks, and extra µs per step, of the hook as it was before
+    the CUDA-path fixes, as it is now, and with host clocks only (no CUDA calls at all)."""
+    names = ["before", "after", "host_clock_only"]
+    monitors = {name: StepMonitor(f"profile-{name}", socket_path=path) for name in names}
     for mon in monitors.values():
         work.train(3, mon)
-    assert no_memory._cuda is not None
-    no_memory._cuda.memory = lambda: None  # type: ignore[method-assign]
-    host_only._cuda = None  # no events, no allocator statistics: the host-side hook alone
+    for name, mon in monitors.items():
+        clock = mon._cuda
+        assert clock is not None
+        if name == "before":  # six events a step, torch finding the stream, memory every step
+            mon._share_gap_s = 0.0
+            clock._current_stream = None
+            clock.memory_interval_s = 0.0
+        elif name == "host_clock_only":
+            mon._cuda = None  # no events, no allocator statistics: the host-side hook alone
+    for name in ("before", "after"):  # events recorded per step, counted on 50 steps
+        clock = monitors[name]._cuda
+        recorded = [0]
+        original = clock.event
+
+        def counting(original: Any = original, recorded: list[int] = recorded) -> Any:
+            recorded[0] += 1
+            return original()
+
+        clock.event = counting
+        work.train(50, monitors[name])
+        del clock.event  # the class's method again
+        print(f"  {work.kind:12s} {name:18s} events recorded per step: {recorded[0] / 50:.2f}")
     results: dict[str, dict[str, float]] = {}
     for name, mon in monitors.items():
         ratios, extra = [], []
@@ -105,7 +155,7 @@ def variants(work: Workload, path: str, pairs: int, block: int) -> dict[str, dic
             extra.append((times[name] - times["bare"]) * 1e6)
         results[name] = {"median_ratio": round(statistics.median(ratios), 4),
                          "median_extra_us_per_step": round(statistics.median(extra), 1)}
-        print(f"  {work.kind:12s} {name:16s} {results[name]}", flush=True)
+        print(f"  {work.kind:12s} {name:18s} {results[name]}", flush=True)
     for mon in monitors.values():
         mon.close()
     return results
@@ -127,9 +177,11 @@ def profile(work: Workload, path: str, steps: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pairs", type=int, default=10)
+    parser.add_argument("--pairs", type=int, default=20, help="pairs of blocks, MLP")
+    parser.add_argument("--transformer-pairs", type=int, default=8)
     parser.add_argument("--block-steps", type=int, default=50)
     parser.add_argument("--models", default="mlp,transformer")
+    parser.add_argument("--profile", action="store_true", help="also cProfile 300 hooked MLP steps")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("gpu_hook_profile: needs CUDA")
@@ -138,14 +190,18 @@ def main() -> None:
     print("µs per call, idle GPU:")
     for name, us in per_call().items():
         print(f"  {name:30s} {us:8.2f}")
+    print("µs per call while another thread runs Python (GIL released and waited for?):")
+    for name, us in gil_release().items():
+        print(f"  {name:30s} {us:8.2f}")
     with tempfile.TemporaryDirectory() as tmp:
         path = str(Path(tmp) / "sink.sock")
         sink = drain(path)
         for kind in args.models.split(","):
             work = Workload(torch, kind, "cuda")
             work.train(10)
-            variants(work, path, args.pairs, args.block_steps)
-            if kind == "mlp":
+            pairs = args.transformer_pairs if kind == "transformer" else args.pairs
+            variants(work, path, pairs, args.block_steps)
+            if kind == "mlp" and args.profile:
                 print(profile(work, path, 300))
         sink.close()
 

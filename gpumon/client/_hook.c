@@ -51,6 +51,8 @@ typedef struct {
     double step_t0;
     double pending_t0;
     double phase_t0;
+    double phase_end_t;     /* when the last CUDA-timed phase's end event was recorded */
+    double share_gap_s;     /* see _core.SHARE_GAP_S */
     PyObject *phases;       /* dict: phase name -> host seconds */
     PyObject *phase_event;  /* CUDA event of the open phase, or NULL */
     PyObject *marks;        /* list of (name, start, end) */
@@ -111,6 +113,7 @@ HookCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL)
         return NULL;
     self->enabled = 1;
+    self->share_gap_s = 10e-6; /* _core.SHARE_GAP_S; HookCore.__init__ sets it from there */
     self->phases = PyDict_New();
     self->marks = PyList_New(0);
     self->phase_cache = PyDict_New();
@@ -346,6 +349,8 @@ static PyMemberDef HookCore_members[] = {
     {"_phase_depth", T_INT, offsetof(HookCore, phase_depth), 0, NULL},
     {"_step_t0", T_DOUBLE, offsetof(HookCore, step_t0), 0, NULL},
     {"_phase_t0", T_DOUBLE, offsetof(HookCore, phase_t0), 0, NULL},
+    {"_phase_end_t", T_DOUBLE, offsetof(HookCore, phase_end_t), 0, NULL},
+    {"_share_gap_s", T_DOUBLE, offsetof(HookCore, share_gap_s), 0, NULL},
     {"_phase_event", T_OBJECT, offsetof(HookCore, phase_event), 0, NULL},
     {NULL},
 };
@@ -609,9 +614,18 @@ Phase_enter(Phase *self, PyObject *unused)
     }
     if (!m->phase_depth) {
         if (m->cuda != Py_None && !self->host_clock) {
-            PyObject *event = PyObject_CallMethodNoArgs(m->cuda, str_event);
-            if (event == NULL)
-                return NULL;
+            PyObject *event;
+            Py_ssize_t n = PyList_GET_SIZE(m->marks);
+            PyObject *last = n ? PyList_GET_ITEM(m->marks, n - 1) : NULL;
+            if (last != NULL && PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 3 &&
+                now() - m->phase_end_t < m->share_gap_s) {
+                /* starts as the previous phase ended: share its end event */
+                event = Py_NewRef(PyTuple_GET_ITEM(last, 2));
+            } else {
+                event = PyObject_CallMethodNoArgs(m->cuda, str_event);
+                if (event == NULL)
+                    return NULL;
+            }
             Py_XSETREF(m->phase_event, event);
         }
         double t = m->phase_t0 = now();
@@ -655,6 +669,7 @@ Phase_exit(Phase *self, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(mark);
             if (rc < 0)
                 return NULL;
+            m->phase_end_t = now();
         }
     }
     Py_RETURN_NONE;

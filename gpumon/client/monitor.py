@@ -122,6 +122,7 @@ class StepMonitor(HookCore):
         self._reset_peak = reset_peak_memory
         buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         super().__init__(buffer)  # the hot-path state, touched only by the training thread
+        self._share_gap_s = _core.SHARE_GAP_S
 
         identity: dict[str, object] = {"v": PROTOCOL_VERSION, "run": self.run, "rank": self.rank}
         if self.world is not None:
@@ -175,7 +176,7 @@ class StepMonitor(HookCore):
         if self._step_depth and self._cuda is not None:
             # A step was left open (an integration without exception hooks): if the
             # allocator counted an OOM since the last step, that is what ended it.
-            mem = self._cuda.memory()
+            mem = self._cuda.read_memory()
             if mem is not None and self._last_ooms is not None and mem[4] > self._last_ooms:
                 self._event("oom", "an out-of-memory error ended the last step", self._seq)
         self._enabled = False

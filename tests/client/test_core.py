@@ -114,11 +114,14 @@ def scenario(core: Any) -> None:
             with core.phase("forward"):
                 raise KeyError("boom")
     core._cuda = FakeClock()
+    core._share_gap_s = 1.0  # adjacent phases always share here, however slow the machine
     for _ in range(4):
         with core.step():
             with core.phase("data"):  # host clock even with CUDA
                 pass
             with core.phase("forward"):
+                pass
+            with core.phase("backward"):  # starts at forward's end event
                 pass
 
 
@@ -146,9 +149,9 @@ def test_both_cores_leave_the_same_records() -> None:
     assert (c._seq, c.calls, c._last_ooms) == (python._seq, python.calls, python._last_ooms)
     # The deque kept the last 8 of 10 steps: the CUDA ones carry marks and allocator tuples.
     last = normalised(c)[-1]
-    assert last[2] == ["data", "forward"]
+    assert last[2] == ["data", "forward", "backward"]
     assert last[6] == (400, 200, 150, 0, 1)
-    assert last[7] == [("forward", "event7", "event8")]
+    assert last[7] == [("forward", "event10", "event11"), ("backward", "event11", "event12")]
 
 
 @pytest.mark.parametrize("base", CORES)

@@ -30,6 +30,8 @@ class FakeCuda:
         self.completed = True
         self.events_created = 0
         self.peak_resets = 0
+        self.streams_built = 0
+        self.recorded_on: list[Any] = []
         self.stats = {"allocated": 1000, "reserved": 4000, "peak": 3000, "retries": 0, "ooms": 0}
         cuda = self
 
@@ -39,8 +41,9 @@ class FakeCuda:
                 cuda.events_created += 1
                 self.t: float | None = None
 
-            def record(self) -> None:
+            def record(self, stream: Any = None) -> None:
                 self.t = cuda.gpu_time_s
+                cuda.recorded_on.append(stream)
 
             def query(self) -> bool:
                 return cuda.completed
@@ -49,7 +52,13 @@ class FakeCuda:
                 assert cuda.completed and self.t is not None and end.t is not None
                 return (end.t - self.t) * 1000.0
 
+        class Stream:
+            def __init__(self, stream_id: int, device_index: int, device_type: int) -> None:
+                cuda.streams_built += 1
+                self.key = (stream_id, device_index, device_type)
+
         self.Event = Event
+        self.Stream = Stream
 
     def memory_stats_as_nested_dict(self, device: int) -> dict[str, Any]:
         s = self.stats
@@ -70,7 +79,9 @@ class FakeCuda:
 @pytest.fixture
 def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     fake = FakeCuda()
-    monkeypatch.setattr(_cuda, "detect", lambda reset_peak: _cuda.CudaClock(fake, 0, reset_peak))
+    monkeypatch.setattr(
+        _cuda, "detect", lambda reset_peak: _cuda.CudaClock(fake, 0, reset_peak, memory_interval_s=0.0)
+    )
     return fake
 
 
@@ -183,7 +194,84 @@ def test_events_are_reused_once_read(mon: StepMonitor, cuda: FakeCuda) -> None:
     for _ in range(20):
         gpu_step(mon, cuda, host_s=0)
         mon.flush()
-    assert cuda.events_created <= 8  # 4 per step (2 GPU phases), reused after each flush
+    assert cuda.events_created <= 6  # 3 per step (2 adjacent GPU phases), reused after each flush
+    pool = mon._cuda._pool  # type: ignore[union-attr]
+    assert len({id(e) for e in pool}) == len(pool)  # a shared boundary went back once
+
+
+def three_phases(mon: StepMonitor, cuda: FakeCuda) -> None:
+    with mon.step():
+        for name, gpu_s in (("forward", 0.030), ("backward", 0.050), ("optimizer", 0.010)):
+            with mon.phase(name):
+                cuda.gpu_time_s += gpu_s
+        time.sleep(0.1)  # the host waits for the GPU (else its window clamps the GPU times)
+
+
+def test_adjacent_phases_share_a_boundary_event(
+    mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport
+) -> None:
+    mon._share_gap_s = 0.005  # wide enough for this busy machine; the default is 10 µs
+    three_phases(mon, cuda)
+    assert len(cuda.recorded_on) == 4  # one start, three ends: not six
+    with mon.step():
+        with mon.phase("forward"):
+            cuda.gpu_time_s += 0.030
+        time.sleep(0.02)  # host work between the phases (could launch kernels): no sharing
+        with mon.phase("backward"):
+            cuda.gpu_time_s += 0.050
+        time.sleep(0.1)
+    assert len(cuda.recorded_on) == 8
+    mon.flush()
+    first, second = steps_of(transport)
+    assert first.phases_s == pytest.approx({"forward": 0.030, "backward": 0.050, "optimizer": 0.010})
+    assert second.phases_s == pytest.approx({"forward": 0.030, "backward": 0.050})
+
+
+def test_sharing_can_be_turned_off(mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport) -> None:
+    mon._share_gap_s = 0.0
+    three_phases(mon, cuda)
+    assert len(cuda.recorded_on) == 6
+    mon.flush()
+    assert steps_of(transport)[0].phases_s == pytest.approx(
+        {"forward": 0.030, "backward": 0.050, "optimizer": 0.010}
+    )
+
+
+def test_events_record_on_a_kept_stream_object(transport: MemoryTransport) -> None:
+    fake = FakeCuda()
+    current = [(7, 0, 1)]
+    calls = []
+
+    def current_stream(device: int) -> tuple[int, int, int]:
+        calls.append(device)
+        if current[0] is None:
+            raise RuntimeError("CUDA error")
+        return current[0]
+
+    clock = _cuda.CudaClock(fake, 0, True, current_stream=current_stream)
+    events = [clock.event() for _ in range(5)]
+    assert fake.streams_built == 1 and len(calls) == 5
+    assert all(stream is fake.recorded_on[0] for stream in fake.recorded_on)
+    assert fake.recorded_on[0].key == (7, 0, 1)
+    current[0] = (9, 0, 1)  # `with torch.cuda.stream(s):` made another stream current
+    clock.event()
+    assert fake.streams_built == 2 and fake.recorded_on[-1].key == (9, 0, 1)
+    current[0] = None  # the private call failed: record() finds the stream itself from now on
+    clock.event()
+    clock.event()
+    assert fake.recorded_on[-2:] == [None, None] and len(calls) == 7
+    assert len(events) == 5
+
+
+def test_allocator_statistics_are_read_at_most_every_interval(transport: MemoryTransport) -> None:
+    fake = FakeCuda()
+    clock = _cuda.CudaClock(fake, 0, True, memory_interval_s=0.05)
+    readings = [clock.memory() for _ in range(10)]
+    assert readings[0] is not None and readings[1:] == [None] * 9
+    assert fake.peak_resets == 1
+    time.sleep(0.06)
+    assert clock.memory() is not None and fake.peak_resets == 2
+    assert clock.read_memory() is not None  # at close: read now, whatever the interval
 
 
 def test_oom_that_ends_an_open_step_is_reported_at_close(cuda: FakeCuda, transport: MemoryTransport) -> None:
