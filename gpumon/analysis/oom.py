@@ -32,6 +32,12 @@ _RETRY_WEIGHT = 0.5
 # millisecond, and half a minute of history at one step per second.
 MIN_TREND_POINTS = 5
 TREND_WINDOW_POINTS = 32
+DROP_SHARE = 0.05
+"""A peak this share of capacity below the median of the few before it means memory was
+freed (an evaluation ended, the cache was emptied): the trend starts again from it. Without
+this, growth from before the fall kept predicting an OOM seconds away with the GPU empty
+(seen on an H200: 115 GiB held, freed, and the risk stayed at 1.0)."""
+_DROP_BASELINE_POINTS = 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +100,7 @@ def assess_oom_risk(
     if horizon_s <= 0:
         raise ValueError(f"horizon_s must be positive, got {horizon_s!r}")
     reasons: list[str] = []
-    recent = sorted(peaks)[-TREND_WINDOW_POINTS:]
+    recent = _since_last_drop(sorted(peaks)[-TREND_WINDOW_POINTS:], DROP_SHARE * capacity_bytes)
 
     in_use = [b for b in (nvml_used_bytes, reserved_bytes) if b is not None]
     if not in_use and recent:
@@ -156,6 +162,17 @@ def assess_oom_risk(
         risk_ratio=min(1.0, max(0.0, risk)),
         reasons=tuple(reasons),
     )
+
+
+def _since_last_drop(points: list[tuple[float, int]], drop_bytes: float) -> list[tuple[float, int]]:
+    """The points from the last one that fell ``drop_bytes`` below the median of the few
+    before it (one spike is not a baseline, so the step after it is no fall)."""
+    start = 0
+    for i in range(1, len(points)):
+        before = [b for _, b in points[max(start, i - _DROP_BASELINE_POINTS) : i]]
+        if points[i][1] < statistics.median(before) - drop_bytes:
+            start = i
+    return points[start:]
 
 
 def _headroom_risk(used: float) -> float:

@@ -77,6 +77,27 @@ def test_shrinking_peaks_predict_nothing() -> None:
     assert risk.predicted_seconds is None
 
 
+def test_freed_memory_starts_the_trend_again() -> None:
+    # 25 s of growth to 75 GB, then the job frees it: the growth before the fall must not
+    # keep predicting an OOM for an almost empty GPU.
+    growth = [(T0 + i, 50 * GB + GB * i) for i in range(25)]
+    freed = [(T0 + 25 + i, 2 * GB) for i in range(7)]
+    risk = assess(growth + freed, nvml_used_bytes=3 * GB, reserved_bytes=2 * GB)
+    assert risk.predicted_seconds is None
+    assert risk.peak_trend_bytes_per_second == 0
+    assert risk.risk_ratio == 0.0
+    # Right after the fall there are too few points for a trend at all.
+    risk = assess(growth + freed[:2], nvml_used_bytes=3 * GB, reserved_bytes=2 * GB)
+    assert risk.peak_trend_bytes_per_second is None and risk.risk_ratio == 0.0
+
+
+def test_growth_after_a_fall_is_a_trend_of_its_own() -> None:
+    growth = [(T0 + i, 50 * GB + GB * i) for i in range(20)]
+    regrowth = [(T0 + 20 + i, 10 * GB + 10**8 * i) for i in range(12)]
+    risk = assess(growth + regrowth)
+    assert risk.peak_trend_bytes_per_second == pytest.approx(10**8)
+
+
 def test_an_oom_is_certain_risk() -> None:
     risk = assess(steady(10 * GB), ooms_delta=1)
     assert risk.risk_ratio == 1.0
