@@ -32,7 +32,7 @@ from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.config import AgentConfig
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.server import MetricsServer
-from gpumon.export.step_metrics import analysis_families, step_families
+from gpumon.export.step_metrics import StepFamilies
 from gpumon.export.webconfig import WebConfig, WebConfigError, load_web_config
 from gpumon.protocol import Record
 from gpumon.record import Recorder
@@ -167,6 +167,7 @@ class Agent:
         self.steps = StepStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self.analyzer = StepAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self._analyzer_lock = threading.Lock()  # fed by ingest, run by housekeeping
+        self._step_families = StepFamilies()  # keeps each run's series rendered
         self._ingest: IngestServer | None = None
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
@@ -370,8 +371,9 @@ class Agent:
             analyses = self.analyzer.analyses()
         uuids = {g.index: g.uuid for g in snap.gpus}
         resolved = {(a.run, a.rank): uuids[a.gpu] for a in analyses if a.gpu in uuids}
-        yield from step_families(self.steps.ranks(), records, dropped, snap.processes, resolved)
-        yield from analysis_families(analyses)
+        yield from self._step_families.steps(self.steps.ranks(), records, dropped,
+                                             snap.processes, resolved)
+        yield from self._step_families.analyses(analyses)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""

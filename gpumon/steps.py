@@ -7,6 +7,7 @@ the number of series.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from bisect import bisect_left
 from collections import Counter, defaultdict
@@ -20,6 +21,9 @@ DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30
 
 RankKey = tuple[str, int]
 _KNOWN_PHASES = frozenset(KNOWN_PHASES)
+# Process-wide, so that no two states of a (run, rank), even across an expiry or two stores,
+# ever carry the same version: a renderer may reuse its text for a version it has seen.
+_versions = itertools.count(1)
 
 
 @dataclass
@@ -52,6 +56,8 @@ class RankState:
     alloc_retries_total: int | None = None
     torch_ooms_reported: int = 0
     oom_events_total: int = 0
+    version: int = field(default_factory=lambda: next(_versions), compare=False)
+    """Changes whenever anything above does (StepStore stamps it)."""
 
     @property
     def ooms_total(self) -> int:
@@ -134,6 +140,7 @@ class StepStore:
                 elif isinstance(record, HelloRecord):
                     self.records_total["hello"] += 1
                     _note_identity(state, record.world, record.local_rank, record.gpu)
+                state.version = next(_versions)
         return accepted
 
     def count_dropped(self, reason: str, count: int = 1) -> None:

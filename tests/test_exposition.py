@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -14,7 +15,14 @@ from prometheus_client.core import (
 )
 from prometheus_client.exposition import generate_latest
 
-from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily, render
+from gpumon.export.exposition import (
+    CounterFamily,
+    GaugeFamily,
+    HistogramFamily,
+    RenderCache,
+    RowFamily,
+    render,
+)
 
 VALUES = [0.0, -0.0, 1.0, 0.1, -2.5, 5e-324, 999_999.0, 1e6, 123_456_789.0, 51_234_567_890.0,
           1e15, 1e16, 3.1e17, -5e7, math.inf, -math.inf, math.nan, 7, 2**53 + 1]
@@ -88,3 +96,64 @@ def test_samples_cannot_be_assigned_behind_the_rows_back() -> None:
     else:
         raise AssertionError("assigning samples should fail")
     assert len(family.rows) == 1
+
+
+Block = list[tuple[str, float]]  # (label value, value) rows of one source
+
+
+def _families() -> tuple[GaugeFamily, CounterFamily]:
+    return (GaugeFamily("bench_gauge", "Help.", labels=["source", "x"]),
+            CounterFamily("bench_things_total", "Help.", labels=["source", "x"]))
+
+
+def _fill(families: tuple[GaugeFamily, CounterFamily], source: tuple[str, Block]) -> None:
+    name, rows = source
+    for x, value in rows:
+        families[0].add_metric([name, x], value)
+        if value >= 0:  # some sources have no rows in the second family
+            families[1].add_metric([name, x], value)
+
+
+def _uncached(sources: list[tuple[str, Block]]) -> bytes:
+    families = _families()
+    for source in sources:
+        _fill(families, source)
+    return render(families)
+
+
+def test_render_cache_renders_a_source_again_only_when_its_version_changes() -> None:
+    filled: list[str] = []
+
+    def fill(families: tuple[GaugeFamily, CounterFamily], source: tuple[str, Block]) -> None:
+        filled.append(source[0])
+        _fill(families, source)
+
+    cache = RenderCache(_families, fill)
+    data = {"a": [("1", 1.0), ("2", -0.0)], "b": [("1", 2.5)], "c": [("q\"", -1.0)]}
+    versions = {"a": 1, "b": 1, "c": 1}
+
+    def scrape() -> bytes:
+        return render(cache.families((k, versions[k], (k, data[k])) for k in sorted(data)))
+
+    assert scrape() == _uncached([(k, data[k]) for k in sorted(data)])
+    assert filled == ["a", "b", "c"]
+    data["b"] = [("1", 3.0), ("3", 0.0)]  # changed, but the version says not: kept as it was
+    assert scrape() == _uncached([("a", data["a"]), ("b", [("1", 2.5)]), ("c", data["c"])])
+    assert filled == ["a", "b", "c"]
+    versions["b"] = 2
+    assert scrape() == _uncached([(k, data[k]) for k in sorted(data)])
+    assert filled == ["a", "b", "c", "b"]
+    del data["a"]
+    assert scrape() == _uncached([(k, data[k]) for k in sorted(data)])
+    assert len(cache) == 2  # a is forgotten
+    data.clear()
+    assert scrape() == _uncached([])  # the families' headers stay
+    assert len(cache) == 0 and filled == ["a", "b", "c", "b"]
+
+
+def test_rendered_families_have_no_samples_to_read() -> None:
+    cache = RenderCache(_families, _fill)
+    family = cache.families([("a", 1, ("a", [("1", 1.0)]))])[0]
+    assert not isinstance(family, RowFamily)
+    with pytest.raises(TypeError, match="rendered text"):
+        family.samples  # noqa: B018

@@ -193,6 +193,25 @@ def test_unwritable_socket_directory_degrades_but_serves(tmp_path: Path) -> None
         node.stop()
 
 
+def test_every_change_to_a_rank_gives_it_a_version_never_seen_before() -> None:
+    from gpumon.protocol import EventRecord, HelloRecord, StepRecord
+
+    store = StepStore(ttl_s=10.0)
+    versions = []
+    for record in (StepRecord(run="r", rank=0, step=0, duration_s=1.0),
+                   HelloRecord(run="r", rank=0, local_rank=3),
+                   EventRecord(run="r", rank=0, event="oom"),
+                   StepRecord(run="r", rank=0, step=1, duration_s=1.0)):
+        store.ingest([record], Sender(pid=7), monotonic=0.0, now_t=0.0)
+        versions.append(store.ranks()[0].version)
+    assert store.ranks()[0].version == versions[-1]  # reading changes nothing
+    store.expire(monotonic=20.0)
+    store.ingest([StepRecord(run="r", rank=0, step=0, duration_s=1.0)], Sender(pid=7),
+                 monotonic=20.0, now_t=20.0)  # back as a new state
+    versions.append(store.ranks()[0].version)
+    assert len(set(versions)) == len(versions)
+
+
 def test_ttl_expiry_and_rank_cap() -> None:
     from gpumon.protocol import StepRecord
 

@@ -12,6 +12,7 @@ ones until the window spans it, and the verdict counts for every step merged.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from collections import Counter, deque
@@ -42,6 +43,9 @@ MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
 CLOCK_SKEW_TOLERANCE_S = 5.0  # a step "ending" later than this after receipt is re-based
 VERDICT_WORK = 32  # a verdict costs about as much as merging 32 steps (~0.1 ms)
 SLICE_WORK = 256  # ~1 ms of a pass: 8 verdicts of a few steps each
+# Process-wide, so that no two analyses of a (run, rank), even across a forget or two
+# analyzers, ever carry the same version: a renderer may reuse its text for a version it has seen.
+_versions = itertools.count(1)
 
 
 @dataclass
@@ -56,6 +60,8 @@ class RankAnalysis:
     bottleneck_steps: Counter[str] = field(default_factory=Counter)
     oom: OomRisk | None = None
     straggler_score: float | None = None
+    version: int = field(default_factory=lambda: next(_versions), compare=False)
+    """Changes whenever anything above does."""
 
 
 @dataclass(frozen=True)
@@ -247,6 +253,7 @@ class StepAnalyzer:
                 step_period_s=statistics.median(state.durations) if state.durations else None,
             )
         state.last = last
+        analysis.version = next(_versions)
         return verdict
 
     def _score_stragglers(self) -> None:
@@ -257,7 +264,11 @@ class StepAnalyzer:
         for run, compute in runs.items():
             scores = straggler_scores(compute)
             for rank in compute:
-                self._ranks[(run, rank)].analysis.straggler_score = scores.get(rank)
+                analysis = self._ranks[(run, rank)].analysis
+                score = scores.get(rank)
+                if score != analysis.straggler_score:  # scores are positive: never -0.0 or NaN
+                    analysis.straggler_score = score
+                    analysis.version = next(_versions)
 
     def analyses(self) -> list[RankAnalysis]:
         """Copies of every rank's current analysis."""

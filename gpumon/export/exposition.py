@@ -7,11 +7,16 @@ sample): 23 ms a scrape. The families here keep each series as a row of label va
 renderer keeps the formatted label sets and values between scrapes (the same ranks and GPUs
 come back every time, and most values with them): 3 ms. Other families (prometheus_client's,
 e.g. the process collector's) are rendered sample by sample by the same rules.
+
+A ``RenderCache`` goes further for families fed by many sources that mostly stand still
+between scrapes (the ranks of training runs): it keeps each source's rendered lines with a
+version of the source, and renders again only the sources whose version moved.
 """
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import lru_cache
+from typing import Generic, TypeVar
 
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics.exposition import escape_label_name, escape_metric_name
@@ -19,6 +24,8 @@ from prometheus_client.samples import Sample
 
 Row = tuple[str, tuple[str, ...], tuple[str, ...], float]
 """(sample name as exposed, label names, label values, value)."""
+Families = TypeVar("Families", bound=Sequence["RowFamily"])
+Source = TypeVar("Source")
 
 _HEADER_TYPES = {"info": "gauge", "stateset": "gauge", "gaugehistogram": "histogram",
                  "unknown": "untyped"}
@@ -95,6 +102,69 @@ class HistogramFamily(RowFamily):
             rows.append((self._sum, self.label_names, values, sum_value))
 
 
+class TextFamily(Metric):
+    """A metric family whose series are already rendered, as ``render`` would write them."""
+
+    def __init__(self, name: str, documentation: str, typ: str, text: str) -> None:
+        Metric.__init__(self, name, documentation, typ)
+        self.text = text
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Not kept: the series exist only as text."""
+        raise TypeError(f"{self.name} holds rendered text, not samples")
+
+    @samples.setter
+    def samples(self, value: list[Sample]) -> None:
+        if value:  # Metric.__init__ sets it empty
+            raise TypeError(f"{self.name} holds rendered text, not samples")
+
+
+class RenderCache(Generic[Families, Source]):
+    """Families whose series come in blocks, one per source (say, a training run's ranks), each
+    block rendered once per version of its source and reused, as text, while that lasts.
+
+    ``make()`` returns the families, empty; ``fill(families, source)`` adds one source's series
+    to them. Only the blocks of the last call's sources are kept, so memory follows the live
+    sources and one that has gone is forgotten. Every block costs a little on each call, so a
+    source should be a large group of series that change together.
+    """
+
+    def __init__(self, make: Callable[[], Families],
+                 fill: Callable[[Families, Source], None]) -> None:
+        self._make = make
+        self._fill = fill
+        self._heads = [(f.name, f.documentation, f.type) for f in make()]
+        self._blocks: dict[Hashable, tuple[object, tuple[str, ...]]] = {}
+
+    def __len__(self) -> int:
+        """Sources whose blocks are held."""
+        return len(self._blocks)
+
+    def families(self, sources: Iterable[tuple[Hashable, object, Source]]) -> list[TextFamily]:
+        """The families of ``sources``: (key, version, source) each, in the order given.
+
+        Equal versions of a key must mean the same series; a version that differs (``!=``)
+        renders the block again.
+        """
+        held = self._blocks
+        kept: dict[Hashable, tuple[object, tuple[str, ...]]] = {}
+        blocks: list[tuple[str, ...]] = []
+        for key, version, source in sources:
+            block = held.get(key)
+            if block is None or block[0] != version:
+                families = self._make()
+                self._fill(families, source)
+                block = (version, tuple([_render_rows(f.rows) for f in families]))
+            kept[key] = block
+            blocks.append(block[1])
+        # Concurrent scrapes each store what they kept, the last one winning: every block
+        # held is right for its version, so the worst case is rendering one again.
+        self._blocks = kept
+        return [TextFamily(*head, "".join([texts[i] for texts in blocks]))
+                for i, head in enumerate(self._heads)]
+
+
 def render(metrics: Iterable[Metric]) -> bytes:
     """The text exposition of ``metrics``, byte for byte what ``generate_latest`` makes."""
     out: list[str] = []
@@ -104,9 +174,11 @@ def render(metrics: Iterable[Metric]) -> bytes:
         name = _metric_name(metric.name + _HEADER_SUFFIXES.get(mtype, ""))
         doc = metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
         append(f"# HELP {name} {doc}\n# TYPE {name} {_HEADER_TYPES.get(mtype, mtype)}\n")
+        if isinstance(metric, TextFamily):
+            append(metric.text)
+            continue
         if isinstance(metric, RowFamily):
-            for sample_name, names, values, value in metric.rows:
-                append(f"{sample_name}{_row_labels(names, values)} {_value(value)}\n")
+            append(_render_rows(metric.rows))
             continue
         moved: dict[str, list[str]] = {}
         for sample in metric.samples:
@@ -124,6 +196,12 @@ def render(metrics: Iterable[Metric]) -> bytes:
             append(f"# HELP {gauge} {doc}\n# TYPE {gauge} gauge\n")
             out.extend(lines)
     return "".join(out).encode("utf-8")
+
+
+def _render_rows(rows: Iterable[Row]) -> str:
+    """The series lines of ``rows``, as ``render`` writes them under their family's header."""
+    return "".join([f"{sample_name}{_row_labels(names, values)} {_value(value)}\n"
+                    for sample_name, names, values, value in rows])
 
 
 @lru_cache(maxsize=1024)

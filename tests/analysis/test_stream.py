@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from gpumon.analysis.bottleneck import Flag
-from gpumon.analysis.stream import MAX_PENDING, StepAnalyzer, StepVerdict, attribute_gpu
+from gpumon.analysis.stream import (
+    MAX_PENDING,
+    RankAnalysis,
+    StepAnalyzer,
+    StepVerdict,
+    attribute_gpu,
+)
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.protocol import StepRecord
 
@@ -131,3 +137,23 @@ def test_thresholds_reloaded_between_slices_apply_from_the_next_pass() -> None:
     after = analyzer.process(22.0, history, [H100], {})
     assert len(after) == 32
     assert "compute" not in {v.verdict.primary.value for v in after}
+
+
+def test_an_analysis_gets_a_new_version_whenever_it_changes() -> None:
+    # Renderers reuse their text for a version they have seen. The case to catch: a rank
+    # with no new steps whose straggler score moves because its peers' times did.
+    analyzer = StepAnalyzer(resolution_s=1.0)
+    seen: dict[int, RankAnalysis] = {}
+    score_only = 0
+    for n in range(12):
+        ranks = range(4) if n < 6 else range(3)  # rank 3 stops; the others slow down
+        analyzer.add([replace(step(n, 10.0 + n, duration=1.0 + n * 0.2 * (rank != 3)),
+                              rank=rank) for rank in ranks], received_t=10.0 + n + 1)
+        analyzer.process(12.0 + n, history, [H100], {})
+        for analysis in analyzer.analyses():
+            before = seen.get(analysis.rank)
+            if before is not None and analysis != before:
+                assert analysis.version != before.version, (n, analysis.rank)
+                score_only += replace(analysis, straggler_score=before.straggler_score) == before
+            seen[analysis.rank] = analysis
+    assert score_only >= 1 and seen[3].verdict_step == 5
