@@ -19,6 +19,7 @@ import hashlib
 import ssl
 import threading
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ class WebConfig:
         ok = hashed is not None and bcrypt.checkpw(password, hashed)
         if hashed is None:
             # Same cost for unknown users, so timing does not tell which names exist.
-            bcrypt.checkpw(password, _DUMMY_HASH)
+            bcrypt.checkpw(password, _dummy_hash())
         with self._lock:
             if len(self._verified) >= _CACHE_MAX:
                 self._verified.clear()
@@ -87,7 +88,10 @@ class WebConfig:
         return ok
 
 
-_DUMMY_HASH = bcrypt.hashpw(b"gpumon", bcrypt.gensalt(rounds=10))
+@cache
+def _dummy_hash() -> bytes:
+    # Made at the first unknown user, not at import: hashing costs ~60 ms of every start.
+    return bcrypt.hashpw(b"gpumon", bcrypt.gensalt(rounds=10))
 
 
 def load_web_config(path: Path) -> WebConfig:
