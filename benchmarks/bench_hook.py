@@ -39,6 +39,7 @@ from time import perf_counter
 from typing import Any
 
 from gpumon.client import StepMonitor
+from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.collectors.ingest import RECEIVE_BUFFER_BYTES
 from gpumon.protocol import decode_datagram
 
@@ -257,6 +258,12 @@ def main() -> None:
             "bare": (bare, None), "hooked": (hooked(mon), mon.flush),
             "bare_loader": (bare_loader, None), "hooked_loader": (hooked_loader(mon), mon.flush),
         }
+        mon_py = None
+        if IMPLEMENTATION == "c":  # the pure-Python core too, for the before/after
+            from common import pure_python_step_monitor
+
+            mon_py = pure_python_step_monitor()(run="bench-python", socket_path=path)
+            cases["hooked_loader_python"] = (hooked_loader(mon_py), mon_py.flush)
         writer = None
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -265,6 +272,8 @@ def main() -> None:
             cases["tensorboard"] = (tensorboard_loop(writer), writer.flush)
         raw = measure(cases, args.blocks, args.block_steps)
         mon.close()
+        if mon_py is not None:
+            mon_py.close()
         if writer is not None:
             writer.close()
         time.sleep(0.2)
@@ -277,6 +286,9 @@ def main() -> None:
     if writer is not None:
         results.append({"case": "TensorBoard: timed by hand + 8 add_scalar",
                         **compare("bare_loader", "tensorboard", raw, False)})
+    if mon_py is not None:
+        results.append({"case": "the same, pure-Python core (no C build)",
+                        **compare("bare_loader", "hooked_loader_python", raw, True)})
     stats = mon.stats
     print(f"{'case':42} {'bare µs':>8} {'with µs':>9} {'cost µs':>8} {'bg µs':>7} {'(wall)':>7} "
           f"{'total µs':>9}")
@@ -292,19 +304,21 @@ def main() -> None:
     if writer is not None:
         ratio = results[1]["total_us_per_step"] / results[2]["total_us_per_step"]
         print(f"gpumon (loader + counts) / TensorBoard, total per step: {ratio:.3f}×")
-    print(
-        f"steps {stats.steps}, records sent {stats.records_sent}, received {received}, "
-        f"dropped {stats.dropped}, cpus {os.cpu_count()}"
-    )
+    print(f"hook core: {IMPLEMENTATION}")
+    sent = stats.records_sent + (mon_py.stats.records_sent if mon_py is not None else 0)
+    dropped = {**stats.dropped, **(mon_py.stats.dropped if mon_py is not None else {})}
+    print(f"steps {stats.steps}, records sent {sent}, received {received}, "
+          f"dropped {dropped}, cpus {os.cpu_count()}")
     print(
         json.dumps(
             {
                 "benchmark": "hook",
                 "results": results,
+                "hook_core": IMPLEMENTATION,
                 "steps": stats.steps,
-                "records_sent": stats.records_sent,
+                "records_sent": sent,
                 "records_received": received,
-                "dropped": stats.dropped,
+                "dropped": dropped,
             }
         )
     )

@@ -40,10 +40,12 @@ from bench_hook import drained_socket  # the same socket drain as the hook bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
+from common import pure_python_step_monitor  # noqa: E402
 from train_cpu import main as train_main  # noqa: E402
 from train_cpu import make_job, parse_args, train  # noqa: E402
 
 from gpumon.client import StepMonitor  # noqa: E402
+from gpumon.client.monitor import IMPLEMENTATION  # noqa: E402
 
 T = TypeVar("T")
 
@@ -80,29 +82,34 @@ def block_pairs(socket_path: str, blocks: int, block_steps: int, extra: list[str
     """Throughput ratios against bare blocks of one job (bare / other step time) of the
     hooked blocks and of the ``StructureOnly`` control, ``blocks`` rounds in rotating order."""
     job = make_job(parse_args(["--threads", "1", *extra]))
-    monitor = StepMonitor("bench-train-blocks", socket_path=socket_path)
+    monitors = {"hooked": StepMonitor("bench-train-blocks", socket_path=socket_path)}
+    if IMPLEMENTATION == "c":  # the pure-Python core too: the C core's before, in this run
+        monitors["hooked_python"] = pure_python_step_monitor()("bench-train-python", socket_path=socket_path)
     control = StructureOnly()
 
     def seconds_per_step(kind: str) -> float:
         t0 = time.perf_counter()
-        if kind == "hooked":
+        monitor = monitors.get(kind)
+        if monitor is not None:
             train(job, block_steps, monitor)
             monitor.flush()
         else:
             train(job, block_steps, control if kind == "control" else None)  # type: ignore[arg-type]
         return (time.perf_counter() - t0) / block_steps
 
-    kinds = ["bare", "hooked", "control"]
+    kinds = ["bare", *monitors, "control"]
     for kind in kinds:  # warm every path up
         seconds_per_step(kind)
-    ratios: dict[str, list[float]] = {"hooked": [], "control": []}
+    ratios: dict[str, list[float]] = {kind: [] for kind in kinds if kind != "bare"}
     for i in range(blocks):
-        result = {kind: seconds_per_step(kind) for kind in kinds[i % 3:] + kinds[:i % 3]}
+        shift = i % len(kinds)
+        result = {kind: seconds_per_step(kind) for kind in kinds[shift:] + kinds[:shift]}
         for kind in ratios:
             ratios[kind].append(result["bare"] / result[kind])  # throughput: the inverse
-    monitor.close()
-    if monitor.stats.dropped:
-        raise RuntimeError(f"the hooked blocks dropped records: {monitor.stats.dropped}")
+    for monitor in monitors.values():
+        monitor.close()
+        if monitor.stats.dropped:
+            raise RuntimeError(f"the hooked blocks dropped records: {monitor.stats.dropped}")
     return ratios
 
 
@@ -149,7 +156,12 @@ def main() -> None:
           f"{block_median:.4f} (quartiles {block_quartiles[0]:.4f}–{block_quartiles[2]:.4f}), "
           f"structure-only control {control_median:.4f} "
           f"(quartiles {control_quartiles[0]:.4f}–{control_quartiles[2]:.4f})")
-    expected = args.pairs * (args.steps + 1) + (args.blocks + 1) * args.block_steps + 1
+    python_median = statistics.median(blocks["hooked_python"]) if "hooked_python" in blocks else None
+    if python_median is not None:
+        print(f"blocks: the same hook on the pure-Python core (the C core's before), median ratio "
+              f"{python_median:.4f}")
+    block_monitors = 2 if python_median is not None else 1
+    expected = args.pairs * (args.steps + 1) + block_monitors * ((args.blocks + 1) * args.block_steps + 1)
     print(f"records received by the reader: {received} (expected {expected})")
     print(
         json.dumps(
@@ -164,6 +176,8 @@ def main() -> None:
                 "ratio_quartiles": [quartiles[0], quartiles[2]],
                 "best_ratio": best_ratio,
                 "ratios": [r[2] for r in rows],
+                "hook_core": IMPLEMENTATION,
+                "blocks_python_median_ratio": python_median,
                 "blocks": args.blocks,
                 "block_steps": args.block_steps,
                 "blocks_median_ratio": block_median,

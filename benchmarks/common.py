@@ -7,6 +7,7 @@ venv, ``benchmarks/.peers-venv`` (git-ignored), created on first use from
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import socket
@@ -198,3 +199,23 @@ def send_steps(path: str, ranks: int, steps: int, step_s: float, t0: float,
             time.sleep(ahead)
     return sent, lost
 
+
+
+def pure_python_step_monitor() -> type:
+    """``StepMonitor`` on the pure-Python core, beside the C one in the same process (a second
+    copy of its module, loaded with ``GPUMON_PURE_PYTHON=1``): the before of the C core,
+    measured in the same run as the after."""
+    spec = importlib.util.find_spec("gpumon.client.monitor")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    previous = os.environ.get("GPUMON_PURE_PYTHON")
+    os.environ["GPUMON_PURE_PYTHON"] = "1"
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if previous is None:
+            del os.environ["GPUMON_PURE_PYTHON"]
+        else:
+            os.environ["GPUMON_PURE_PYTHON"] = previous
+    assert module.IMPLEMENTATION == "python"
+    return module.StepMonitor  # type: ignore[no-any-return]

@@ -10,7 +10,8 @@ from time import perf_counter
 from typing import Any
 
 MemoryTuple = tuple[int, int, int, int, int]
-"""allocated, reserved, peak (since the previous step), alloc retries, OOMs."""
+"""allocated, reserved, peak (since the previous reading: the previous step, or for steps
+shorter than ``MEMORY_INTERVAL_S`` the several since), alloc retries, OOMs."""
 
 Mark = tuple[str, Any, Any]
 """A phase name with its start and end CUDA events (a phase that began as the one before it
