@@ -125,7 +125,8 @@ def _step_families() -> _StepFamilySet:
         GaugeFamily("gpumon_torch_memory_reserved_bytes",
                     "PyTorch allocator: memory reserved from the device.", labels=RANK_LABELS),
         GaugeFamily("gpumon_torch_memory_peak_bytes",
-                    "PyTorch allocator: peak allocated memory during the last step.",
+                    "PyTorch allocator: peak allocated memory since the previous reading "
+                    "(the last step; with CUDA, the steps of the last 50 ms when shorter).",
                     labels=RANK_LABELS),
         CounterFamily("gpumon_torch_alloc_retries",
                       "PyTorch allocator retries after a failed cudaMalloc "
