@@ -80,23 +80,26 @@ def agent(
     except (ServeError, AgentError) as exc:
         node.stop()
         _fail(str(exc))
-    stop = threading.Event()
-    reload = threading.Event()
+    signalled: list[int] = []
+    wake = threading.Event()
     log = logging.getLogger("gpumon")
 
     def _on_signal(signum: int, _frame: Any) -> None:
-        if signum == signal.SIGHUP:
-            reload.set()
-            return
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop.set()
+        signalled.append(signum)
+        wake.set()
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, _on_signal)
     try:
-        while not stop.wait(0.5):
-            if reload.is_set():
-                reload.clear()
+        # No polling: the wait is interrupted by a signal, whose handler sets the event.
+        while True:
+            wake.wait()
+            wake.clear()
+            while signalled:
+                signum = signalled.pop(0)
+                if signum != signal.SIGHUP:
+                    log.info("received %s, shutting down", signal.Signals(signum).name)
+                    return
                 _reload(node, flags, log)
     finally:
         node.stop()
