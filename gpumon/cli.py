@@ -96,9 +96,9 @@ def agent(
             wake.wait()
             wake.clear()
             while signalled:
-                signum = signalled.pop(0)
-                if signum != signal.SIGHUP:
-                    log.info("received %s, shutting down", signal.Signals(signum).name)
+                received = signalled.pop(0)
+                if received != signal.SIGHUP:
+                    log.info("received %s, shutting down", signal.Signals(received).name)
                     return
                 _reload(node, flags, log)
     finally:

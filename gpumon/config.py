@@ -104,9 +104,9 @@ def _thresholds(table: Any, path: Path) -> Thresholds:
     if unknown:
         raise ConfigError(f"config file {path}: unknown threshold(s) {', '.join(unknown)}; "
                           f"known: {', '.join(sorted(known))}")
+    values: dict[str, Any] = {k: (frozenset(v) if isinstance(v, list) else v) for k, v in table.items()}
     try:
-        return dataclasses.replace(Thresholds(), **{
-            k: (frozenset(v) if isinstance(v, list) else v) for k, v in table.items()})
+        return dataclasses.replace(Thresholds(), **values)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config file {path}: [thresholds]: {exc}") from exc
 

@@ -1,4 +1,5 @@
-"""Static checks that CI runs with the tests: ruff everywhere, strict mypy on the pure core."""
+"""Static checks that CI runs with the tests: ruff everywhere, mypy on the package, strict on
+the pure core."""
 
 from __future__ import annotations
 
@@ -20,4 +21,9 @@ def test_ruff_is_clean() -> None:
 
 def test_mypy_strict_on_protocol_and_analysis() -> None:
     result = run_tool("mypy", "--strict", "gpumon/protocol.py", "gpumon/analysis")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_mypy_on_the_package() -> None:
+    result = run_tool("mypy", "gpumon")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -84,10 +84,10 @@ def _gpu_families(snap: Snapshot) -> Iterator[Metric]:
             value = getattr(sample, name)
             if value is not None:
                 family.add_metric(labels, float(value))
-        for name, family in counters.items():
+        for name, counter in counters.items():
             value = getattr(sample, name)
             if value is not None:
-                family.add_metric(labels, float(value))
+                counter.add_metric(labels, float(value))
         for reason, active in sorted((sample.clock_event_reasons or {}).items()):
             clock_events.add_metric([*labels, reason], 1.0 if active else 0.0)
         for kind, count in sorted((sample.ecc_errors_total or {}).items()):
@@ -95,8 +95,8 @@ def _gpu_families(snap: Snapshot) -> Iterator[Metric]:
         for pid, used in sorted((sample.process_memory_bytes or {}).items()):
             process_memory.add_metric([*labels, str(pid)], float(used))
     for (index, code), count in sorted(snap.xid_counts.items()):
-        gpu = statics.get(index)
-        labels = [str(index), gpu.uuid, gpu.name] if gpu else [str(index), "", ""]
+        static = statics.get(index)
+        labels = [str(index), static.uuid, static.name] if static else [str(index), "", ""]
         xid.add_metric([*labels, str(code)], float(count))
     yield info
     yield up

@@ -91,7 +91,8 @@ class MetricsServer:
                 ready = selector.select()
                 if any(key.fileobj is self._wake_r for key, _ in ready):
                     return
-                self._server._handle_request_noblock()  # accept, then a thread per request
+                # accept, then a thread per request: the step serve_forever() takes itself
+                self._server._handle_request_noblock()  # type: ignore[attr-defined]
 
     def stop(self) -> None:
         """Stop serving (if started) and close the socket."""
