@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/gpu_node_check.py --out DIR [--budget-s 270] [--nvml auto]
 
-Written to be run once on a lent machine (one GPU, no network, minutes of device time) and to
-bring back everything worth knowing from that run, in at most 8 files under ``--out``:
+Written to be run once on a GPU node with no network and little time to spare, and to bring
+back everything worth knowing from that run, in at most 8 files under ``--out``:
 
     summary.json               every result, check and traceback (rewritten after each section)
     summary.md                 the same, readable
