@@ -53,7 +53,6 @@ import platform
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -61,8 +60,6 @@ import tempfile
 import threading
 import time
 import traceback
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -70,6 +67,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tests.helpers import free_port, http_get  # noqa: E402
 
 RUN = "gpu-node-check"
 OOM_RUN = "gpu-node-check-oom"
@@ -139,18 +138,10 @@ def jsonable(value: Any, depth: int = 0) -> Any:
     return repr(value)[:200]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
-            return response.status, response.read().decode(errors="replace")
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read().decode(errors="replace")
+def get_text(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    """(status, body as text) of a GET; HTTP errors are returned, not raised."""
+    code, body = http_get(url, timeout)
+    return code, body.decode(errors="replace")
 
 
 Samples = list[tuple[str, dict[str, str], float]]
@@ -846,7 +837,7 @@ class Agent:
                 raise RuntimeError(f"agent exited with {self.proc.returncode}: "
                                    f"{self.log_path.read_text(errors='replace')[-2000:]}")
             try:
-                code, body = http_get(self.url + "/readyz", 2.0)
+                code, body = get_text(self.url + "/readyz", 2.0)
                 last = (code, body)
                 if code == 200:
                     return {"readyz": json.loads(body)}
@@ -856,7 +847,7 @@ class Agent:
         raise RuntimeError(f"agent not ready within {timeout:.0f} s: {last}")
 
     def scrape(self) -> str:
-        code, body = http_get(self.url + "/metrics", 10.0)
+        code, body = get_text(self.url + "/metrics", 10.0)
         if code != 200:
             raise RuntimeError(f"/metrics answered {code}")
         return body
@@ -1041,7 +1032,7 @@ def section_training(report: Report, result: dict[str, Any], torch: Any, agent: 
             break
         time.sleep(0.5)
     (report.out / "metrics_after_training.txt").write_text(text)
-    code, body = http_get(agent.url + "/api/v1/snapshot", 10)
+    code, body = get_text(agent.url + "/api/v1/snapshot", 10)
     snapshot = json.loads(body) if code == 200 else {"status": code, "body": body[:500]}
     result["snapshot"] = snapshot
     stats = mon.stats
@@ -1152,7 +1143,7 @@ def section_training(report: Report, result: dict[str, Any], torch: Any, agent: 
 def section_endpoints(report: Report, result: dict[str, Any], agent: Agent) -> None:
     for path in ("/healthz", "/readyz", "/"):
         try:
-            code, body = http_get(agent.url + path, 5)
+            code, body = get_text(agent.url + path, 5)
             result[path] = {"status": code, "body": body[:400]}
         except Exception as exc:
             result[path] = {"error": repr(exc)}

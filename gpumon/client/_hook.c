@@ -26,6 +26,7 @@
 static PyObject *str_append, *str_event, *str_memory, *str_detect_cuda, *str_step_failed,
     *str_new_phase, *str_data;
 static PyObject *step_kwnames[5]; /* samples, tokens, flops, step, memory */
+static double default_share_gap_s;  /* _core.SHARE_GAP_S, read at import */
 
 #define OR_NONE(x) ((x) == NULL ? Py_None : (x))
 
@@ -113,7 +114,7 @@ HookCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL)
         return NULL;
     self->enabled = 1;
-    self->share_gap_s = 10e-6; /* _core.SHARE_GAP_S; HookCore.__init__ sets it from there */
+    self->share_gap_s = default_share_gap_s;
     self->phases = PyDict_New();
     self->marks = PyList_New(0);
     self->phase_cache = PyDict_New();
@@ -813,6 +814,17 @@ PyInit__hook(void)
     INTERN(step_kwnames[3], "step");
     INTERN(step_kwnames[4], "memory");
 #undef INTERN
+    PyObject *core = PyImport_ImportModule("gpumon.client._core");
+    if (core == NULL)
+        return NULL;
+    PyObject *gap = PyObject_GetAttrString(core, "SHARE_GAP_S");
+    Py_DECREF(core);
+    if (gap == NULL)
+        return NULL;
+    default_share_gap_s = PyFloat_AsDouble(gap);
+    Py_DECREF(gap);
+    if (default_share_gap_s == -1.0 && PyErr_Occurred())
+        return NULL;
     PyObject *module = PyModule_Create(&hook_module);
     if (module == NULL)
         return NULL;

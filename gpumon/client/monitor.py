@@ -122,7 +122,6 @@ class StepMonitor(HookCore):
         self._reset_peak = reset_peak_memory
         buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         super().__init__(buffer)  # the hot-path state, touched only by the training thread
-        self._share_gap_s = _core.SHARE_GAP_S
 
         identity: dict[str, object] = {"v": PROTOCOL_VERSION, "run": self.run, "rank": self.rank}
         if self.world is not None:
