@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from gpumon.replay import classify_file  # noqa: E402
+from gpumon.commands.classify import classify_file  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
 

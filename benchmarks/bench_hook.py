@@ -41,7 +41,7 @@ from typing import Any
 from gpumon.client import StepMonitor
 from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.collectors.ingest import RECEIVE_BUFFER_BYTES
-from gpumon.protocol import decode_datagram
+from gpumon.wire import decode_datagram
 
 Case = tuple[Callable[[int], None], Callable[[], None] | None]
 """A loop of n steps, and what flushes its background work (None: nothing to flush)."""

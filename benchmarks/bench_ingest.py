@@ -21,7 +21,7 @@ from pathlib import Path
 
 from common import step_record
 
-from gpumon.protocol import encode_datagrams
+from gpumon.wire import encode_datagrams
 from tests.helpers import agent_env, parse_metrics, start_agent, values
 
 RANKS = 8

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from gpumon.protocol import encode_record, pack_datagrams  # noqa: E402
+from gpumon.wire import encode_record, pack_datagrams  # noqa: E402
 from tests.fakenvml.build import BASE_FLAGS, SOURCE, FakeNvmlBuildError  # noqa: E402
 from tests.fakenvml.scenario import Scenario  # noqa: E402
 

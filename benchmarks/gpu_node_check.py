@@ -473,12 +473,12 @@ def nvml_child(cycles: int, time_limit_s: float, scratch: str) -> dict[str, Any]
 
     # 3. gpumon doctor ------------------------------------------------------------------------
     try:
-        from gpumon.doctor import diagnose
+        from gpumon.commands.doctor import diagnose
 
         out["doctor"] = jsonable(diagnose(port=free_port(),
                                           socket_path=Path(scratch) / "doctor.sock"))
     except Exception:
-        failed("gpumon.doctor.diagnose")
+        failed("gpumon.commands.doctor.diagnose")
 
     # 4. CPU cost of a collection cycle ------------------------------------------------------
     try:

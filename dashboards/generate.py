@@ -1,6 +1,6 @@
 """Write the gpumon Grafana dashboards (dashboards/*.json) from the panel lists below.
 
-Run ``python dashboards/generate.py`` after editing; tests/test_dashboards.py fails when the
+Run ``python dashboards/generate.py`` after editing; tests/e2e/test_dashboards.py fails when the
 checked-in JSON differs from what this script writes, and runs every query against a real
 Prometheus. Every panel and target uses the ``${datasource}`` variable: no data source uid is
 ever written into a dashboard.

@@ -2,7 +2,7 @@
 rule files in alerts/, so Kubernetes gets exactly the rules promtool tests.
 
 Run ``python deploy/generate_prometheusrule.py`` after editing alerts/*.rules.yml;
-tests/test_deploy.py fails when the checked-in file differs from what this writes.
+tests/e2e/test_deploy.py fails when the checked-in file differs from what this writes.
 """
 
 from __future__ import annotations

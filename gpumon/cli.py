@@ -12,7 +12,7 @@ from typing import Annotated, Any, NoReturn
 import typer
 
 from gpumon import __version__
-from gpumon.config import DEFAULT_PORT, ConfigError, load_config
+from gpumon.agent.config import DEFAULT_PORT, ConfigError, load_config
 
 app = typer.Typer(
     name="gpumon",
@@ -124,7 +124,7 @@ def doctor(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Report what this node supports: driver, NVML, per-GPU metric groups, socket, port."""
-    from gpumon.doctor import diagnose, render
+    from gpumon.commands.doctor import diagnose, render
 
     report = diagnose(port=port, socket_path=Path(socket))
     if json_output:
@@ -140,7 +140,7 @@ def estimate(
     params: Annotated[str, typer.Option(help="Parameter count, e.g. 7B, 175M, 1.3e9.")],
     precision: Annotated[str, typer.Option(help="fp16, bf16 or fp32.")] = "bf16",
     optimizer: Annotated[str, typer.Option(help="adam, adamw, sgd or sgd_momentum.")] = "adamw",
-    master_weights: Annotated[bool, typer.Option("--master-weights/--no-master-weights", help="Count the fp32 master copy of mixed precision (the ZeRO paper's K=12 counts it; the seed's 8 B/param Adam figure does not).")] = True,
+    master_weights: Annotated[bool, typer.Option("--master-weights/--no-master-weights", help="Count the fp32 master copy of mixed precision (the ZeRO paper's K=12 counts it; the common 8 B/param Adam figure does not).")] = True,
     zero_stage: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters.")] = 0,
     gpus: Annotated[int, typer.Option(min=1, help="Data-parallel GPUs the states are sharded over.")] = 1,
     layers: Annotated[int | None, typer.Option(help="Transformer layers (for activations).")] = None,
@@ -188,7 +188,7 @@ def classify(
     """Replay a recording through the bottleneck classifier and explain each step."""
     import json
 
-    from gpumon.replay import classify_file, summarize
+    from gpumon.commands.classify import classify_file, summarize
 
     try:
         loaded, verdicts = classify_file(recording)
@@ -228,7 +228,7 @@ def demo(
     gpu_model: Annotated[str, typer.Option(help="Simulated GPU model: h100-sxm or h200-sxm.")] = "h100-sxm",
 ) -> None:
     """Run an agent, a simulated GPU node and a synthetic multi-rank training job, with a live view."""
-    from gpumon.demo import DemoError, DemoOptions, run_demo
+    from gpumon.commands.demo import DemoError, DemoOptions, run_demo
     from gpumon.sim.schedule import load_schedule
 
     try:
@@ -250,7 +250,7 @@ def top(
     interval: Annotated[float, typer.Option(min=0.1, max=60.0, help="Seconds between redraws.")] = 1.0,
 ) -> None:
     """Live terminal view of a running agent: GPUs, ranks, verdicts and OOM risk."""
-    from gpumon.top import run_top, snapshot_url
+    from gpumon.commands.top import run_top, snapshot_url
 
     try:
         snapshot_url(url)

@@ -248,7 +248,7 @@ def launch_service(name: str, argv: list[str], log_path: Path, ready_url: str) -
 def library_agent(socket_path: Path, **config: Any) -> Iterator[Any]:
     """An Agent used as a library, on 127.0.0.1 and a free port; stopped on exit."""
     from gpumon.agent import Agent
-    from gpumon.config import AgentConfig
+    from gpumon.agent.config import AgentConfig
 
     node = Agent(AgentConfig(address="127.0.0.1", port=0, socket=str(socket_path), **config))
     node.start()

@@ -20,7 +20,7 @@ def test_ruff_is_clean() -> None:
 
 
 def test_mypy_strict_on_protocol_and_analysis() -> None:
-    result = run_tool("mypy", "--strict", "gpumon/protocol.py", "gpumon/analysis")
+    result = run_tool("mypy", "--strict", "gpumon/wire", "gpumon/analysis")
     assert result.returncode == 0, result.stdout + result.stderr
 
 

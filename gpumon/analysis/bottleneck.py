@@ -1,6 +1,6 @@
 """Which wall a training step is hitting: input, host, communication, memory bandwidth, compute.
 
-``classify`` applies the rules of DESIGN §7 in order to one step's record and the GPU window
+``classify`` applies the rules of docs/architecture.md §7 in order to one step's record and the GPU window
 that overlaps it. It never raises on valid records; every input but the step itself may be
 missing, and a missing input lowers the confidence of the verdicts that would have used it.
 
@@ -22,7 +22,7 @@ from enum import Enum
 from gpumon.analysis.devices import mfu
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import GpuWindow
-from gpumon.protocol import StepRecord
+from gpumon.wire import StepRecord
 
 __all__ = [
     "DEFAULT",
@@ -39,7 +39,7 @@ __all__ = [
 
 
 class Bottleneck(str, Enum):
-    """The wall a step is hitting (the seed's table, plus ``host`` and ``unknown``)."""
+    """The wall a step is hitting (the five walls of docs/architecture.md §1, plus ``host`` and ``unknown``)."""
 
     INPUT = "input"
     HOST = "host"
@@ -201,7 +201,7 @@ def classify(
     previous_ooms: int | None = None,
     thresholds: Thresholds = DEFAULT,
 ) -> Verdict:
-    """Classify one step (DESIGN §7): primary wall, confidence, time shares, flags and a hint.
+    """Classify one step (docs/architecture.md §7): primary wall, confidence, time shares, flags and a hint.
 
     ``previous_alloc_retries``/``previous_ooms`` are the rank's cumulative allocator counters at
     its previous step: retries or OOMs *rising* signal pressure (without ``previous_ooms``, any

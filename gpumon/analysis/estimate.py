@@ -1,12 +1,12 @@
 """The ``gpumon estimate`` engine: per-GPU training memory by item, and what to do if it won't fit.
 
-Model states follow the seed document and the ZeRO paper (Rajbhandari et al. 2020):
+Model states follow the usual mixed-precision accounting and the ZeRO paper (Rajbhandari et al. 2020):
 
 * parameters and gradients: 2 B/param in fp16/bf16, 4 B in fp32;
-* optimizer states, kept in fp32: Adam/AdamW m + v = 8 B/param (the seed's count), SGD with
+* optimizer states, kept in fp32: Adam/AdamW m + v = 8 B/param (the common count), SGD with
   momentum 4 B, plain SGD none;
 * the fp32 master copy of the parameters that mixed-precision training keeps (4 B/param) is
-  its own item: the seed omits it, the ZeRO paper counts it inside its K = 12 (master 4 + m 4
+  its own item: the common 8 B/param count omits it, the ZeRO paper counts it inside its K = 12 (master 4 + m 4
   + v 4). ``master_weights=True`` gives the paper's count; under fp32 there is no separate copy.
 
 ZeRO shards over the data-parallel GPUs: stage 1 the optimizer states and master copy, stage 2
@@ -45,7 +45,7 @@ _OPTIMIZER_STATE_BYTES: dict[str, int] = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_
 _MASTER_WEIGHT_BYTES = 4
 
 DEFAULT_BUFFERS_BYTES = 2 * GB
-"""Temporary buffers when none is given: the low end of the seed's "about 2–4 GB" for its 7B
+"""Temporary buffers when none is given: the low end of the "about 2–4 GB" usually quoted for a 7B
 case (communication buckets, fused-kernel and cuBLAS workspaces, the CUDA context). These are
 largely independent of model size, so a fixed figure is closer than a fraction of the model."""
 
@@ -280,14 +280,14 @@ def _notes(
         )
     else:
         notes.append(
-            f"master weights omitted, as the seed counts: optimizer {states} B/param; "
+            f"master weights omitted, as the common count does: optimizer {states} B/param; "
             "mixed-precision training normally also keeps an fp32 copy (+4 B/param)"
         )
     if activations is None:
         notes.append("activations not estimated: give layers, hidden, heads, seq and batch")
     if buffers_default:
         notes.append(
-            f"buffers: default {_gb(DEFAULT_BUFFERS_BYTES)} (the seed's 2–4 GB: communication "
+            f"buffers: default {_gb(DEFAULT_BUFFERS_BYTES)} (the usual 2–4 GB: communication "
             "buckets, workspaces, CUDA context)"
         )
     if zero_stage and data_parallel == 1:
@@ -298,7 +298,7 @@ def _notes(
 def _with_advice(
     est: MemoryEstimate, setup: _Setup, recompute: str, flash_attention: bool
 ) -> MemoryEstimate:
-    """The seed's decision path: fits and slow ⇒ data parallel + mixed precision; does not fit
+    """The decision path of docs/architecture.md §1: fits and slow ⇒ data parallel + mixed precision; does not fit
     ⇒ ZeRO sharding or model parallelism; scales badly ⇒ communication and batch size."""
     memory = est.gpu_memory_bytes
     mixed = "mixed precision (bf16 halves parameter and gradient memory and uses tensor cores)"
@@ -386,7 +386,7 @@ def _count(n: int) -> str:
 
 
 def render_table(estimate: MemoryEstimate) -> str:
-    """A plain-text table like the seed's 7B case (GB = 10⁹ bytes, one decimal), with advice."""
+    """A plain-text table like the classic 7B case (GB = 10⁹ bytes, one decimal), with advice."""
     e = estimate
     rows = [
         (f"parameters ({e.precision})", _gb(e.params_bytes), ""),
@@ -420,7 +420,7 @@ def render_table(estimate: MemoryEstimate) -> str:
 def _master_remark(e: MemoryEstimate) -> str:
     if e.precision == "fp32":
         return "the fp32 parameters themselves"
-    return "" if e.master_weights else "not counted (as in the seed)"
+    return "" if e.master_weights else "not counted (common 8 B/param count)"
 
 
 def to_json_dict(estimate: MemoryEstimate) -> dict[str, object]:

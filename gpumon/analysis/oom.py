@@ -7,7 +7,7 @@ The composite risk (0–1; ≥ ``HIGH_RISK`` is "high"):
 
 * an OOM since the last assessment ⇒ 1.0;
 * ``headroom`` term, from the used share u = 1 − headroom/capacity: 0 up to u = 0.75, rising
-  linearly to ``HIGH_RISK`` at u = 0.90 (headroom < 10% is high, DESIGN §8) and on to 1.0 at
+  linearly to ``HIGH_RISK`` at u = 0.90 (headroom < 10% is high, docs/architecture.md §8) and on to 1.0 at
   u = 1;
 * ``trend`` term, from the predicted time T until the peak reaches capacity: ``HIGH_RISK`` at
   T = horizon, rising linearly to 1.0 at T = 0, and ``HIGH_RISK × horizon / T`` beyond the

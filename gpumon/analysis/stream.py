@@ -31,7 +31,7 @@ from gpumon.analysis.oom import OomRisk, assess_oom_risk
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import merge_steps, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.protocol import StepRecord
+from gpumon.wire import StepRecord
 
 RankKey = tuple[str, int]
 History = Callable[[int, float, float], Sequence[GpuSample]]

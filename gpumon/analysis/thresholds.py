@@ -1,4 +1,4 @@
-"""The bottleneck classifier's thresholds (DESIGN §7), each named, documented and overridable."""
+"""The bottleneck classifier's thresholds (docs/architecture.md §7), each named, documented and overridable."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ class Thresholds:
 
     memory_pressure_peak_ratio: float = 0.90
     """Per-step allocator peak ÷ device memory at or above which memory pressure is flagged
-    (DESIGN §7 rule 1)."""
+    (docs/architecture.md §7 rule 1)."""
 
     input_high_fraction: float = 0.20
     """Data-wait share of the step from which it is input bound. TensorFlow's (xprof) input
@@ -23,7 +23,7 @@ class Thresholds:
 
     comm_high_fraction: float = 0.15
     """Exposed (non-overlapped) communication share from which a step is communication bound
-    (DESIGN §7 rule 3, a starting value to be tuned with evidence)."""
+    (docs/architecture.md §7 rule 3, a starting value to be tuned with evidence)."""
 
     comm_moderate_fraction: float = 0.05
     """Exposed communication share from which communication is a moderate cause; the 5% floor
@@ -36,11 +36,11 @@ class Thresholds:
 
     host_busy_max: float = 0.5
     """GPU busy share (SM activity with GPM, else utilisation) below which a step not explained
-    by input or communication is host bound — launch- or CPU-bound (DESIGN §7 rule 4)."""
+    by input or communication is host bound — launch- or CPU-bound (docs/architecture.md §7 rule 4)."""
 
     membw_dram_min: float = 0.6
     """GPM DRAM-bandwidth activity from which a busy GPU is memory-bandwidth bound, together
-    with ``membw_tensor_max`` (DESIGN §7 rule 5)."""
+    with ``membw_tensor_max`` (docs/architecture.md §7 rule 5)."""
 
     membw_tensor_max: float = 0.3
     """Tensor-core activity below which high DRAM activity means bandwidth, not math, limits."""
@@ -52,10 +52,10 @@ class Thresholds:
     (a heuristic)."""
 
     compute_sm_min: float = 0.8
-    """SM activity from which a GPU counts as compute-saturated (DESIGN §7 rule 6)."""
+    """SM activity from which a GPU counts as compute-saturated (docs/architecture.md §7 rule 6)."""
 
     compute_tensor_min: float = 0.5
-    """Tensor-core activity required beside ``compute_sm_min`` (DESIGN §7 rule 6)."""
+    """Tensor-core activity required beside ``compute_sm_min`` (docs/architecture.md §7 rule 6)."""
 
     compute_mfu_min: float = 0.35
     """MFU from which a step is compute bound. Well-tuned large-model training reports 30–55%:
@@ -64,12 +64,12 @@ class Thresholds:
 
     straggler_score_max: float = 0.75
     """A rank whose score (its run's median compute time ÷ its own) is below this is a
-    straggler: 0.75 means a compute time above 1/0.75 ≈ 1.33× the median. (DESIGN §7 pairs
+    straggler: 0.75 means a compute time above 1/0.75 ≈ 1.33× the median. (docs/architecture.md §7 pairs
     0.75 with "≥ 1.25×", which is not the same point: 1.25× is a score of 0.8; set 0.8 for
     that.) The score is the same kind of ratio NVIDIA's nvidia-resiliency-ext straggler
     detection reports (reference ÷ own time, 0–1, 1 best); NeMo/Megatron-Bridge default its
     threshold to 0.7 against the *fastest* rank. gpumon uses the median, which one unusually
-    fast rank cannot move (DESIGN §7 rule 8)."""
+    fast rank cannot move (docs/architecture.md §7 rule 8)."""
 
     throttle_reasons: frozenset[str] = field(
         default_factory=lambda: frozenset(

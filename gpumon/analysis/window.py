@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpumon.collectors.samples import GpuSample
-from gpumon.protocol import MemoryStats, StepRecord
+from gpumon.wire import MemoryStats, StepRecord
 
 # Fields averaged over a window. Memory used is summarised by its maximum instead: the
 # highest point in a step is what matters for pressure, not the mean.

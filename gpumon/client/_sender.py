@@ -19,7 +19,7 @@ from typing import Any
 
 from gpumon.client._cuda import CudaClock, Mark, MemoryTuple
 from gpumon.client.transport import Transport
-from gpumon.protocol import MAX_FLOPS, MAX_INT, MAX_PHASES, encode_record, pack_datagrams
+from gpumon.wire import MAX_FLOPS, MAX_INT, MAX_PHASES, encode_record, pack_datagrams
 
 FLUSH_INTERVAL_S = 0.25
 """How often buffered records are sent: inside the 1 s a record may take to arrive, even when

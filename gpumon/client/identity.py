@@ -7,7 +7,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gpumon.protocol import MAX_RUN_CHARS, is_label
+from gpumon.wire import MAX_RUN_CHARS, is_label
 
 DEFAULT_RUN = "default"
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"

@@ -22,7 +22,7 @@ from gpumon.client import _core, _cuda
 from gpumon.client._sender import Sender, StepTuple
 from gpumon.client.identity import resolve_identity, resolve_socket_path
 from gpumon.client.transport import Transport, UnixDatagramTransport
-from gpumon.protocol import (
+from gpumon.wire import (
     MAX_GPU_CHARS,
     MAX_GPU_INDEX,
     MAX_LABEL_CHARS,

@@ -6,7 +6,7 @@ import errno
 import socket
 from typing import Protocol
 
-from gpumon.protocol import Record, decode_datagram
+from gpumon.wire import Record, decode_datagram
 
 SEND_FAILURES = ("no_agent", "agent_busy", "too_large", "permission_denied", "send_error")
 """What ``Transport.send`` may return instead of ``None``."""

@@ -1,1 +1,1 @@
-"""collectors layer of gpumon (see DESIGN: layering)."""
+"""Collectors: each reads one source (NVML, the host, the ingest socket) into plain samples."""

@@ -1,1 +1,1 @@
-"""export layer of gpumon (see DESIGN: layering)."""
+"""Agent state to Prometheus metric families, and the HTTP server that serves them."""

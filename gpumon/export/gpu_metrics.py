@@ -8,7 +8,7 @@ from prometheus_client.core import InfoMetricFamily, Metric
 
 from gpumon import __version__
 from gpumon.export.exposition import CounterFamily, GaugeFamily
-from gpumon.state import Snapshot
+from gpumon.agent.node import Snapshot
 
 GPU_LABELS = ["gpu", "uuid", "model"]
 

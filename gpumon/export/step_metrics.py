@@ -19,7 +19,7 @@ from gpumon.analysis.bottleneck import Bottleneck, Flag
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.samples import ProcessSample
 from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily, RenderCache
-from gpumon.steps import DURATION_BUCKETS_S, RankState
+from gpumon.agent.ranks import DURATION_BUCKETS_S, RankState
 
 RANK_LABELS = ["run", "rank"]
 # Rendered once: every rank's histogram and verdict families repeat them at each scrape.

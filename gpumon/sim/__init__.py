@@ -1,1 +1,1 @@
-"""sim layer of gpumon (see DESIGN: layering)."""
+"""A simulated node and training job: the demo, and a GPU source where there is no driver."""

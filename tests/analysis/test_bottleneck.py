@@ -22,7 +22,7 @@ from gpumon.analysis.bottleneck import (
     straggler_scores,
 )
 from gpumon.analysis.window import GpuWindow
-from gpumon.protocol import MemoryStats, StepRecord
+from gpumon.wire import MemoryStats, StepRecord
 
 PEAK = 989e12  # H100 SXM dense bf16
 HBM = 3.35e12

@@ -1,4 +1,4 @@
-"""The memory estimator: the seed's 7B case, the ZeRO paper's figures, Korthikanti activations."""
+"""The memory estimator: the classic 7B case, the ZeRO paper's figures, Korthikanti activations."""
 
 from __future__ import annotations
 

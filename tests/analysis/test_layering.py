@@ -8,7 +8,7 @@ from pathlib import Path
 
 import gpumon.analysis
 
-ALLOWED_GPUMON = {"gpumon.protocol", "gpumon.collectors.samples"}
+ALLOWED_GPUMON = {"gpumon.wire", "gpumon.collectors.samples"}
 # Modules that read clocks, touch files, sockets or processes have no place in a pure layer.
 FORBIDDEN_STDLIB = {"time", "datetime", "os", "socket", "subprocess", "threading", "io",
                     "pathlib", "random", "logging"}

@@ -13,7 +13,7 @@ from gpumon.analysis.stream import (
     attribute_gpu,
 )
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.protocol import StepRecord
+from gpumon.wire import StepRecord
 
 H100 = GpuStatic(index=0, uuid="GPU-a", name="NVIDIA H100 80GB HBM3", pci_bus_id="",
                  memory_total_bytes=80 * 1024**3)

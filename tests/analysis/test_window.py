@@ -6,7 +6,7 @@ import pytest
 
 from gpumon.analysis.window import aggregate_steps, merge_steps, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample
-from gpumon.protocol import MemoryStats, StepRecord
+from gpumon.wire import MemoryStats, StepRecord
 
 
 def sample(t: float, **fields: object) -> GpuSample:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.protocol import EventRecord, HelloRecord, Record, StepRecord, decode_datagram
+from gpumon.wire import EventRecord, HelloRecord, Record, StepRecord, decode_datagram
 
 
 class Receiver:

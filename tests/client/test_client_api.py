@@ -19,7 +19,7 @@ def test_public_api_is_exactly_the_monitor_and_its_stats() -> None:
 
 def test_importing_the_client_pulls_in_no_heavy_or_agent_modules() -> None:
     code = (
-        "import sys, gpumon.client, gpumon.client.wrap\n"
+        "import sys, gpumon.client, gpumon.client.integrations.wrap\n"
         "bad = [m for m in ('torch', 'lightning', 'transformers', 'prometheus_client', 'pynvml',"
         " 'psutil', 'gpumon.agent', 'gpumon.collectors', 'gpumon.export') if m in sys.modules]\n"
         "print(bad)\n"

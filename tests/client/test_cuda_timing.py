@@ -17,7 +17,7 @@ import pytest
 from gpumon.client import StepMonitor, _cuda
 from gpumon.client._sender import EVENT_DEADLINE_S
 from gpumon.client.transport import MemoryTransport
-from gpumon.protocol import EventRecord, HelloRecord, MemoryStats, StepRecord
+from gpumon.wire import EventRecord, HelloRecord, MemoryStats, StepRecord
 
 UUID = "5e0c7dd2-aaaa-bbbb-cccc-0123456789ab"
 

@@ -6,7 +6,7 @@ import pytest
 
 from gpumon.client import StepMonitor
 from gpumon.client.transport import MemoryTransport
-from gpumon.protocol import HelloRecord, MemoryStats, StepRecord
+from gpumon.wire import HelloRecord, MemoryStats, StepRecord
 
 UUID = "GPU-5e1a0000-0000-4000-8000-000000000003"
 

@@ -98,7 +98,7 @@ class TinyModule:
 def test_lightning_callback_reports_each_batch(receiver: Receiver) -> None:
     import lightning.pytorch as pl  # installed by scripts/setup: missing is a failure
 
-    from gpumon.client.lightning import GpumonCallback
+    from gpumon.client.integrations.lightning import GpumonCallback
 
     callback = GpumonCallback(
         run="lightning", socket_path=str(receiver.path), tokens=lambda batch: batch[0].numel()
@@ -124,7 +124,7 @@ def test_lightning_callback_reports_each_batch(receiver: Receiver) -> None:
 def test_lightning_callback_reports_oom_and_lets_it_propagate(receiver: Receiver) -> None:
     import lightning.pytorch as pl  # installed by scripts/setup: missing is a failure
 
-    from gpumon.client.lightning import GpumonCallback
+    from gpumon.client.integrations.lightning import GpumonCallback
 
     module = TinyModule.make()
     calls = {"n": 0}
@@ -160,7 +160,7 @@ def test_hf_trainer_callback_reports_optimizer_steps(
     import accelerate  # noqa: F401  (the Trainer needs it; installed by scripts/setup)
     import transformers
 
-    from gpumon.client.hf import GpumonTrainerCallback
+    from gpumon.client.integrations.hf import GpumonTrainerCallback
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the model is built from a config: no downloads
     torch.manual_seed(0)

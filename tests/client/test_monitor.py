@@ -11,8 +11,8 @@ import torch
 from gpumon.client import ClientStats, StepMonitor
 from gpumon.client.monitor import BUFFER_STEPS
 from gpumon.client.transport import MemoryTransport
-from gpumon.client.wrap import wrap_step
-from gpumon.protocol import MAX_PHASES, EventRecord, HelloRecord, StepRecord
+from gpumon.client.integrations.wrap import wrap_step
+from gpumon.wire import MAX_PHASES, EventRecord, HelloRecord, StepRecord
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 
 from gpumon.client._sender import MAX_PHASE_TEMPLATES, Sender, StepTuple
 from gpumon.client.transport import MemoryTransport
-from gpumon.protocol import MAX_PHASES, StepRecord, decode_datagram
+from gpumon.wire import MAX_PHASES, StepRecord, decode_datagram
 
 HEADER: dict[str, object] = {"v": 1, "run": "enc-test", "rank": 3, "world": 8, "pid": 42, "kind": "step"}
 

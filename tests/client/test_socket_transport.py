@@ -10,7 +10,7 @@ from pathlib import Path
 
 from gpumon.client import StepMonitor
 from gpumon.client.transport import UnixDatagramTransport
-from gpumon.protocol import MAX_DATAGRAM_BYTES
+from gpumon.wire import MAX_DATAGRAM_BYTES
 from tests.client.conftest import Receiver
 
 

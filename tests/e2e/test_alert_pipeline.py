@@ -33,7 +33,7 @@ import pytest
 import yaml
 
 from gpumon.agent import Agent
-from gpumon.config import AgentConfig
+from gpumon.agent.config import AgentConfig
 from gpumon.sim.gpus import SimulatedSource
 from gpumon.sim.job import SimulatedJob
 from gpumon.sim.schedule import PhaseKind, parse_schedule

@@ -19,7 +19,7 @@ import pytest
 
 from gpumon.agent import Agent
 from gpumon.collectors import ingest
-from gpumon.protocol import DROP_REASONS, decode_datagram, encode_datagrams
+from gpumon.wire import DROP_REASONS, decode_datagram, encode_datagrams
 from tests.helpers import (
     http_get,
     library_agent,

@@ -1,7 +1,7 @@
 """Step-record wire protocol shared by the client hook and the agent (stdlib only).
 
 One JSON object per datagram (UTF-8, at most ``MAX_DATAGRAM_BYTES``), or a JSON array of
-such objects when the client batches. See DESIGN §6.
+such objects when the client batches. docs/architecture.md §6 describes every field.
 
 Encoding: ``to_wire`` turns a record into its wire mapping; ``encode_datagrams`` packs wire
 mappings (or records) into JSON-array datagrams that each fit ``MAX_DATAGRAM_BYTES``.
@@ -161,7 +161,7 @@ _MEM_KEYS = tuple(wire for wire, _ in _MEM_WIRE)  # in MemoryStats' field order
 
 
 def to_wire(record: Record) -> dict[str, object]:
-    """The wire mapping of a record (DESIGN §6), absent fields omitted."""
+    """The wire mapping of a record (docs/architecture.md §6), absent fields omitted."""
     out: dict[str, object] = {"v": PROTOCOL_VERSION}
     if isinstance(record, StepRecord):
         out["kind"] = "step"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.config import DEFAULT_PORT, ConfigError, load_config
+from gpumon.agent.config import DEFAULT_PORT, ConfigError, load_config
 
 
 def test_defaults() -> None:

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpumon.agent import Agent
-from gpumon.protocol import DROP_REASONS, MAX_DATAGRAM_BYTES
+from gpumon.wire import DROP_REASONS, MAX_DATAGRAM_BYTES
 from tests.helpers import (
     library_agent,
     scrape_metrics,

@@ -14,9 +14,9 @@ import pytest
 
 from gpumon.agent import Agent
 from gpumon.collectors.ingest import IngestError, IngestServer, bind_socket
-from gpumon.config import AgentConfig
-from gpumon.protocol import MAX_DATAGRAM_BYTES
-from gpumon.steps import Sender, StepStore
+from gpumon.agent.config import AgentConfig
+from gpumon.wire import MAX_DATAGRAM_BYTES
+from gpumon.agent.ranks import Sender, StepStore
 from tests.helpers import (
     http_get,
     library_agent,
@@ -194,7 +194,7 @@ def test_unwritable_socket_directory_degrades_but_serves(tmp_path: Path) -> None
 
 
 def test_every_change_to_a_rank_gives_it_a_version_never_seen_before() -> None:
-    from gpumon.protocol import EventRecord, HelloRecord, StepRecord
+    from gpumon.wire import EventRecord, HelloRecord, StepRecord
 
     store = StepStore(ttl_s=10.0)
     versions = []
@@ -213,7 +213,7 @@ def test_every_change_to_a_rank_gives_it_a_version_never_seen_before() -> None:
 
 
 def test_ttl_expiry_and_rank_cap() -> None:
-    from gpumon.protocol import StepRecord
+    from gpumon.wire import StepRecord
 
     store = StepStore(ttl_s=10.0, max_ranks=2)
     records = [StepRecord(run="r", rank=k, step=0, duration_s=1.0) for k in range(3)]

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from gpumon.agent import Agent
-from gpumon.config import AgentConfig
-from gpumon.protocol import StepRecord
+from gpumon.agent.config import AgentConfig
+from gpumon.wire import StepRecord
 from gpumon.sim.gpus import SimulatedSource
-from gpumon.steps import Sender
+from gpumon.agent.ranks import Sender
 from tests.helpers import (
     http_get,
     library_agent,

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gpumon.client import StepMonitor
 from gpumon.client.transport import UnixDatagramTransport
-from gpumon.protocol import StepRecord, decode_datagram
+from gpumon.wire import StepRecord, decode_datagram
 from tests.helpers import AgentProcess, start_agent, value, values, wait_for
 
 BATCH = 16

@@ -7,8 +7,8 @@ import socket
 from pathlib import Path
 
 from gpumon.agent import Agent
-from gpumon.config import AgentConfig
-from gpumon.record import gpu_line, sample_from_line
+from gpumon.agent.config import AgentConfig
+from gpumon.agent.recorder import gpu_line, sample_from_line
 from tests.helpers import wait_for
 
 

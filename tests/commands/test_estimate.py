@@ -1,4 +1,4 @@
-"""`gpumon estimate` from the command line: the seed's 7B case, ZeRO stages, bad input."""
+"""`gpumon estimate` from the command line: the classic 7B case, ZeRO stages, bad input."""
 
 from __future__ import annotations
 

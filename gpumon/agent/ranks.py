@@ -13,7 +13,7 @@ from bisect import bisect_left
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from gpumon.protocol import KNOWN_PHASES, EventRecord, HelloRecord, Record, StepRecord
+from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, Record, StepRecord
 
 # Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
 # large-model steps; le="+Inf" is added on export.

@@ -17,8 +17,8 @@ RULE_FILES = sorted(ALERTS_DIR.glob("*.rules.yml"))
 TEST_FILES = sorted((ALERTS_DIR / "tests").glob("*.test.yml"))
 RUNBOOK_BASE = "https://github.com/gpumon/gpumon/blob/main/docs/runbooks/"
 
-# DESIGN §10: alert names are a public interface.
-DESIGN_ALERTS = (
+# Alert names are a public interface (docs/architecture.md §10).
+PUBLIC_ALERTS = (
     "GpumonTrainingOOM", "GpumonOOMRiskHigh", "GpumonOOMPredicted", "GpumonAllocatorRetries",
     "GpumonInputBound", "GpumonCommunicationBound", "GpumonLowMFU", "GpumonGpuIdleWhileTraining",
     "GpumonStepTimeRegression", "GpumonRankStraggler", "GpumonTrainingStalled", "GpumonXidError",
@@ -71,8 +71,8 @@ def test_promtool_test_rules() -> None:
 
 def test_every_design_alert_exists() -> None:
     names = {rule["alert"] for rule in _alerts()}
-    missing = sorted(set(DESIGN_ALERTS) - names)
-    assert not missing, f"alerts of DESIGN §10 missing: {missing}"
+    missing = sorted(set(PUBLIC_ALERTS) - names)
+    assert not missing, f"public alerts missing: {missing}"
 
 
 @pytest.mark.parametrize("rule", _alerts(), ids=lambda rule: rule["alert"])
@@ -106,7 +106,7 @@ def test_recording_rules_follow_the_naming_convention() -> None:
     assert len(records) == len(set(records)), "a recording rule is defined twice"
 
 
-@pytest.mark.parametrize("name", DESIGN_ALERTS)
+@pytest.mark.parametrize("name", PUBLIC_ALERTS)
 def test_every_alert_has_a_firing_case_and_a_near_miss(name: str) -> None:
     """Some evaluation expects it to fire, and some input beside it is expected not to."""
     fires = False

@@ -37,7 +37,7 @@ GIB = 1024**3
 # else must return data, and an entry here must really be empty (a stale entry fails).
 ALLOWED_EMPTY = {
     ("gpumon-node.json", "GPU memory by process"):
-        "simulated GPUs have no process list (tests/test_nvml_agent.py covers the metric)",
+        "simulated GPUs have no process list (tests/collectors/test_nvml_agent.py covers the metric)",
     ("gpumon-node.json", "XID errors by GPU"):
         "simulated GPUs raise no XID; the 'XID errors' stat shows 0 through `or vector(0)`",
 }

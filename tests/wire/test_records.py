@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumon.protocol import (
+from gpumon.wire import (
     DROP_REASONS,
     MAX_DATAGRAM_BYTES,
     MAX_RECORDS_PER_DATAGRAM,

@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from tests.helpers import ROOT, agent_env, free_port, http_get, parse_metrics, values, wait_for
-from tests.test_top import PtyProcess, row
+from tests.commands.test_top import PtyProcess, row
 
 
 def demo_command(port: int, socket_path: Path, *args: str) -> list[str]:

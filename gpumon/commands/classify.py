@@ -12,8 +12,8 @@ from pathlib import Path
 
 from gpumon.analysis.stream import StepAnalyzer, StepVerdict
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.protocol import ProtocolError, StepRecord, decode_record
-from gpumon.record import sample_from_line
+from gpumon.wire import ProtocolError, StepRecord, decode_record
+from gpumon.agent.recorder import sample_from_line
 
 
 @dataclass

@@ -23,7 +23,7 @@ from tests.fakenvml.build import FakeNvmlBuildError, build_fake_nvml
 from tests.fakenvml.fixtures import fake_nvml_env, fake_nvml_lib, fake_nvml_old_lib  # noqa: F401
 from tests.fakenvml.scenario import GPM_METRICS, SCENARIOS, Scenario, gpu_defaults
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ALL_LINKS = 0xFFFFFFFF
 
 PRELUDE = """

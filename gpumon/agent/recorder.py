@@ -1,6 +1,6 @@
 """`--record FILE.jsonl`: append every step record and GPU sample the agent sees.
 
-Step lines are wire records (kind "step"); GPU lines follow DESIGN §14's recording format.
+Step lines are wire records (kind "step"); GPU lines follow the recording format in docs/architecture.md §6.
 Writes are buffered and flushed at least every second by the caller's housekeeping, so a
 recording costs the ingest path one list append.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.protocol import StepRecord, to_wire
+from gpumon.wire import StepRecord, to_wire
 
 # GpuSample field -> recording key.
 _GPU_KEYS = (
