@@ -114,6 +114,9 @@ def _reload(node: Any, flags: dict[str, Any], log: logging.Logger) -> None:
     except (ConfigError, AgentError) as exc:
         log.error("reload failed, keeping the running configuration: %s", exc)
         return
+    except Exception:  # a reload must never take a running agent down with it
+        log.exception("reload failed, keeping the running configuration")
+        return
     log.info("configuration reloaded%s", "".join(f"; {n}" for n in notes))
 
 

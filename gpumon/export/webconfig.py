@@ -97,9 +97,12 @@ def _dummy_hash() -> bytes:
 def load_web_config(path: Path) -> WebConfig:
     """Parse and check a web config file; raises WebConfigError with a clear reason."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise WebConfigError(f"cannot read web config {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise WebConfigError(f"web config {path} is not valid UTF-8 "
+                             f"(byte {exc.start}: {exc.reason})") from exc
     except yaml.YAMLError as exc:
         raise WebConfigError(f"web config {path} is not valid YAML: {exc}") from exc
     if data is None:

@@ -92,3 +92,25 @@ def test_second_agent_on_the_same_socket_refuses_to_steal_it(tmp_path: Path) -> 
             second.stop()
         first.stop()
     assert not first.socket_path.exists()  # the second agent never removed it; the first did
+
+
+def test_sighup_with_a_config_that_is_not_utf8_keeps_the_agent(tmp_path: Path) -> None:
+    config = tmp_path / "gpumon.toml"
+    web = tmp_path / "web.yml"
+    web.write_text("")
+    config.write_text(f'[agent]\nsimulate = 1\nweb_config = "{web}"\n')
+    agent = start_agent(tmp_path, "--config", str(config))
+    try:
+        for broken, name in ((config, "config file"), (web, "web config")):
+            original = broken.read_bytes()
+            broken.write_bytes(original + b"# caf\xe9\n")  # Latin-1, as an editor may save it
+            agent.process.send_signal(signal.SIGHUP)
+            wait_for(lambda n=name, b=broken: f"{n} {b} is not valid UTF-8" in agent.log(),
+                     what=f"{name} refused on reload")
+            assert agent.process.poll() is None
+            assert agent.socket_path.exists()
+            assert http_get(agent.url + "/metrics")[0] == 200
+            broken.write_bytes(original)
+        assert "Traceback" not in agent.log()
+    finally:
+        assert agent.stop() == 0
