@@ -25,19 +25,19 @@ from prometheus_client.core import Metric
 from prometheus_client.process_collector import ProcessCollector
 
 from gpumon import __version__
+from gpumon.agent.config import AgentConfig
+from gpumon.agent.node import NodeState, NvmlStatus
+from gpumon.agent.ranks import RankState, Sender, StepStore
+from gpumon.agent.recorder import Recorder
 from gpumon.analysis.stream import RankAnalysis, StepAnalyzer
 from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.agent.config import AgentConfig
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.server import MetricsServer
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.export.webconfig import WebConfig, WebConfigError, load_web_config
 from gpumon.wire import Record
-from gpumon.agent.recorder import Recorder
-from gpumon.agent.node import NodeState, NvmlStatus
-from gpumon.agent.ranks import RankState, Sender, StepStore
 
 log = logging.getLogger(__name__)
 

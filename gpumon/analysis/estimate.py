@@ -6,7 +6,7 @@ Model states follow the usual mixed-precision accounting and the ZeRO paper (Raj
 * optimizer states, kept in fp32: Adam/AdamW m + v = 8 B/param (the common count), SGD with
   momentum 4 B, plain SGD none;
 * the fp32 master copy of the parameters that mixed-precision training keeps (4 B/param) is
-  its own item: the common 8 B/param count omits it, the ZeRO paper counts it inside its K = 12 (master 4 + m 4
+  its own item: the 8 B/param count omits it, the ZeRO paper counts it inside its K = 12 (master 4 + m 4
   + v 4). ``master_weights=True`` gives the paper's count; under fp32 there is no separate copy.
 
 ZeRO shards over the data-parallel GPUs: stage 1 the optimizer states and master copy, stage 2
@@ -298,8 +298,9 @@ def _notes(
 def _with_advice(
     est: MemoryEstimate, setup: _Setup, recompute: str, flash_attention: bool
 ) -> MemoryEstimate:
-    """The decision path of docs/architecture.md §1: fits and slow ⇒ data parallel + mixed precision; does not fit
-    ⇒ ZeRO sharding or model parallelism; scales badly ⇒ communication and batch size."""
+    """The decision path (docs/architecture.md §1): fits and slow ⇒ data parallel + mixed
+    precision; does not fit ⇒ ZeRO sharding or model parallelism; scales badly ⇒ communication
+    and batch size."""
     memory = est.gpu_memory_bytes
     mixed = "mixed precision (bf16 halves parameter and gradient memory and uses tensor cores)"
     if memory is None:

@@ -29,7 +29,7 @@ from gpumon.analysis.bottleneck import (
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
 from gpumon.analysis.oom import OomRisk, assess_oom_risk
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
-from gpumon.analysis.window import merge_steps, summarize_gpu_window
+from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.wire import StepRecord
 
@@ -179,11 +179,11 @@ class StepAnalyzer:
                 k += 1
             if k == 0:
                 continue
-            groups = _group(state.pending[:k], self.resolution_s)
+            groups = group_steps(state.pending[:k], self.resolution_s)
             last = groups[-1]
             # Hold back a recent last group shorter than the resolution: its next step may
             # still come, or be waiting. An old one (the job stopped) is analysed as it is.
-            if _span(last) < self.resolution_s \
+            if span_s(last) < self.resolution_s \
                     and (last[-1].t_end or 0.0) > cutoff - 5 * self.resolution_s:
                 groups.pop()
                 k -= len(last)
@@ -274,28 +274,6 @@ class StepAnalyzer:
         """Copies of every rank's current analysis."""
         return [replace(s.analysis, bottleneck_steps=Counter(s.analysis.bottleneck_steps))
                 for s in self._ranks.values()]
-
-
-def _group(steps: Sequence[StepRecord], resolution_s: float) -> list[list[StepRecord]]:
-    """Consecutive steps merged until each group spans the sampler's resolution; a skipped
-    step number closes a group (a lost record would otherwise count as idle time)."""
-    groups: list[list[StepRecord]] = []
-    current: list[StepRecord] = []
-    for step in steps:
-        if current and (step.step != current[-1].step + 1 or _span(current) >= resolution_s):
-            groups.append(current)
-            current = []
-        current.append(step)
-    if current:
-        groups.append(current)
-    return groups
-
-
-def _span(steps: Sequence[StepRecord]) -> float:
-    first, last = steps[0], steps[-1]
-    if first.t_start is None or last.t_end is None:
-        return sum(s.duration_s for s in steps)
-    return last.t_end - first.t_start
 
 
 def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:

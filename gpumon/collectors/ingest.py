@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from queue import SimpleQueue
 
-from gpumon.wire import MAX_DATAGRAM_BYTES, Record, decode_datagram
 from gpumon.agent.ranks import Sender
+from gpumon.wire import MAX_DATAGRAM_BYTES, Record, decode_datagram
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from prometheus_client.core import InfoMetricFamily, Metric
 
 from gpumon import __version__
-from gpumon.export.exposition import CounterFamily, GaugeFamily
 from gpumon.agent.node import Snapshot
+from gpumon.export.exposition import CounterFamily, GaugeFamily
 
 GPU_LABELS = ["gpu", "uuid", "model"]
 

@@ -15,11 +15,11 @@ from typing import NamedTuple
 
 from prometheus_client.core import Metric
 
+from gpumon.agent.ranks import DURATION_BUCKETS_S, RankState
 from gpumon.analysis.bottleneck import Bottleneck, Flag
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.samples import ProcessSample
 from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily, RenderCache
-from gpumon.agent.ranks import DURATION_BUCKETS_S, RankState
 
 RANK_LABELS = ["run", "rank"]
 # Rendered once: every rank's histogram and verdict families repeat them at each scrape.

@@ -15,9 +15,9 @@ import pytest
 
 from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
-from gpumon.wire import StepRecord
-from gpumon.sim.gpus import SimulatedSource
 from gpumon.agent.ranks import Sender
+from gpumon.sim.gpus import SimulatedSource
+from gpumon.wire import StepRecord
 from tests.helpers import (
     http_get,
     library_agent,

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from gpumon.agent import Agent
-from gpumon.collectors.ingest import IngestError, IngestServer, bind_socket
 from gpumon.agent.config import AgentConfig
-from gpumon.wire import MAX_DATAGRAM_BYTES
 from gpumon.agent.ranks import Sender, StepStore
+from gpumon.collectors.ingest import IngestError, IngestServer, bind_socket
+from gpumon.wire import MAX_DATAGRAM_BYTES
 from tests.helpers import (
     http_get,
     library_agent,

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
+from gpumon.agent.ranks import Sender, StepStore
 from gpumon.analysis.stream import StepAnalyzer
 from gpumon.collectors.samples import ProcessSample
 from gpumon.export.exposition import render
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.wire import EventRecord, HelloRecord, MemoryStats, Record, StepRecord
-from gpumon.agent.ranks import Sender, StepStore
 from tests.helpers import parse_metrics, value
 
 TTL_S = 60.0
