@@ -8,7 +8,7 @@ Model states follow the usual mixed-precision accounting and the ZeRO paper (Raj
 * optimizer states, kept in fp32: Adam/AdamW m + v = 8 B/param (the common count), SGD with
   momentum 4 B, plain SGD none;
 * the fp32 master copy of the parameters that mixed-precision training keeps (4 B/param) is
-  its own item: the common 8 B/param count omits it, the ZeRO paper counts it inside its
+  its own item: the 8 B/param count omits it, the ZeRO paper counts it inside its
   K = 12 (master 4 + m 4 + v 4). ``master_weights=True`` gives the paper's count; under fp32
   there is no separate copy.
 
