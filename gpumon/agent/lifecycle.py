@@ -30,7 +30,7 @@ from gpumon.agent.analyzer import SharedAnalyzer
 from gpumon.agent.config import AgentConfig
 from gpumon.agent.node import NodeState
 from gpumon.agent.ranks import RankStore
-from gpumon.agent.recorder import Recorder
+from gpumon.agent.recorder import Recorder, RecorderStatus
 from gpumon.agent.reload import apply_reload
 from gpumon.agent.scheduler import Periodic
 from gpumon.agent.sources import given_source_status, open_gpu_source
@@ -67,7 +67,8 @@ class Agent:
         self._host = HostSource() if config.enabled("host") else None
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
-        self._collector = AgentCollector(self.state, self.rank_store, self.analyzer)
+        self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
+                                         self._recording_status)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self._collector)
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
@@ -230,7 +231,12 @@ class Agent:
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
-        return readiness(self.state.snapshot(time.time()), self.ingest_problem, time.monotonic())
+        return readiness(self.state.snapshot(time.time()), self.ingest_problem,
+                         self._recording_status(), time.monotonic())
+
+    def _recording_status(self) -> RecorderStatus | None:
+        recorder = self._recorder
+        return recorder.status() if recorder else None
 
     def snapshot(self) -> dict[str, Any]:
         """The current state as JSON-ready data (for /api/v1/snapshot and `gpumon top`)."""

@@ -8,7 +8,7 @@ renders outside every lock. The JSON snapshot is what ``/api/v1/snapshot`` serve
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -18,9 +18,11 @@ from gpumon import __version__
 from gpumon.agent.analyzer import SharedAnalyzer
 from gpumon.agent.node import NodeSnapshot, NodeState
 from gpumon.agent.ranks import RankStore, RankTotals
+from gpumon.agent.recorder import RecorderStatus
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.samples import GpuSample
 from gpumon.export.gpu_metrics import node_families
+from gpumon.export.health_metrics import recording_families
 from gpumon.export.step_metrics import StepFamilies
 
 STUCK_AFTER_INTERVALS = 3
@@ -29,10 +31,12 @@ STUCK_AFTER_INTERVALS = 3
 class AgentCollector:
     """prometheus-client Collector: families are rendered from a snapshot at scrape time."""
 
-    def __init__(self, node: NodeState, rank_store: RankStore, analyzer: SharedAnalyzer) -> None:
+    def __init__(self, node: NodeState, rank_store: RankStore, analyzer: SharedAnalyzer,
+                 recording: Callable[[], RecorderStatus | None]) -> None:
         self._node = node
         self._rank_store = rank_store
         self._analyzer = analyzer
+        self._recording = recording
         self._step_families = StepFamilies()  # keeps each run's series rendered
 
     def collect(self) -> Iterator[Metric]:
@@ -46,13 +50,14 @@ class AgentCollector:
         yield from self._step_families.steps(self._rank_store.ranks(), records, dropped,
                                              snap.processes, resolved)
         yield from self._step_families.analyses(analyses)
+        yield from recording_families(self._recording())
 
     def describe(self) -> list[Metric]:
         """Nothing up front: registering must not do I/O."""
         return []
 
 
-def readiness(snap: NodeSnapshot, ingest_problem: str | None,
+def readiness(snap: NodeSnapshot, ingest_problem: str | None, recording: RecorderStatus | None,
               now_monotonic: float) -> tuple[bool, dict[str, Any]]:
     """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
     problems: list[str] = []
@@ -65,6 +70,10 @@ def readiness(snap: NodeSnapshot, ingest_problem: str | None,
             problems.append(f"{name}: cycle stuck for {now_monotonic - started:.0f}s")
     if ingest_problem:
         problems.append(f"ingest: {ingest_problem}")
+    if recording is not None and recording.error:
+        problems.append(f"recording: cannot write {recording.path}: {recording.error} "
+                        f"({recording.backlog_bytes} bytes waiting, "
+                        f"{recording.lines_dropped_total} lines dropped)")
     lost = [str(i) for i, s in snap.latest.items() if not s.up]
     if lost:
         problems.append(f"gpu lost: {', '.join(sorted(lost))}")
