@@ -68,7 +68,7 @@ class Agent:
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
-                                         self._recording_status)
+                                         self.recording_status)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self._collector)
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
@@ -231,10 +231,11 @@ class Agent:
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
-        return readiness(self.state.snapshot(time.time()), self.ingest_problem,
-                         self._recording_status(), time.monotonic())
+        return readiness(self.state.snapshot(time.time()), self.ingest_problem, time.monotonic(),
+                         self.recording_status())
 
-    def _recording_status(self) -> RecorderStatus | None:
+    def recording_status(self) -> RecorderStatus | None:
+        """How the ``--record`` file is doing, or None when nothing is recorded."""
         recorder = self._recorder
         return recorder.status() if recorder else None
 

@@ -34,9 +34,9 @@ class AgentCollector:
     def __init__(self, node: NodeState, rank_store: RankStore, analyzer: SharedAnalyzer,
                  recording: Callable[[], RecorderStatus | None]) -> None:
         self._node = node
+        self._recording = recording
         self._rank_store = rank_store
         self._analyzer = analyzer
-        self._recording = recording
         self._step_families = StepFamilies()  # keeps each run's series rendered
 
     def collect(self) -> Iterator[Metric]:
@@ -57,8 +57,8 @@ class AgentCollector:
         return []
 
 
-def readiness(snap: NodeSnapshot, ingest_problem: str | None, recording: RecorderStatus | None,
-              now_monotonic: float) -> tuple[bool, dict[str, Any]]:
+def readiness(snap: NodeSnapshot, ingest_problem: str | None, now_monotonic: float,
+              recording: RecorderStatus | None = None) -> tuple[bool, dict[str, Any]]:
     """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
     problems: list[str] = []
     if not snap.nvml.up:
