@@ -15,10 +15,10 @@ def test_starting_until_a_cycle_succeeds_then_ok() -> None:
     node = NodeState()
     node.set_nvml(NvmlStatus(up=True), [GPU])
     stats = node.collector("nvml", 1.0)
-    assert readiness(node.snapshot(0.0), None, None, 100.0) == (
+    assert readiness(node.snapshot(0.0), None, 100.0) == (
         False, {"status": "starting", "problems": []})
     stats.last_success_t = 1.0
-    assert readiness(node.snapshot(1.0), None, None, 100.0) == (True, {"status": "ok", "problems": []})
+    assert readiness(node.snapshot(1.0), None, 100.0) == (True, {"status": "ok", "problems": []})
 
 
 def test_degraded_names_a_stuck_cycle_a_lost_gpu_and_ingest() -> None:
@@ -28,13 +28,13 @@ def test_degraded_names_a_stuck_cycle_a_lost_gpu_and_ingest() -> None:
     host.last_success_t = 1.0
     node.collector("nvml", 1.0).running_since_monotonic = 90.0  # 10 s into a 1 s cycle
     node.put_gpu_samples([GpuSample(index=0, t=1.0, up=False)])
-    ready, body = readiness(node.snapshot(2.0), "socket directory missing", None, 100.0)
+    ready, body = readiness(node.snapshot(2.0), "socket directory missing", 100.0)
     assert ready
     assert body == {"status": "degraded", "problems": [
         "nvml: no driver", "nvml: cycle stuck for 10s", "ingest: socket directory missing",
         "gpu lost: 0"]}
     node.collector("nvml", 1.0).running_since_monotonic = 96.0  # within 3 intervals + 2 s
-    assert "nvml: cycle stuck for 4s" not in readiness(node.snapshot(2.0), None, None, 100.0)[1][
+    assert "nvml: cycle stuck for 4s" not in readiness(node.snapshot(2.0), None, 100.0)[1][
         "problems"]
 
 
