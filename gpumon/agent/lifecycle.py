@@ -345,8 +345,9 @@ class Agent:
         snap = self.state.snapshot(now)
         with self._analyzer_lock:
             self.analyzer.forget(expired)
-            slices = self.analyzer.process_in_slices(now, self._gpu_window, snap.gpus,
-                                                     snap.latest)
+            slices = self.analyzer.process_in_slices(
+                now, self._gpu_window, snap.gpus, snap.latest,
+                xid_gpus={gpu for (gpu, _), count in snap.xid_counts.items() if count})
         # A whole pass holds the GIL for 5-15 ms at 64 ranks. In slices of ~1 ms, with the
         # lock released and the GIL offered (sleep) between them, a scrape or an ingest
         # waits for one slice instead; the results are the same (see process_in_slices).
@@ -465,6 +466,8 @@ def _analysis_dict(analysis: RankAnalysis) -> dict[str, Any]:
         "mfu": verdict.mfu if verdict else None,
         "bottleneck_steps": dict(analysis.bottleneck_steps),
         "straggler_score": analysis.straggler_score,
+        "straggler_cause": analysis.straggler_cause.value if analysis.straggler_cause else None,
+        "waiting_on_rank": analysis.slower_rank.rank if analysis.slower_rank else None,
         "oom": None if oom is None else {
             "risk_ratio": oom.risk_ratio, "predicted_seconds": oom.predicted_seconds,
             "headroom_bytes": oom.headroom_bytes, "reasons": list(oom.reasons)},

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.analysis.bottleneck import Bottleneck, Flag, classify, straggler_scores
+from gpumon.analysis.bottleneck import Bottleneck, Flag, classify
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
+from gpumon.analysis.straggler import RankWork, judge_run, own_work_s
 from gpumon.analysis.window import summarize_gpu_window
 from gpumon.sim.gpus import H100_SXM, H200_SXM, SimulatedSource, gpu_model
 from gpumon.sim.job import (
@@ -120,25 +121,26 @@ def test_each_phase_kind_classifies_as_intended(kind: PhaseKind, model: str) -> 
     timeline = Timeline(one_phase(kind.value, 10), WORLD, gpu.memory_total_bytes, 100.0, False)
     cycle = [c for c in (timeline.cycle(n, 100.0) for n in range(60)) if c is not None][-1]
     source = SimulatedSource(WORLD, gpu, seed=7)
-    compute = {r: cycle.steps[r].forward_s + cycle.steps[r].backward_s
-               + cycle.steps[r].optimizer_s for r in range(WORLD)}
-    scores = straggler_scores(compute)
     for rank in range(WORLD):
         source.set_activity(rank, gpu_activity(cycle, rank))
     samples = [source.sample(1000.0 + 0.2 * i, 10.0 + 0.2 * i) for i in range(4)]
+    records = []
     for rank in range(WORLD):
-        step = cycle.steps[rank]
-        m = step.memory
-        record = StepRecord(
+        m = cycle.steps[rank].memory
+        records.append(StepRecord(
             run="sim", rank=rank, step=1, duration_s=cycle.end(rank) - cycle.starts[rank],
             t_start=1000.1, phases_s=phases_of(cycle, rank), flops=FLOPS_PER_STEP,
-            mem=MemoryStats(m["allocated"], m["reserved"], m["peak"], m["retries"], m["ooms"]))
+            mem=MemoryStats(m["allocated"], m["reserved"], m["peak"], m["retries"], m["ooms"])))
+    standings = judge_run({r.rank: RankWork(own_work_s(r), r.phases_s["data"]) for r in records})
+    for rank, record in enumerate(records):
+        standing = standings[rank]
         window = summarize_gpu_window([s[rank] for s in samples[1:]], 1000.1, 1000.7)
         verdict = classify(record, window, peak_flops=resolve_peak_flops(gpu.name),
                            memory_total_bytes=gpu.memory_total_bytes,
                            peak_dram_bytes_per_second=resolve_peak_dram(gpu.name),
                            peak_nvlink_bytes_per_second=resolve_peak_nvlink(gpu.name),
-                           straggler_score=scores[rank])
+                           straggler_score=standing.score,
+                           straggler_cause=standing.cause, slower_rank=standing.slower_rank)
         expected = EXPECTED[kind]
         if kind is PhaseKind.STRAGGLER and rank == SLOW:
             expected = Bottleneck.COMPUTE
