@@ -296,7 +296,7 @@ class StepAnalyzer:
     def _compare_ranks(self, thresholds: Thresholds) -> None:
         """Each run's straggler comparison (``straggler.judge_run``), over the ranks that are
         still reporting at the run's current world size."""
-        runs: dict[str, list[_RankState]] = {}
+        runs: dict[str, list[_RankTracker]] = {}
         for (run, _), state in self._ranks.items():
             runs.setdefault(run, []).append(state)
         for states in runs.values():
