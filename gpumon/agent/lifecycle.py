@@ -34,6 +34,7 @@ from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer
 from gpumon.collectors.samples import GpuSample, GpuStatic, SenderCredentials
 from gpumon.export.gpu_metrics import node_families
+from gpumon.export.health_metrics import recording_families
 from gpumon.export.server import MetricsServer
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.export.webconfig import WebConfig, WebConfigError, load_web_config
@@ -375,6 +376,8 @@ class Agent:
         yield from self._step_families.steps(self.rank_store.ranks(), records, dropped,
                                              snap.processes, resolved)
         yield from self._step_families.analyses(analyses)
+        recorder = self._recorder
+        yield from recording_families(recorder.status() if recorder else None)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
@@ -390,6 +393,12 @@ class Agent:
                 problems.append(f"{name}: cycle stuck for {now_monotonic - started:.0f}s")
         if self.ingest_problem:
             problems.append(f"ingest: {self.ingest_problem}")
+        recorder = self._recorder
+        recording = recorder.status() if recorder else None
+        if recording is not None and recording.error:
+            problems.append(f"recording: cannot write {recording.path}: {recording.error} "
+                            f"({recording.backlog_bytes} bytes waiting, "
+                            f"{recording.lines_dropped_total} lines dropped)")
         lost = [str(i) for i, s in snap.latest.items() if not s.up]
         if lost:
             problems.append(f"gpu lost: {', '.join(sorted(lost))}")
