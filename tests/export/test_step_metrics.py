@@ -15,6 +15,7 @@ from gpumon.analysis.stream import StepAnalyzer
 from gpumon.collectors.samples import ProcessSample, SenderCredentials
 from gpumon.export.exposition import render
 from gpumon.export.step_metrics import StepFamilies
+from gpumon.testing import Metrics
 from gpumon.wire import (
     CollectiveOp,
     CommStats,
@@ -26,7 +27,6 @@ from gpumon.wire import (
     decode_datagram,
 )
 from tests.helpers import (
-    Metrics,
     library_agent,
     parse_metrics,
     scrape_metrics,
