@@ -304,14 +304,13 @@ def _add_comm(families: _CommFamilySet, ranks: list[RankSource]) -> None:
         if not comm.measured:
             continue
         overlapped.add_metric(labels, comm.overlapped_seconds)
-        for op, totals in sorted(comm.ops.items()):
+        for op, figures in sorted(comm.ops.items()):
             op_labels = [*labels, op]
-            operations.add_metric(op_labels, float(totals.count))
-            size.add_metric(op_labels, float(totals.bytes))
-            seconds.add_metric(op_labels, totals.seconds)
-            rate = totals.bus_bytes_per_second(op, state.world)
-            if rate is not None:
-                bus.add_metric(op_labels, rate)
+            operations.add_metric(op_labels, float(figures.count))
+            size.add_metric(op_labels, float(figures.bytes))
+            seconds.add_metric(op_labels, figures.seconds)
+            if figures.bus_bytes_per_second is not None:
+                bus.add_metric(op_labels, figures.bus_bytes_per_second)
 
 
 # --- the straggler comparison, per rank (from RankAnalysis) ---------------------------------
