@@ -39,7 +39,7 @@ __all__ = [
 
 
 class Bottleneck(str, Enum):
-    """The wall a step is hitting (the five walls of docs/architecture.md §1, plus ``host`` and ``unknown``)."""
+    """The wall a step is hitting (the five walls, docs/architecture.md §1, plus host and unknown)."""
 
     INPUT = "input"
     HOST = "host"

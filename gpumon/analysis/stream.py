@@ -29,11 +29,12 @@ from gpumon.analysis.bottleneck import (
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
 from gpumon.analysis.oom import OomRisk, assess_oom_risk
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
-from gpumon.analysis.window import merge_steps, summarize_gpu_window
+from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.wire import StepRecord
 
 RankKey = tuple[str, int]
+"""(run, rank): how a rank of a run is named everywhere in the agent."""
 History = Callable[[int, float, float], Sequence[GpuSample]]
 """(gpu index, t0, t1) -> that GPU's samples with t0 <= t <= t1."""
 
@@ -75,7 +76,10 @@ class StepVerdict:
 
 
 @dataclass
-class _RankState:
+class _RankTracker:
+    """The analyzer's working state for one rank: steps waiting for their GPU samples and
+    the recent figures its verdicts and scores need; ``analysis`` is what it has concluded."""
+
     analysis: RankAnalysis
     pending: list[StepRecord] = field(default_factory=list)
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=COMPUTE_HISTORY))
@@ -113,13 +117,13 @@ class StepAnalyzer:
         self.lag_s = resolution_s + 0.5
         self.thresholds = thresholds
         self._peak_override = peak_flops_override
-        self._ranks: dict[RankKey, _RankState] = {}
+        self._ranks: dict[RankKey, _RankTracker] = {}
 
     def add(self, steps: Iterable[StepRecord], received_t: float,
             pids: Mapping[RankKey, int | None] | None = None) -> None:
         """Queue steps; a step without ``t_start``, or one claiming to end well after it
         was received (a client clock running ahead), is taken to have ended when received."""
-        full: list[_RankState] = []
+        full: list[_RankTracker] = []
         for step in steps:
             end = step.t_end
             if end is None or end > received_t + CLOCK_SKEW_TOLERANCE_S:
@@ -127,7 +131,7 @@ class StepAnalyzer:
             key = (step.run, step.rank)
             state = self._ranks.get(key)
             if state is None:
-                state = self._ranks[key] = _RankState(RankAnalysis(step.run, step.rank))
+                state = self._ranks[key] = _RankTracker(RankAnalysis(step.run, step.rank))
             state.pending.append(step)
             if pids and pids.get(key) is not None:
                 state.last_pid = pids[key]
@@ -179,11 +183,11 @@ class StepAnalyzer:
                 k += 1
             if k == 0:
                 continue
-            groups = _group(state.pending[:k], self.resolution_s)
+            groups = group_steps(state.pending[:k], self.resolution_s)
             last = groups[-1]
             # Hold back a recent last group shorter than the resolution: its next step may
             # still come, or be waiting. An old one (the job stopped) is analysed as it is.
-            if _span(last) < self.resolution_s \
+            if span_s(last) < self.resolution_s \
                     and (last[-1].t_end or 0.0) > cutoff - 5 * self.resolution_s:
                 groups.pop()
                 k -= len(last)
@@ -204,7 +208,7 @@ class StepAnalyzer:
         if done:
             yield done
 
-    def _analyse(self, state: _RankState, group: StepRecord, steps: int, last: StepRecord,
+    def _analyse(self, state: _RankTracker, group: StepRecord, steps: int, last: StepRecord,
                  history: History, statics: Mapping[int, GpuStatic],
                  latest: Mapping[int, GpuSample], thresholds: Thresholds) -> Verdict:
         analysis = state.analysis
@@ -274,28 +278,6 @@ class StepAnalyzer:
         """Copies of every rank's current analysis."""
         return [replace(s.analysis, bottleneck_steps=Counter(s.analysis.bottleneck_steps))
                 for s in self._ranks.values()]
-
-
-def _group(steps: Sequence[StepRecord], resolution_s: float) -> list[list[StepRecord]]:
-    """Consecutive steps merged until each group spans the sampler's resolution; a skipped
-    step number closes a group (a lost record would otherwise count as idle time)."""
-    groups: list[list[StepRecord]] = []
-    current: list[StepRecord] = []
-    for step in steps:
-        if current and (step.step != current[-1].step + 1 or _span(current) >= resolution_s):
-            groups.append(current)
-            current = []
-        current.append(step)
-    if current:
-        groups.append(current)
-    return groups
-
-
-def _span(steps: Sequence[StepRecord]) -> float:
-    first, last = steps[0], steps[-1]
-    if first.t_start is None or last.t_end is None:
-        return sum(s.duration_s for s in steps)
-    return last.t_end - first.t_start
 
 
 def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:

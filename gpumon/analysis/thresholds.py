@@ -1,4 +1,4 @@
-"""The bottleneck classifier's thresholds (docs/architecture.md §7), each named, documented and overridable."""
+"""The bottleneck classifier's thresholds (docs/architecture.md §7): named, documented, overridable."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 NVML's utilisation counters are averages over the driver's own sample period (1/6 s to 1 s),
 so a step shorter than the sampler's resolution sees zero or one sample. Such steps are
-merged with their neighbours (``aggregate_steps``) before their window is summarised; the
+grouped with the steps after them (``group_steps``) and merged (``merge_steps``) before their
+window is summarised; the
 driver-buffered utilisation samples of ``nvmlDeviceGetSamples`` are simply more ``GpuSample``s
 with only ``utilization_ratio`` set, and count like any other.
 """
@@ -185,32 +186,32 @@ def merge_steps(steps: Sequence[StepRecord]) -> StepRecord:
     )
 
 
-def aggregate_steps(steps: Sequence[StepRecord], min_window_s: float) -> list[StepRecord]:
-    """Merge runs of consecutive steps until each merged step lasts at least ``min_window_s``.
+def group_steps(steps: Sequence[StepRecord], min_window_s: float) -> list[list[StepRecord]]:
+    """Consecutive steps of one rank, in groups that each span ``min_window_s``.
 
-    A group closes once it spans ``min_window_s``; it is broken early where the rank changes or
-    a step number is skipped (a lost record would otherwise be counted as idle time). The last
-    group may be shorter than ``min_window_s``: a streaming caller holds it back until more
-    steps arrive.
+    A group closes once it spans ``min_window_s`` (see ``span_s``); a skipped step number
+    closes it early (a lost record would otherwise be counted as idle time). The last group may
+    be shorter than ``min_window_s``: a streaming caller holds it back until more steps arrive.
     """
-    merged: list[StepRecord] = []
-    group: list[StepRecord] = []
+    groups: list[list[StepRecord]] = []
+    current: list[StepRecord] = []
     for step in steps:
-        if group and not _continues(group[-1], step):
-            merged.append(merge_steps(group))
-            group = []
-        group.append(step)
-        candidate = merge_steps(group)
-        if candidate.duration_s >= min_window_s:
-            merged.append(candidate)
-            group = []
-    if group:
-        merged.append(merge_steps(group))
-    return merged
+        if current and (step.step != current[-1].step + 1 or span_s(current) >= min_window_s):
+            groups.append(current)
+            current = []
+        current.append(step)
+    if current:
+        groups.append(current)
+    return groups
 
 
-def _continues(previous: StepRecord, step: StepRecord) -> bool:
-    return (step.run, step.rank) == (previous.run, previous.rank) and step.step == previous.step + 1
+def span_s(steps: Sequence[StepRecord]) -> float:
+    """Seconds from the first step's start to the last one's end (the sum of their durations
+    when a start is unknown)."""
+    first, last = steps[0], steps[-1]
+    if first.t_start is None or last.t_end is None:
+        return sum(s.duration_s for s in steps)
+    return last.t_end - first.t_start
 
 
 def _sum_if_all(values: Sequence[int | None]) -> int | None:

@@ -10,10 +10,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpumon.agent.recorder import sample_from_line
 from gpumon.analysis.stream import StepAnalyzer, StepVerdict
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.wire import ProtocolError, StepRecord, decode_record
-from gpumon.agent.recorder import sample_from_line
 
 
 @dataclass

@@ -25,11 +25,11 @@ from rich.text import Text
 
 from gpumon.agent import Agent, AgentError
 from gpumon.agent.config import AgentConfig
+from gpumon.commands.top import render, stop_on_signals
 from gpumon.export.server import ServeError
 from gpumon.sim.gpus import SimulatedSource, gpu_model
 from gpumon.sim.job import SimulatedJob, check_job, describe
 from gpumon.sim.schedule import Schedule
-from gpumon.commands.top import render, stop_on_signals
 
 RUN = "demo"
 ADDRESS = "127.0.0.1"  # a demo on a laptop has no business listening on every interface

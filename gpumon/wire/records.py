@@ -44,6 +44,13 @@ PHASE_SLACK_S = 0.001
 """A phase may exceed its step's duration by this much (rounding by clients)."""
 MAX_UNIX_TIME_S = 1e10
 MAX_FLOPS = 1e30
+MAX_COLLECTIVE_KINDS = 16
+"""Most kinds of collective (``all_reduce``, ``all_gather``, ...) one step's ``comm`` may list."""
+MAX_COLLECTIVE_CHARS = 32
+"""Longest collective kind name."""
+
+MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "other")
+"""The parts of a rank's memory the sampled breakdown (``memb``) names, in wire and field order."""
 
 DROP_REASONS = (
     "too_large",
@@ -57,6 +64,8 @@ DROP_REASONS = (
     "bad_type",
     "bad_value",
     "bad_label",
+    "bad_comm",
+    "bad_memory_breakdown",
 )
 """Every reason ``decode_datagram`` can give for a rejected object or datagram."""
 
@@ -72,6 +81,41 @@ class MemoryStats:
     peak_bytes: int | None = None
     alloc_retries: int | None = None
     ooms: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveOp:
+    """One kind of collective in a step: how many ran, their payload and their summed time."""
+
+    name: str
+    count: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class CommStats:
+    """Collective communication measured during one step.
+
+    ``exposed_s`` is how long the training thread was blocked waiting on collectives (how much
+    they lengthened the step); ``busy_s`` how long any collective was in flight (the union of
+    their intervals, including what overlapped compute). Both are at most the step's duration.
+    """
+
+    exposed_s: float
+    busy_s: float
+    ops: tuple[CollectiveOp, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryBreakdown:
+    """A rank's memory by what holds it, in bytes, as sampled on some steps (absent: not measured)."""
+
+    parameters: int | None = None
+    gradients: int | None = None
+    optimizer_states: int | None = None
+    activations: int | None = None
+    other: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +136,8 @@ class StepRecord:
     gpu: str | int | None = None
     pid: int | None = None
     mem: MemoryStats | None = None
+    comm: CommStats | None = None
+    memory_breakdown: MemoryBreakdown | None = None
 
     @property
     def t_end(self) -> float | None:
@@ -183,6 +229,11 @@ def to_wire(record: Record) -> dict[str, object]:
         if record.mem is not None:
             mem = {w: getattr(record.mem, a) for w, a in _MEM_WIRE}
             fields["mem"] = {k: v for k, v in mem.items() if v is not None}
+        if record.comm is not None:
+            fields["comm"] = _comm_wire(record.comm)
+        if record.memory_breakdown is not None:
+            parts = {name: getattr(record.memory_breakdown, name) for name in MEMORY_COMPONENTS}
+            fields["memb"] = {k: v for k, v in parts.items() if v is not None}
     elif isinstance(record, EventRecord):
         out["kind"] = "event"
         fields = {
@@ -207,6 +258,14 @@ def to_wire(record: Record) -> dict[str, object]:
             "client_version": record.client_version,
         }
     out.update((k, v) for k, v in fields.items() if v is not None)
+    return out
+
+
+def _comm_wire(comm: CommStats) -> dict[str, object]:
+    """The ``comm`` field of a step: ``{"exposed", "busy", "ops": {name: [count, bytes, s]}}``."""
+    out: dict[str, object] = {"exposed": comm.exposed_s, "busy": comm.busy_s}
+    if comm.ops:
+        out["ops"] = {op.name: [op.count, op.bytes, op.seconds] for op in comm.ops}
     return out
 
 
@@ -368,8 +427,12 @@ def _decode_step(obj: dict[str, object]) -> StepRecord:
     pid = obj.get("pid")
     if pid is not None and (type(pid) is not int or not 0 < pid <= MAX_PID):
         pid = _pid(obj)
+    comm = obj.get("comm")
+    comm_stats = None if comm is None else _comm(comm, duration)
+    memb = obj.get("memb")
+    breakdown = None if memb is None else _memory_breakdown(memb)
     return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
-                      tokens, flops, gpu, pid, mem_stats)
+                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown)
 
 
 def _decode_event(obj: dict[str, object]) -> EventRecord:
@@ -510,3 +573,52 @@ def _pid(obj: Mapping[str, object]) -> int | None:
     if pid == 0:
         raise ProtocolError("bad_value", "pid")
     return pid
+
+
+def _comm(value: object, duration: float) -> CommStats:
+    """A step's ``comm`` field; anything wrong in it is ``bad_comm``."""
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_comm", "not an object")
+    limit = duration * (1 + PHASE_SLACK_RATIO) + PHASE_SLACK_S
+    exposed = _comm_number(value.get("exposed"), "exposed", limit)
+    busy = _comm_number(value.get("busy"), "busy", limit)
+    ops_value = value.get("ops")
+    ops: list[CollectiveOp] = []
+    if ops_value is not None:
+        if not isinstance(ops_value, dict):
+            raise ProtocolError("bad_comm", "ops")
+        if len(ops_value) > MAX_COLLECTIVE_KINDS:
+            raise ProtocolError("bad_comm", "too many collective kinds")
+        for name, figures in ops_value.items():
+            if not is_label(name, MAX_COLLECTIVE_CHARS):
+                raise ProtocolError("bad_comm", "collective name")
+            if not isinstance(figures, list) or len(figures) != 3:
+                raise ProtocolError("bad_comm", f"{name}: expected [count, bytes, seconds]")
+            count, size, seconds = figures
+            if not (type(count) is int and 0 <= count <= MAX_INT
+                    and type(size) is int and 0 <= size <= MAX_INT):
+                raise ProtocolError("bad_comm", f"{name}: count and bytes")
+            ops.append(CollectiveOp(name, count, size,
+                                    _comm_number(seconds, name, MAX_DURATION_S)))
+    return CommStats(exposed, busy, tuple(ops))
+
+
+def _comm_number(value: object, what: str, maximum: float) -> float:
+    if type(value) is float and 0.0 <= value <= maximum:
+        return value
+    if type(value) is int and 0 <= value <= maximum:
+        return float(value)
+    raise ProtocolError("bad_comm", what)
+
+
+def _memory_breakdown(value: object) -> MemoryBreakdown:
+    """A step's ``memb`` field; anything wrong in it is ``bad_memory_breakdown``."""
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_memory_breakdown", "not an object")
+    parts: list[int | None] = []
+    for name in MEMORY_COMPONENTS:
+        size = value.get(name)
+        if size is not None and not (type(size) is int and 0 <= size <= MAX_INT):
+            raise ProtocolError("bad_memory_breakdown", name)
+        parts.append(size)
+    return MemoryBreakdown(*parts)

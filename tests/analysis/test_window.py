@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpumon.analysis.window import aggregate_steps, merge_steps, summarize_gpu_window
+from gpumon.analysis.window import group_steps, merge_steps, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample
 from gpumon.wire import MemoryStats, StepRecord
 
@@ -140,20 +140,20 @@ def test_merge_refuses_mixed_ranks_and_empty() -> None:
         ([0.125] * 4, 0.0, [1, 1, 1, 1]),
     ],
 )
-def test_aggregate_groups_until_the_window_is_wide_enough(
+def test_groups_close_once_the_window_is_wide_enough(
     durations: list[float], min_window_s: float, expected_groups: list[int]
 ) -> None:
     steps, t = [], 0.0
     for n, d in enumerate(durations, start=1):
         steps.append(step(n, t, d))
         t += d
-    merged = aggregate_steps(steps, min_window_s)
+    merged = [merge_steps(g) for g in group_steps(steps, min_window_s)]
     assert [m.step for m in merged] == list(_cumulative(expected_groups))
 
 
-def test_aggregate_breaks_at_a_skipped_step() -> None:
+def test_a_skipped_step_closes_a_group() -> None:
     steps = [step(1, 0.0), step(2, 0.1), step(4, 0.3), step(5, 0.4)]
-    merged = aggregate_steps(steps, 1.0)
+    merged = [merge_steps(g) for g in group_steps(steps, 1.0)]
     assert [(m.step, round(m.duration_s, 6)) for m in merged] == [(2, 0.2), (5, 0.2)]
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gpumon.client import ClientStats, StepMonitor
+from gpumon.client.integrations.wrap import wrap_step
 from gpumon.client.monitor import BUFFER_STEPS
 from gpumon.client.transport import MemoryTransport
-from gpumon.client.integrations.wrap import wrap_step
 from gpumon.wire import MAX_PHASES, EventRecord, HelloRecord, StepRecord
 
 

@@ -27,7 +27,7 @@ json_values = st.recursive(
     max_leaves=20,
 )
 FIELDS = ("v", "kind", "run", "rank", "step", "duration", "phases", "mem", "world", "gpu",
-          "pid", "t_start", "samples", "tokens", "flops", "event")
+          "pid", "t_start", "samples", "tokens", "flops", "event", "comm", "memb")
 hostile_records = st.fixed_dictionaries(
     {"v": st.sampled_from([1, 1, 2, "1", True, None])},
     optional={name: json_values for name in FIELDS[1:]},

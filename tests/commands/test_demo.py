@@ -10,8 +10,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import ROOT, agent_env, free_port, http_get, parse_metrics, values, wait_for
 from tests.commands.test_top import PtyProcess, row
+from tests.helpers import ROOT, agent_env, free_port, http_get, parse_metrics, values, wait_for
 
 
 def demo_command(port: int, socket_path: Path, *args: str) -> list[str]:

@@ -22,10 +22,10 @@ from rich.console import Console
 
 from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
+from gpumon.commands.top import render, snapshot_url
 from gpumon.sim.gpus import SimulatedSource
 from gpumon.sim.job import SimulatedJob
 from gpumon.sim.schedule import parse_schedule
-from gpumon.commands.top import render, snapshot_url
 from tests.helpers import ROOT, agent_env, free_port, wait_for
 
 GIB = 1024**3

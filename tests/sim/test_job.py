@@ -15,7 +15,6 @@ import pytest
 from gpumon.analysis.bottleneck import Bottleneck, Flag, classify, straggler_scores
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
 from gpumon.analysis.window import summarize_gpu_window
-from gpumon.wire import MemoryStats, StepRecord, decode_datagram
 from gpumon.sim.gpus import H100_SXM, H200_SXM, SimulatedSource, gpu_model
 from gpumon.sim.job import (
     FLOPS_PER_STEP,
@@ -26,6 +25,7 @@ from gpumon.sim.job import (
     gpu_activity,
 )
 from gpumon.sim.schedule import PhaseKind, Schedule, parse_schedule
+from gpumon.wire import MemoryStats, StepRecord, decode_datagram
 
 WORLD = 4
 SLOW = WORLD - 1

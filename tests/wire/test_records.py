@@ -276,7 +276,8 @@ field_values = st.one_of(
 @settings(max_examples=1000)
 @given(
     base=st.sampled_from([FULL_STEP, MINIMAL_STEP, EVENT, HELLO]),
-    changes=st.dictionaries(st.sampled_from(sorted(FULL_STEP) + ["event", "message"]), field_values),
+    changes=st.dictionaries(st.sampled_from(sorted(FULL_STEP) + ["event", "message", "comm", "memb"]),
+                            field_values),
 )
 def test_mutated_records_are_either_valid_or_one_rejection(
     base: dict[str, object], changes: dict[str, object]
