@@ -11,7 +11,8 @@ hand-timed phase can hold them. Two measurements make up a step's ``comm`` field
   waiter's wake-up). The union of these intervals within the step is ``busy``; per kind
   of collective: count, payload bytes (the buffer size nccl-tests calls "size": the tensor for
   all-reduce and broadcast, the whole gathered output for all-gather, the whole input for
-  reduce-scatter and all-to-all) and summed seconds.
+  reduce-scatter and all-to-all) and summed seconds. ``busy`` also covers the exposed time
+  below, so ``busy - exposed`` is what overlapped the step's other work.
 - **exposed**: how long the training thread was held up by them: blocking calls, the launch
   of asynchronous ones, and waits the watcher of a wrapper can see (``ddp.py``: DDP's wait for
   its gradient buckets at the end of backward). The union of these intervals within the step.
@@ -212,9 +213,12 @@ class CommLedger:
             self.steps_not_timed += 1
             return
         self.steps_measured += 1
+        exposed = union_seconds(blocked, t_begin, t_end)
         fields["comm"] = {
-            "exposed": union_seconds(blocked, t_begin, t_end),
-            "busy": union_seconds(busy, t_begin, t_end),
+            "exposed": exposed,
+            # Work done for communication on the training thread (a hook compressing, DDP
+            # copying buckets back) is communication time too: busy covers what is exposed.
+            "busy": max(exposed, union_seconds(busy + blocked, t_begin, t_end)),
             "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
         }
 

@@ -79,7 +79,8 @@ def test_a_wait_ends_at_the_last_completion_or_when_resumed() -> None:
     ledger.step_end(fields)
     comm = fields["comm"]
     assert comm["exposed"] > 0.015  # type: ignore[index]  # up to the stamp, ~20 ms in
-    assert comm["busy"] == pytest.approx(0.008)  # type: ignore[index]
+    # the wait after the completion is communication's too: busy covers it
+    assert comm["busy"] == pytest.approx(comm["exposed"])  # type: ignore[index]
 
 
 def test_an_operation_across_a_step_end_is_counted_once() -> None:

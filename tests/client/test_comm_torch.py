@@ -19,9 +19,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpumon.client import comm
+from gpumon.client import StepMonitor, comm
 from gpumon.client.comm import CommLedger, tap_into, untap
 from gpumon.client.ddp import HOOKED, INFERRED, NOT_MEASURED, watch_ddp
+from gpumon.client.transport import MemoryTransport
+from gpumon.wire import StepRecord
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -210,3 +212,31 @@ def test_a_ddp_without_the_expected_internals_is_not_measured(ledger: CommLedger
         process_group = None
 
     assert watch_ddp(ledger, OldDdp()) == NOT_MEASURED
+
+
+def test_a_watched_ddp_reports_comm_on_every_step_record() -> None:
+    transport = MemoryTransport()
+    mon = StepMonitor("comm-test", transport=transport, rank=0, world=1)
+    ddp = DDP(_model())
+    assert mon.watch(ddp) is ddp
+    assert mon.watch(ddp) is ddp  # idempotent
+    assert mon.watch(nn.Linear(2, 2)) is not None  # a plain module: nothing to do, no error
+    for _ in range(3):
+        with mon.step():
+            with mon.phase("forward"):
+                loss = ddp(torch.randn(4, 64)).sum()
+            with mon.phase("backward"):
+                loss.backward()
+    with mon.step():  # no collective in this step: a measured zero
+        pass
+    mon.close()
+    steps = [r for r in transport.records() if isinstance(r, StepRecord)]
+    assert len(steps) == 4
+    for record in steps[:3]:
+        assert record.comm is not None
+        (op,) = record.comm.ops
+        assert (op.name, op.count, op.bytes) == ("all_reduce", 1, _grad_bytes(ddp))
+        assert 0 < record.comm.exposed_s <= record.comm.busy_s <= record.duration_s
+        assert record.comm.exposed_s <= record.phases_s["backward"]
+    assert steps[3].comm is not None and steps[3].comm.ops == () and steps[3].comm.busy_s == 0.0
+    assert mon.stats.extension_errors == 0
