@@ -86,22 +86,38 @@ class Op:
 
 class Tail:
     """A wait of the training thread from ``start`` until its step's operations completed,
-    or until ``end``, stamped by a callback that ran when the waiter resumed."""
+    or until ``end``, stamped by a callback that ran when the waiter resumed.
 
-    __slots__ = ("start", "end")
+    With ``mirrored``, the work between the last completion and ``end`` (DDP copying each
+    bucket back into the gradients) was done once before too, unseen (DDP copying each
+    gradient into its bucket as it became ready, inside backward): the same bytes, so it is
+    taken to have cost the same, and counted as exposed once more. Where no copy is made
+    (``gradient_as_bucket_view=True``) both are nil.
+    """
 
-    def __init__(self, start: float) -> None:
+    __slots__ = ("start", "end", "mirrored")
+
+    def __init__(self, start: float, mirrored: bool = False) -> None:
         self.start = start
         self.end: float | None = None
+        self.mirrored = mirrored
 
     def resumed(self) -> None:
         self.end = perf_counter()
 
     def interval(self, ops: Iterable[Op]) -> tuple[float, float] | None:
+        """When the wait was, if it can be told."""
+        ends = [op.t_done for op in ops if op.t_done is not None]
         if self.end is not None:
             return (self.start, self.end)
-        ends = [op.t_done for op in ops if op.t_done is not None]
         return (self.start, max(ends)) if ends else None
+
+    def unseen_s(self, ops: Iterable[Op]) -> float:
+        """Seconds of the mirrored work done before the wait (0 unless ``mirrored``)."""
+        if not self.mirrored or self.end is None:
+            return 0.0
+        ends = [op.t_done for op in ops if op.t_done is not None and op.t_done <= self.end]
+        return self.end - max(ends) if ends else 0.0
 
 
 class CommLedger:
@@ -164,11 +180,12 @@ class CommLedger:
         if self._t_begin is not None:
             self._blocked.append((t0, t1))
 
-    def wait_from(self, start: float) -> Tail | None:
-        """The training thread waits from ``start`` until the step's collectives complete."""
+    def wait_from(self, start: float, mirrored: bool = False) -> Tail | None:
+        """The training thread waits from ``start`` until the step's collectives complete
+        (see ``Tail`` for ``mirrored``)."""
         if self._t_begin is None:
             return None
-        tail = Tail(start)
+        tail = Tail(start, mirrored)
         self._tails.append(tail)
         return tail
 
@@ -203,22 +220,25 @@ class CommLedger:
             with self._lock:
                 self._ops[:0] = carried
         blocked = self._blocked
+        unseen_s = 0.0
         for tail in self._tails:
             interval = tail.interval(ops)
             if interval is not None:
                 blocked.append(interval)
+            unseen_s += tail.unseen_s(ops)
         if self.infer_tail:
             blocked.extend(_inferred_tail(ops))
         if self._untimed or self.blind:
             self.steps_not_timed += 1
             return
         self.steps_measured += 1
-        exposed = union_seconds(blocked, t_begin, t_end)
+        window_s = t_end - t_begin
+        exposed = min(window_s, union_seconds(blocked, t_begin, t_end) + unseen_s)
         fields["comm"] = {
             "exposed": exposed,
             # Work done for communication on the training thread (a hook compressing, DDP
             # copying buckets back) is communication time too: busy covers what is exposed.
-            "busy": max(exposed, union_seconds(busy + blocked, t_begin, t_end)),
+            "busy": min(window_s, max(exposed, union_seconds(busy + blocked, t_begin, t_end) + unseen_s)),
             "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
         }
 

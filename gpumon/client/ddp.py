@@ -2,8 +2,11 @@
 
 DDP launches one all-reduce per gradient bucket from inside backward and, once the last
 bucket is launched, waits for all of them before backward returns (its "finalize"); that
-wait, and the hook's own work on the training thread (dividing, compressing), is the
-exposed communication. The all-reduces themselves are measured where they are called
+wait, the hook's own work on the training thread (dividing, compressing) and DDP's copies of
+the gradients into and out of the buckets (``comm.Tail``) are the exposed communication.
+Measured against ``1 - t(no_sync) / t(sync)`` in the same job (tests/e2e), on CPU it reads
+lower by the slowdown the all-reduce threads cause the backward they overlap, competing for
+the same cores. The all-reduces themselves are measured where they are called
 (``comm``'s wrapped ``torch.distributed`` functions), so a user's hook is measured by what
 it actually sends.
 
@@ -100,7 +103,7 @@ def _wrapper(ledger: CommLedger, hooks: _Hooks) -> Any:
         ledger.blocked(t0, t1)
         is_last = getattr(bucket, "is_last", None)
         if is_last is not None and is_last():
-            tail = ledger.wait_from(t1)
+            tail = ledger.wait_from(t1, mirrored=True)
             if tail is not None:
                 _stamp_after_backward(tail)
         return future
