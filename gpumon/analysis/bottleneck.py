@@ -215,8 +215,10 @@ def classify(
     ``previous_alloc_retries``/``previous_ooms`` are the rank's cumulative allocator counters at
     its previous step: retries or OOMs *rising* signal pressure (without ``previous_ooms``, any
     OOM so far does). ``straggler_score``, ``straggler_cause`` and ``slower_rank`` come from
-    comparing the run's ranks (``straggler.judge_run``): a score under the threshold flags
-    this rank; ``slower_rank`` names the rank it waits for when its verdict is communication.
+    comparing the run's ranks (``straggler.judge_run``): a cause flags this rank as its
+    run's straggler (a score alone does not: the comparison also weighs the extra's share
+    of the step and its persistence); ``slower_rank`` names the rank it waits for when its
+    verdict is communication.
     """
     th = thresholds
     measured = phase_fractions(step)
@@ -323,7 +325,7 @@ def classify(
             confidence *= _PENALTIES[name]
     confidence = min(1.0, max(0.0, confidence))
 
-    flags = _flags(step, gpu, memory_total_bytes, straggler_score, previous_alloc_retries,
+    flags = _flags(step, gpu, memory_total_bytes, straggler_cause, previous_alloc_retries,
                    previous_ooms, th)
     cause = None
     for flag in (Flag.MEMORY_PRESSURE, Flag.THROTTLED, Flag.STRAGGLER):
@@ -340,7 +342,7 @@ def _flags(
     step: StepRecord,
     gpu: GpuWindow | None,
     memory_total_bytes: int | None,
-    straggler_score: float | None,
+    straggler_cause: StragglerCause | None,
     previous_alloc_retries: int | None,
     previous_ooms: int | None,
     th: Thresholds,
@@ -368,7 +370,9 @@ def _flags(
         gpu.clock_event_fractions.get(reason, 0.0) > 0 for reason in th.throttle_reasons
     ):
         flags.add(Flag.THROTTLED)
-    if straggler_score is not None and straggler_score < th.straggler_score_max:
+    if straggler_cause is not None:
+        # The comparison decided (score, share of the step, persistence); a score alone may
+        # be low on a rank that is not worth flagging.
         flags.add(Flag.STRAGGLER)
     return flags
 

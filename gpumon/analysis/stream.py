@@ -93,6 +93,8 @@ class _RankTracker:
     analysis: RankAnalysis
     pending: list[StepRecord] = field(default_factory=list)
     own_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    own_steps: deque[int] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    """Steps merged into each entry of ``own_s``: how many steps the comparison covers."""
     data_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
@@ -154,6 +156,7 @@ class StepAnalyzer:
                     state.analysis.world_changes += 1
                     state.analysis.version = next(_versions)
                     state.own_s.clear()
+                    state.own_steps.clear()
                     state.data_s.clear()
                 state.world = step.world
             state.last_end_t = max(state.last_end_t, step.t_end or received_t)
@@ -269,6 +272,7 @@ class StepAnalyzer:
         analysis.verdict_step = last.step
         analysis.bottleneck_steps[verdict.primary.value] += steps
         state.own_s.append(own_work_s(group) / steps)
+        state.own_steps.append(steps)
         state.data_s.append(group.phases_s.get("data", 0.0) / steps if group.phases_s else None)
         state.sm_clock_hz = window.sm_clock_hz if window is not None else None
         state.gpu_trouble = Flag.THROTTLED in verdict.flags or index in xid_gpus
@@ -314,11 +318,7 @@ class StepAnalyzer:
                 if newest.last_end_t - state.last_end_t > behind_s:
                     silent.add(rank)
                 elif state.own_s:
-                    data = [d for d in state.data_s if d is not None]
-                    works[rank] = RankWork(
-                        statistics.median(state.own_s),
-                        statistics.median(data) if data else None,
-                        state.sm_clock_hz, state.gpu_trouble)
+                    works[rank] = _rank_work(state)
             standings = judge_run(works, frozenset(silent), thresholds)
             for state in states:
                 analysis = state.analysis
@@ -334,6 +334,18 @@ class StepAnalyzer:
         """Copies of every rank's current analysis."""
         return [replace(s.analysis, bottleneck_steps=Counter(s.analysis.bottleneck_steps))
                 for s in self._ranks.values()]
+
+
+def _rank_work(state: _RankTracker) -> RankWork:
+    """A rank's recent own work, as the straggler comparison reads it."""
+    own = list(state.own_s)
+    low, high = (statistics.quantiles(own, n=4, method="inclusive")[::2] if len(own) > 1
+                 else (own[0], own[0]))
+    data = [d for d in state.data_s if d is not None]
+    return RankWork(statistics.median(own), statistics.median(data) if data else None,
+                    state.sm_clock_hz, state.gpu_trouble, own_low_s=low, own_high_s=high,
+                    step_s=statistics.median(state.durations) if state.durations else None,
+                    steps=sum(state.own_steps))
 
 
 def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:

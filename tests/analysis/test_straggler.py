@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from gpumon.analysis.bottleneck import Bottleneck, Flag, Verdict, classify
 from gpumon.analysis.straggler import (
+    STRAGGLER_MIN_STEPS,
     RankWork,
     SlowerRank,
     Standing,
@@ -23,6 +25,7 @@ from gpumon.analysis.straggler import (
     own_work_s,
     straggler_scores,
 )
+from gpumon.analysis.thresholds import DEFAULT
 from gpumon.wire import CollectiveOp, CommStats, StepRecord
 
 GRADIENTS = 64 * 2**20
@@ -193,3 +196,35 @@ def test_the_peers_of_a_silent_rank_are_told_it_stopped_reporting() -> None:
     v = verdict(step, judge_run(works(steps), silent=frozenset({2}))[0])
     assert v.primary is Bottleneck.COMMUNICATION
     assert "waiting on a slower rank (rank 2, which stopped reporting)" in v.hint
+
+
+# --- a low score is not enough: the extra must matter, and last ------------------------------
+
+
+def test_a_large_ratio_on_a_small_share_of_the_step_is_not_flagged() -> None:
+    """Ranks that mostly wait: 4 ms of own work against 2 ms is a score of 0.5, but removing
+    the 2 ms would shorten the 80 ms step by 2.5 %."""
+    run = {0: RankWork(0.002, step_s=0.08), 1: RankWork(0.002, step_s=0.08),
+           2: RankWork(0.004, step_s=0.08)}
+    standings = judge_run(run)
+    assert standings[2].score == pytest.approx(0.5)
+    assert all(s.cause is None and s.slower_rank is None for s in standings.values())
+    # The same ratio on a step it is 10 % of is flagged; the threshold moves it.
+    assert judge_run({**run, 2: RankWork(0.004, step_s=0.02)})[2].cause is StragglerCause.UNKNOWN
+    strict = replace(DEFAULT, straggler_extra_share_min=0.2)
+    assert judge_run({**run, 2: RankWork(0.004, step_s=0.02)}, thresholds=strict)[2].cause is None
+
+
+def test_a_straggler_must_be_slower_through_its_window() -> None:
+    """Medians 1.5x apart, but the slow rank's lower quartile is under its peer's upper one:
+    slower on some long steps, not throughout (a host's CPU contention, not more work)."""
+    fast = RankWork(0.2, own_low_s=0.16, own_high_s=0.26, step_s=0.5, steps=16)
+    slow = RankWork(0.3, own_low_s=0.22, own_high_s=0.4, step_s=0.5, steps=16)
+    assert judge_run({0: slow, 1: fast})[0].cause is None
+    steady = replace(slow, own_low_s=0.28)
+    assert judge_run({0: steady, 1: fast})[0].cause is StragglerCause.UNKNOWN
+    # Too few steps yet to say it persists.
+    short = replace(steady, steps=STRAGGLER_MIN_STEPS - 1)
+    standings = judge_run({0: short, 1: replace(fast, steps=STRAGGLER_MIN_STEPS - 1)})
+    assert standings[0].cause is None and standings[1].slower_rank is None
+    assert standings[0].score == pytest.approx(0.2 / 0.3)  # the score is still reported
