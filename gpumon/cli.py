@@ -2,37 +2,53 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
-import threading
 
 
 class _SignalInbox:
-    """Signals kept for the agent's main loop, which handles them in order.
+    """SIGTERM, SIGINT and SIGHUP for the agent's main loop, which handles them in order.
 
-    SIGHUP (reload) is caught from the first moment: importing the agent takes ~0.3 s, and
-    a SIGHUP's default action in that window kills the process. SIGTERM and SIGINT keep
-    their default action until the agent has started, so a start that hangs (in a broken
-    driver, say) can still be stopped.
+    Caught from the first moment: importing the agent takes ~0.3 s, and in that window a
+    SIGHUP's default action killed the process, and a SIGTERM right after the agent answered
+    its first /readyz left a stale socket. What came during start-up is handled once the
+    agent runs (a start stuck inside the driver ends with the SIGKILL that follows a
+    SIGTERM's grace period). The handler itself does nothing: the interpreter writes each signal's number
+    to a pipe (``set_wakeup_fd``), which the main loop reads; taking a lock in a handler can
+    deadlock the main thread that the handler interrupted.
     """
 
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.wake = threading.Event()
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-    def catch(self, *signums: int) -> None:
-        """Keep these signals from now on (main thread only)."""
-        for signum in signums:
+    def __init__(self) -> None:
+        self._read_fd = -1
+
+    def catch(self) -> None:
+        """Catch the signals from now on (main thread only; safe to call twice)."""
+        if self._read_fd >= 0:
+            return
+        self._read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for signum in self.SIGNALS:
             signal.signal(signum, self._on_signal)
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self.received.append(signum)
-        self.wake.set()
+    @staticmethod
+    def _on_signal(_signum: int, _frame: object) -> None:
+        """Nothing to do here: the wakeup pipe carries the signal's number."""
+
+    def wait(self) -> int:
+        """Sleep until one of the signals comes (or came already); its number."""
+        while True:
+            signum = os.read(self._read_fd, 1)[0]
+            if signum in self.SIGNALS:  # another handler's signal writes to the pipe too
+                return signum
 
 
 _signals = _SignalInbox()
 if sys.argv[1:2] == ["agent"]:
-    _signals.catch(signal.SIGHUP)
+    _signals.catch()
 
 import logging  # noqa: E402 (after the signal handlers, on purpose)
 from pathlib import Path  # noqa: E402
@@ -86,7 +102,7 @@ def agent(
     web_config: Annotated[str | None, typer.Option(help="TLS and basic-auth file in the Prometheus exporters' web config format [env GPUMON_WEB_CONFIG].")] = None,
 ) -> None:
     """Run the node agent: collect, classify and serve /metrics until SIGTERM/SIGINT."""
-    _signals.catch(signal.SIGHUP)  # already, when started from the command line
+    _signals.catch()  # already, when started from the command line
     from gpumon.agent import Agent, AgentError
     from gpumon.export.server import ServeError
 
@@ -111,20 +127,15 @@ def agent(
         node.stop()
         _fail(str(exc))
     log = logging.getLogger("gpumon")
-    _signals.catch(signal.SIGTERM, signal.SIGINT)
-    signalled, wake = _signals.received, _signals.wake
     try:
-        # No polling: the wait is interrupted by a signal, whose handler sets the event.
-        # Signals that came during start-up are handled now, in order.
+        # No polling: the main thread sleeps until a signal comes; any that came during
+        # start-up are handled now, in order.
         while True:
-            wake.wait()
-            wake.clear()
-            while signalled:
-                received = signalled.pop(0)
-                if received != signal.SIGHUP:
-                    log.info("received %s, shutting down", signal.Signals(received).name)
-                    return
-                _reload(node, flags, log)
+            received = _signals.wait()
+            if received != signal.SIGHUP:
+                log.info("received %s, shutting down", signal.Signals(received).name)
+                return
+            _reload(node, flags, log)
     finally:
         node.stop()
 
