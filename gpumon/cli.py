@@ -93,6 +93,7 @@ def agent(
     address: Annotated[str | None, typer.Option(help="Address to serve HTTP on [default: 0.0.0.0; env GPUMON_ADDRESS].")] = None,
     port: Annotated[int | None, typer.Option(help=f"HTTP port [default: {DEFAULT_PORT}; env GPUMON_PORT].")] = None,
     socket: Annotated[str | None, typer.Option(help="Unix datagram socket for training-step records [default: /run/gpumon/ingest.sock; env GPUMON_SOCKET].")] = None,
+    socket_group: Annotated[str | None, typer.Option(help="Group allowed to send to the socket (mode 0660), by name or gid [default: gpumon, when that group exists; env GPUMON_SOCKET_GROUP].")] = None,
     interval: Annotated[float | None, typer.Option(help="GPU polling interval in seconds [default: 1.0; env GPUMON_INTERVAL].")] = None,
     simulate: Annotated[int | None, typer.Option(help="Simulate N GPUs instead of using NVML [env GPUMON_SIMULATE].")] = None,
     record: Annotated[str | None, typer.Option(help="Append every step record and GPU sample to this JSONL file [env GPUMON_RECORD].")] = None,
@@ -107,7 +108,8 @@ def agent(
     from gpumon.export.server import ServeError
 
     flags: dict[str, Any] = {
-        "address": address, "port": port, "socket": socket, "interval": interval,
+        "address": address, "port": port, "socket": socket, "socket_group": socket_group,
+        "interval": interval,
         "simulate": simulate, "record": record, "config": config,
         "collectors": collector or None, "log_level": log_level, "web_config": web_config,
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import grp
 import ipaddress
 import os
 from collections.abc import Mapping
@@ -30,6 +31,8 @@ class AgentConfig:
     address: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     socket: str = DEFAULT_SOCKET
+    socket_group: str | None = None
+    """Group the ingest socket is given (name or gid); unset: ``gpumon`` if it exists."""
     interval: float = 1.0
     simulate: int = 0
     record: str | None = None
@@ -137,6 +140,8 @@ def _validate(values: dict[str, Any]) -> AgentConfig:
             out[f.name] = _int(value, where, 1, 1_000_000)
         elif f.name == "address":
             out[f.name] = _address(value, where)
+        elif f.name == "socket_group":
+            out[f.name] = _group(value, where)
         elif f.name == "collectors":
             names = _list(value, where)
             bad = [n for n in names if n not in COLLECTORS]
@@ -194,6 +199,19 @@ def _address(value: Any, where: str) -> str:
     except ValueError:
         raise ConfigError(f"{where}: expected an IP address such as 0.0.0.0 or 127.0.0.1") from None
     return text.strip("[]")
+
+
+def _group(value: Any, where: str) -> str:
+    """A group that exists on this node, by name or number (kept as given)."""
+    text = str(value).strip()
+    try:
+        if text.isdigit():
+            grp.getgrgid(int(text))
+        else:
+            grp.getgrnam(text)
+    except (KeyError, OverflowError):
+        raise ConfigError(f"{where}: no such group on this node") from None
+    return text
 
 
 def _list(value: Any, where: str) -> list[Any]:

@@ -34,7 +34,11 @@ from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.export.gpu_metrics import node_families
-from gpumon.export.health_metrics import recording_families
+from gpumon.export.health_metrics import (
+    eviction_families,
+    ingest_families,
+    recording_families,
+)
 from gpumon.export.server import MetricsServer
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.export.webconfig import WebConfig, WebConfigError, load_web_config
@@ -230,7 +234,8 @@ class Agent:
     def _start_ingest(self) -> None:
         try:
             self._ingest = IngestServer(Path(self.config.socket), self._on_records,
-                                        self.steps.count_dropped, self.config.allowed_uids)
+                                        self.steps.count_dropped, self.config.allowed_uids,
+                                        self.config.socket_group)
         except IngestError as exc:
             # GPU and host metrics are still worth serving: say so loudly, keep going.
             self.ingest_problem = str(exc)
@@ -268,12 +273,14 @@ class Agent:
         if config.log_level != self.config.log_level:
             logging.getLogger().setLevel(config.log_level.upper())
             notes.append(f"log_level: {config.log_level}")
-        for name in ("address", "port", "socket", "interval", "collectors", "simulate", "record"):
+        for name in ("address", "port", "socket", "socket_group", "interval", "collectors",
+                     "simulate", "record"):
             if getattr(config, name) != getattr(self.config, name):
                 notes.append(f"{name}: changed, takes effect after a restart")
         self.config = dataclasses.replace(
             config, **{n: getattr(self.config, n) for n in (
-                "address", "port", "socket", "interval", "collectors", "simulate", "record")})
+                "address", "port", "socket", "socket_group", "interval", "collectors",
+                "simulate", "record")})
         return notes
 
     def stop(self) -> None:
@@ -375,6 +382,11 @@ class Agent:
         yield from self._step_families.steps(self.steps.ranks(), records, dropped,
                                              snap.processes, resolved)
         yield from self._step_families.analyses(analyses)
+        yield from eviction_families(self.steps.evictions())
+        ingest = self._ingest
+        yield from ingest_families(self.config.enabled("ingest"), self.config.socket,
+                                   ingest.socket_mode if ingest else None,
+                                   ingest.socket_group if ingest else None)
         recorder = self._recorder
         yield from recording_families(recorder.status() if recorder else None)
 

@@ -36,6 +36,12 @@ def test_env_lists() -> None:
     assert cfg.collectors == ("host",)
 
 
+def test_socket_group_by_name_or_number() -> None:
+    assert load_config({}, env={"GPUMON_SOCKET_GROUP": "nogroup"}).socket_group == "nogroup"
+    assert load_config({"socket_group": "0"}, env={}).socket_group == "0"
+    assert load_config({}, env={}).socket_group is None
+
+
 @pytest.mark.parametrize(
     ("flags", "env", "message"),
     [
@@ -48,6 +54,8 @@ def test_env_lists() -> None:
         ({"collectors": ["gpu"]}, {}, "unknown collector(s) gpu"),
         ({"log_level": "loud"}, {}, "choose one of debug"),
         ({}, {"GPUMON_ALLOWED_UIDS": "root"}, "expected an integer"),
+        ({"socket_group": "no-such-group"}, {}, "socket_group='no-such-group': no such group"),
+        ({}, {"GPUMON_SOCKET_GROUP": "4294967295"}, "no such group"),
     ],
 )
 def test_invalid_values_name_the_key(flags: dict, env: dict, message: str) -> None:
