@@ -1,4 +1,4 @@
-"""Per-(run, rank) training-step state, fed by the ingest socket and read by scrapes.
+"""The rank store: per-(run, rank) step totals, fed by the ingest socket and read by scrapes.
 
 Bounded, and fair between the users who send: a (run, rank) that stops reporting expires
 after a TTL, and a cap on live pairs bounds the number of series. When the cap is reached, a
@@ -23,13 +23,14 @@ from bisect import bisect_left
 from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
+from gpumon.analysis.stream import RankKey
+from gpumon.collectors.samples import SenderCredentials
 from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, Record, StepRecord
 
 # Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
 # large-model steps; le="+Inf" is added on export.
 DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
-RankKey = tuple[str, int]
 Uid = int | None  # None: a sender the kernel gave no credentials for (library use)
 
 IDLE_EVICT_S = 60.0
@@ -52,8 +53,9 @@ _versions = itertools.count(1)
 
 
 @dataclass
-class RankState:
-    """Everything known about one rank of one run."""
+class RankTotals:
+    """What ingest has counted for one rank of one run: its identity, running totals and
+    latest readings (what the analyzer concludes about it is ``RankAnalysis``)."""
 
     run: str
     rank: int
@@ -82,7 +84,7 @@ class RankState:
     torch_ooms_reported: int = 0
     oom_events_total: int = 0
     version: int = field(default_factory=lambda: next(_versions), compare=False)
-    """Changes whenever anything above does (StepStore stamps it)."""
+    """Changes whenever anything above does (RankStore stamps it)."""
 
     @property
     def ooms_total(self) -> int:
@@ -117,20 +119,12 @@ class RankState:
                 self.torch_ooms_reported = max(self.torch_ooms_reported, mem.ooms)
 
 
-@dataclass(frozen=True)
-class Sender:
-    """Who sent a datagram, from the kernel (SCM_CREDENTIALS), when known."""
-
-    pid: int | None = None
-    uid: int | None = None
-
-
-class StepStore:
-    """Thread-safe map of (run, rank) to RankState with TTL expiry and a fair cap."""
+class RankStore:
+    """Thread-safe map of (run, rank) to RankTotals with TTL expiry and a fair cap."""
 
     def __init__(self, ttl_s: float = 300.0, max_ranks: int = 1024) -> None:
         self._lock = threading.Lock()
-        self._ranks: dict[RankKey, RankState] = {}
+        self._ranks: dict[RankKey, RankTotals] = {}
         # Least recently reporting first: all pairs, and each sender's own.
         self._recent: OrderedDict[RankKey, None] = OrderedDict()
         self._by_uid: dict[Uid, OrderedDict[RankKey, None]] = {}
@@ -141,7 +135,7 @@ class StepStore:
         self.dropped_total: Counter[str] = Counter()  # by reason
         self.evicted_total: Counter[str] = Counter()  # pairs evicted to make room, by reason
 
-    def ingest(self, records: list[Record], sender: Sender, monotonic: float,
+    def ingest(self, records: list[Record], sender: SenderCredentials, monotonic: float,
                now_t: float) -> list[StepRecord]:
         """Apply decoded records; returns the steps accepted (for recording/verdicts)."""
         accepted: list[StepRecord] = []
@@ -189,7 +183,7 @@ class StepStore:
         with self._lock:
             self.dropped_total[reason] += count
 
-    def _admit(self, key: RankKey, uid: Uid, monotonic: float) -> RankState | None:
+    def _admit(self, key: RankKey, uid: Uid, monotonic: float) -> RankTotals | None:
         """A new pair owned by ``uid``, making room under the cap if it fairly can."""
         if len(self._ranks) >= self.max_ranks:
             self._gone += self._expire_locked(monotonic)
@@ -201,7 +195,7 @@ class StepStore:
             self._forget(evicted)
             self._gone.append(evicted)
             self.evicted_total[reason] += 1
-        state = self._ranks[key] = RankState(run=key[0], rank=key[1],
+        state = self._ranks[key] = RankTotals(run=key[0], rank=key[1],
                                              last_seen_monotonic=monotonic, uid=uid)
         self._recent[key] = None
         self._by_uid.setdefault(uid, OrderedDict())[key] = None
@@ -250,7 +244,7 @@ class StepStore:
             self._forget(key)
         return stale
 
-    def ranks(self) -> list[RankState]:
+    def ranks(self) -> list[RankTotals]:
         """Copies of every live rank's state (without step history), for rendering."""
         with self._lock:
             return [_copy(s) for s in self._ranks.values()]
@@ -286,7 +280,7 @@ def implausible(record: Record, now_t: float) -> str | None:
     return None
 
 
-def _note_identity(state: RankState, world: int | None, local_rank: int | None,
+def _note_identity(state: RankTotals, world: int | None, local_rank: int | None,
                    gpu: str | int | None) -> None:
     if world is not None:
         state.world = world
@@ -296,8 +290,8 @@ def _note_identity(state: RankState, world: int | None, local_rank: int | None,
         state.gpu_hint = gpu
 
 
-def _copy(state: RankState) -> RankState:
-    clone = RankState(**{k: getattr(state, k) for k in state.__dataclass_fields__})
+def _copy(state: RankTotals) -> RankTotals:
+    clone = RankTotals(**{k: getattr(state, k) for k in state.__dataclass_fields__})
     clone.phase_seconds_total = defaultdict(float, state.phase_seconds_total)
     clone.duration_bucket_counts = list(state.duration_bucket_counts)
     return clone

@@ -1,6 +1,8 @@
 """The ``gpumon estimate`` engine: per-GPU training memory by item, and what to do if it won't fit.
 
-Model states follow the usual mixed-precision accounting and the ZeRO paper (Rajbhandari et al. 2020):
+The bytes come from ``gpumon.analysis.memory``, the model the live breakdown's ZeRO projection
+uses too. Model states follow the usual mixed-precision accounting and the ZeRO paper
+(Rajbhandari et al. 2020):
 
 * parameters and gradients: 2 B/param in fp16/bf16, 4 B in fp32;
 * optimizer states, kept in fp32: Adam/AdamW m + v = 8 B/param (the common count), SGD with
@@ -33,16 +35,20 @@ from dataclasses import dataclass, replace
 from decimal import Decimal, InvalidOperation
 from typing import Literal
 
-Precision = Literal["fp16", "bf16", "fp32"]
+from gpumon.analysis.memory import (
+    OPTIMIZER_STATE_BYTES,
+    WEIGHT_BYTES,
+    Precision,
+    Recompute,
+    activation_bytes,
+    model_states,
+    shard_model_states,
+)
+
 OptimizerName = Literal["adam", "adamw", "sgd", "sgd_momentum"]
-Recompute = Literal["none", "selective", "full"]
 
 GB = 10**9
 GIB = 2**30
-
-_WEIGHT_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
-_OPTIMIZER_STATE_BYTES: dict[str, int] = {"adam": 8, "adamw": 8, "sgd": 0, "sgd_momentum": 4}
-_MASTER_WEIGHT_BYTES = 4
 
 DEFAULT_BUFFERS_BYTES = 2 * GB
 """Temporary buffers when none is given: the low end of the "about 2–4 GB" usually quoted for a 7B
@@ -141,42 +147,10 @@ class _Setup:
 
     def model_states(self, zero_stage: int, data_parallel: int) -> tuple[int, int, int, int]:
         """(params, grads, optimizer states, master copy) bytes per GPU."""
-        per_shard = self.params / self.tensor_parallel
-        weight = _WEIGHT_BYTES[self.precision]
-        master = _MASTER_WEIGHT_BYTES if self.master_weights and self.precision != "fp32" else 0
-
-        def shard(bytes_per_param: int, from_stage: int) -> int:
-            divisor = data_parallel if zero_stage >= from_stage else 1
-            return math.ceil(per_shard * bytes_per_param / divisor)
-
-        return (
-            shard(weight, 3),
-            shard(weight, 2),
-            shard(_OPTIMIZER_STATE_BYTES[self.optimizer], 1),
-            shard(master, 1),
-        )
-
-
-def activation_bytes(
-    *,
-    layers: int,
-    hidden: int,
-    heads: int,
-    seq: int,
-    batch: int,
-    flash_attention: bool,
-    recompute: Recompute,
-    precision: Precision,
-    tensor_parallel: int = 1,
-) -> int:
-    """Activation bytes per GPU for a transformer stack (Korthikanti et al. 2022; see module)."""
-    s, b, h, a, t = seq, batch, hidden, heads, tensor_parallel
-    layer = s * b * h * (10 + 24 / t)
-    if not (flash_attention or recompute == "selective"):
-        layer += 5 * a * s * s * b / t
-    total = layers * layer if recompute != "full" else layers * 2 * s * b * h + layer
-    scale = 2 if precision == "fp32" else 1
-    return math.ceil(total * scale)
+        full = model_states(self.params / self.tensor_parallel, precision=self.precision,
+                            optimizer=self.optimizer, master_weights=self.master_weights)
+        held = shard_model_states(full, zero_stage, data_parallel)
+        return held.parameters, held.gradients, held.optimizer_states, held.master_weights
 
 
 def estimate_memory(
@@ -245,11 +219,11 @@ def _check(
 ) -> None:
     if params <= 0:
         raise ValueError(f"params must be positive, got {params!r}")
-    if precision not in _WEIGHT_BYTES:
-        raise ValueError(f"precision must be one of {sorted(_WEIGHT_BYTES)}, got {precision!r}")
-    if optimizer not in _OPTIMIZER_STATE_BYTES:
+    if precision not in WEIGHT_BYTES:
+        raise ValueError(f"precision must be one of {sorted(WEIGHT_BYTES)}, got {precision!r}")
+    if optimizer not in OPTIMIZER_STATE_BYTES:
         raise ValueError(
-            f"optimizer must be one of {sorted(_OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
+            f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
         )
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage!r}")
@@ -270,7 +244,7 @@ def _notes(
     data_parallel: int,
 ) -> tuple[str, ...]:
     notes: list[str] = []
-    states = _OPTIMIZER_STATE_BYTES[setup.optimizer]
+    states = OPTIMIZER_STATE_BYTES[setup.optimizer]
     if setup.precision == "fp32":
         notes.append("fp32 training: the parameters are the fp32 copy, no separate master weights")
     elif setup.master_weights:

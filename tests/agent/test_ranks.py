@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from gpumon.agent.ranks import IDLE_EVICT_S, MAX_CLOCK_SKEW_S, Sender, StepStore
+from gpumon.agent.ranks import IDLE_EVICT_S, MAX_CLOCK_SKEW_S, RankStore
+from gpumon.collectors.samples import SenderCredentials
 from gpumon.wire import EventRecord, HelloRecord, StepRecord
 
 NOW = 1_800_000_000.0
-ALICE, MALLORY = Sender(pid=100, uid=1000), Sender(pid=666, uid=1666)
+ALICE, MALLORY = SenderCredentials(pid=100, uid=1000), SenderCredentials(pid=666, uid=1666)
 
 
 def hello(run: str, rank: int) -> HelloRecord:
@@ -21,12 +22,12 @@ def step(run: str, rank: int, **fields: object) -> StepRecord:
     return StepRecord(run=run, rank=rank, **values)
 
 
-def live(store: StepStore, run: str) -> list[int]:
+def live(store: RankStore, run: str) -> list[int]:
     return sorted(s.rank for s in store.ranks() if s.run == run)
 
 
 def test_a_flood_from_one_sender_leaves_room_for_another() -> None:
-    store = StepStore(max_ranks=100)
+    store = RankStore(max_ranks=100)
     store.ingest([hello(f"spam-{i // 10}", i % 10) for i in range(140)], MALLORY, 0.0, NOW)
     assert store.counters()[1] == {"too_many_ranks": 40}
     accepted = store.ingest([step("job", r) for r in range(8)], ALICE, 1.0, NOW)
@@ -45,7 +46,7 @@ def test_a_flood_from_one_sender_leaves_room_for_another() -> None:
 
 
 def test_a_sweep_of_short_runs_replaces_its_own_quiet_pairs() -> None:
-    store = StepStore(ttl_s=300.0, max_ranks=4)
+    store = RankStore(ttl_s=300.0, max_ranks=4)
     for n in range(4):
         store.ingest([step(f"sweep-{n}", 0)], ALICE, float(n), NOW)
     store.ingest([step("sweep-4", 0)], ALICE, 10.0, NOW)  # all four still fresh: refused
@@ -56,7 +57,7 @@ def test_a_sweep_of_short_runs_replaces_its_own_quiet_pairs() -> None:
 
 
 def test_a_rank_belongs_to_the_uid_that_first_reported_it() -> None:
-    store = StepStore(ttl_s=60.0)
+    store = RankStore(ttl_s=60.0)
     store.ingest([step("job", 0, flops=1e12)], ALICE, 0.0, NOW)
     forged = [EventRecord(run="job", rank=0, event="oom"), step("job", 0, step=1, flops=1e13),
               HelloRecord(run="job", rank=0, local_rank=7)]
@@ -81,7 +82,7 @@ def test_a_rank_belongs_to_the_uid_that_first_reported_it() -> None:
 ])
 def test_values_that_would_break_a_counter_or_a_timestamp_are_dropped(
         fields: dict, reason: str) -> None:
-    store = StepStore()
+    store = RankStore()
     store.ingest([step("job", 0, flops=1e12, tokens=4096)], ALICE, 0.0, NOW)
     assert store.ingest([step("job", 0, step=1, **fields)], ALICE, 1.0, NOW) == []
     assert store.counters()[1] == {reason: 1}
@@ -91,7 +92,7 @@ def test_values_that_would_break_a_counter_or_a_timestamp_are_dropped(
 
 
 def test_plausible_extremes_are_kept() -> None:
-    store = StepStore()
+    store = RankStore()
     # A whole 1,000-GPU job's FLOPs reported on one rank, a step ending 4 minutes ago.
     big = step("job", 0, flops=4e17 * 2.0, duration_s=2.0, t_start=NOW - 240.0, tokens=2**24)
     assert store.ingest([big], ALICE, 0.0, NOW) == [big]
