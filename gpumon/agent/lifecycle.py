@@ -32,6 +32,7 @@ from gpumon.agent.recorder import Recorder
 from gpumon.analysis.stream import RankAnalysis, StepAnalyzer
 from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer
+from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
 from gpumon.collectors.samples import GpuSample, GpuStatic, SenderCredentials
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.health_metrics import (
@@ -144,7 +145,7 @@ def open_gpu_source(config: AgentConfig,
     from gpumon.collectors.nvml import NvmlSource, NvmlUnavailable
 
     try:
-        nvml = NvmlSource(on_error)
+        nvml = NvmlSource(on_error, config.interval)
     except NvmlUnavailable as exc:
         return None, NvmlStatus(up=False, message=str(exc))
     return nvml, NvmlStatus(up=True, driver_version=nvml.driver_version,
@@ -410,9 +411,12 @@ class Agent:
             problems.append(f"recording: cannot write {recording.path}: {recording.error} "
                             f"({recording.backlog_bytes} bytes waiting, "
                             f"{recording.lines_dropped_total} lines dropped)")
-        lost = [str(i) for i, s in snap.latest.items() if not s.up]
+        lost = [str(i) for i, s in snap.latest.items() if not s.up and s.error != NVML_TIMEOUT]
         if lost:
             problems.append(f"gpu lost: {', '.join(sorted(lost))}")
+        hung = [str(i) for i, s in snap.latest.items() if not s.up and s.error == NVML_TIMEOUT]
+        if hung:
+            problems.append(f"gpu not answering NVML in time: {', '.join(sorted(hung))}")
         collected = any(s.last_success_t is not None for s in snap.collectors.values())
         status = "starting" if not collected else ("degraded" if problems else "ok")
         return collected, {"status": status, "problems": problems}
