@@ -46,7 +46,8 @@ def test_bad_config_file(tmp_path: Path) -> None:
     result = run_cli("agent", "--config", str(config))
     assert result.returncode == 2
     assert error_lines(result.stderr) == [
-        "gpumon: error: interval=-1: must be between 0.05 and 86400 seconds"]
+        f"gpumon: error: config file {config}: interval=-1: must be between 0.05 and 86400 "
+        "seconds"]
 
 
 def test_port_in_use(tmp_path: Path) -> None:
