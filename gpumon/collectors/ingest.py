@@ -20,6 +20,7 @@ import stat
 import struct
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
 
@@ -37,6 +38,16 @@ _ANCILLARY_BYTES = socket.CMSG_SPACE(_CREDENTIALS.size)
 
 OnRecords = Callable[[list[Record], SenderCredentials], None]
 OnDropped = Callable[[str, int], None]
+
+
+@dataclass(frozen=True)
+class IngestStatus:
+    """Whether the socket receives, and who may send to it (its group and mode)."""
+
+    path: str
+    up: bool
+    mode: int | None = None
+    group: str | None = None
 
 
 class IngestError(RuntimeError):
@@ -160,6 +171,10 @@ class IngestServer:
         self._decoder = threading.Thread(target=self._decode, name="gpumon-ingest",
                                          daemon=True)
         self.datagrams_total = 0
+
+    def status(self) -> IngestStatus:
+        """The socket as bound: receiving, with its group and mode."""
+        return IngestStatus(str(self.path), True, self.socket_mode, self.socket_group)
 
     def set_allowed_uids(self, uids: tuple[int, ...]) -> None:
         """Change which users may send (SIGHUP); empty allows everyone who can write."""

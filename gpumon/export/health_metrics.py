@@ -1,5 +1,5 @@
 """Prometheus families for what can lose data without stopping the agent, so must be seen:
-the recording file, and (run, rank) pairs evicted under the cap."""
+the recording file, the ingest socket, and (run, rank) pairs evicted under the cap."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from prometheus_client.core import Metric
 
 from gpumon.agent.recorder import RecorderStatus
+from gpumon.collectors.ingest import IngestStatus
 from gpumon.export.exposition import CounterFamily, GaugeFamily
 
 
@@ -46,19 +47,18 @@ def eviction_families(evicted: dict[str, int]) -> Iterator[Metric]:
     yield family
 
 
-def ingest_families(enabled: bool, socket_path: str, mode: int | None,
-                    group: str | None) -> Iterator[Metric]:
+def ingest_families(status: IngestStatus | None) -> Iterator[Metric]:
     """Whether training steps can arrive, and who may send them (the socket's group and
     mode): a job that cannot write to the socket loses every record without the agent
     seeing one, so this is the only place it shows on the agent's side."""
-    if not enabled:
+    if status is None:
         return
     yield GaugeFamily("gpumon_ingest_up",
                       "1 while the ingest socket receives training-step records, 0 when it "
-                      "could not be set up (see /readyz).", value=0.0 if mode is None else 1.0)
-    if mode is not None:
+                      "could not be set up (see /readyz).", value=1.0 if status.up else 0.0)
+    if status.mode is not None:
         info = GaugeFamily("gpumon_ingest_socket_info",
                            "The ingest socket: its path, the group allowed to send and its "
                            "mode.", labels=["path", "group", "mode"])
-        info.add_metric([socket_path, group or "", f"{mode:04o}"], 1.0)
+        info.add_metric([status.path, status.group or "", f"{status.mode:04o}"], 1.0)
         yield info
