@@ -14,12 +14,12 @@ from typing import Any
 from gpumon.analysis.estimate import (
     DEFAULT_BUFFERS_BYTES,
     GB,
-    OPTIMIZER_STATE_BYTES,
     MemoryEstimate,
     estimate_memory,
     parse_bytes,
     parse_count,
 )
+from gpumon.analysis.memory import OPTIMIZER_STATE_BYTES
 
 _MIXED = "mixed precision (bf16 halves parameter and gradient memory and uses tensor cores)"
 
