@@ -105,14 +105,18 @@ def estimate(
     recompute: Annotated[str, typer.Option(help="none, selective or full activation recomputation.")] = "none",
     tensor_parallel: Annotated[int, typer.Option(min=1, help="Tensor-parallel degree.")] = 1,
     buffers: Annotated[str | None, typer.Option(help="Temporary buffers per GPU, e.g. 3GB [default: 2GB].")] = None,
-    gpu_memory: Annotated[str | None, typer.Option(help="Device memory to check against, e.g. 80GB or 141GiB.")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(help="Device memory to check against, with its unit: 80GB, 141GiB. Exit status 3 when it does not fit.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON (bytes per GPU).")] = False,
 ) -> None:
-    """Estimate per-GPU training memory: params, grads, optimizer states, activations, buffers."""
+    """Estimate per-GPU training memory: params, grads, optimizer states, activations, buffers.
+
+    Exit status: 0 when it fits (or no --gpu-memory is given), 3 when it does not fit,
+    2 for bad input.
+    """
     from gpumon.commands.estimate import estimate_command
 
     try:
-        text = estimate_command(
+        text, code = estimate_command(
             params, precision=precision, optimizer=optimizer, master_weights=master_weights,
             zero_stage=zero_stage, gpus=gpus, layers=layers, hidden=hidden, heads=heads,
             seq=seq, batch=batch, flash_attention=flash_attention, recompute=recompute,
@@ -121,6 +125,7 @@ def estimate(
     except ValueError as exc:
         _fail(str(exc), 2)
     typer.echo(text)
+    raise typer.Exit(code)
 
 
 @app.command()
