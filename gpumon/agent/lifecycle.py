@@ -120,8 +120,9 @@ class Agent:
         if self._xid is not None:
             self._xid.start()
         self._server.start()
-        log.info("gpumon %s serving on http://%s:%d/metrics", __version__,
-                 self.config.address, self._server.port)
+        host = f"[{self.config.address}]" if ":" in self.config.address else self.config.address
+        log.info("gpumon %s serving on http://%s:%d/metrics", __version__, host,
+                 self._server.port)
         # What exists now (imported modules, the agent's own objects) lives as long as the
         # agent: frozen, the ~25,000 objects are no longer walked by every full collection
         # (3-20 ms each, landing in whichever scrape or ingest is running).
