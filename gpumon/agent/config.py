@@ -51,7 +51,7 @@ class AgentConfig:
 
 
 _ENV_PREFIX = "GPUMON_"
-_LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error")
 _TABLES = ("agent", "thresholds")
 
 
@@ -178,8 +178,8 @@ def _validate(values: dict[str, Any], origins: Mapping[str, str]) -> AgentConfig
         elif f.name == "allowed_uids":
             out[f.name] = tuple(_int(v, where, 0, 2**32 - 1) for v in _list(value, where))
         elif f.name == "log_level":
-            if str(value).lower() not in _LOG_LEVELS:
-                raise ConfigError(f"{where}: choose one of {', '.join(_LOG_LEVELS)}")
+            if str(value).lower() not in LOG_LEVELS:
+                raise ConfigError(f"{where}: choose one of {', '.join(LOG_LEVELS)}")
             out[f.name] = str(value).lower()
         elif f.name == "thresholds":
             out[f.name] = value
