@@ -7,9 +7,9 @@ This module's top level imports the standard library only: the command line crea
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
-import threading
 from typing import Any
 
 
@@ -20,20 +20,33 @@ class SignalInbox:
     a SIGHUP's default action in that window kills the process. SIGTERM and SIGINT keep
     their default action until the agent has started, so a start that hangs (in a broken
     driver, say) can still be stopped.
+
+    The signals travel through a pipe (``signal.set_wakeup_fd``: the interpreter writes each
+    signal's number into it) and the Python handler does nothing. A handler that set a
+    ``threading.Event`` could deadlock: it runs on the main thread, which may at that moment
+    hold the event's own lock inside ``wait()`` or ``clear()``.
     """
 
     def __init__(self) -> None:
-        self.received: list[int] = []
-        self.wake = threading.Event()
+        self._pipe: tuple[int, int] | None = None
 
     def catch(self, *signums: int) -> None:
         """Keep these signals from now on (main thread only)."""
+        if self._pipe is None:
+            self._pipe = os.pipe()
+            os.set_blocking(self._pipe[1], False)  # a full pipe must not block the interpreter
+            signal.set_wakeup_fd(self._pipe[1], warn_on_full_buffer=False)
         for signum in signums:
-            signal.signal(signum, self._on_signal)
+            signal.signal(signum, _ignore)
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self.received.append(signum)
-        self.wake.set()
+    def wait(self) -> int:
+        """The next signal caught, in order of arrival; blocks until there is one."""
+        assert self._pipe is not None, "catch() a signal first"
+        return os.read(self._pipe[0], 1)[0]
+
+
+def _ignore(_signum: int, _frame: object) -> None:
+    """The wakeup pipe carries the signal; nothing is left to do here."""
 
 
 class AgentCommandError(Exception):
@@ -69,17 +82,14 @@ def run_agent(flags: dict[str, Any], signals: SignalInbox) -> None:
     log = logging.getLogger("gpumon")
     signals.catch(signal.SIGTERM, signal.SIGINT)
     try:
-        # No polling: the wait is interrupted by a signal, whose handler sets the event.
-        # Signals that came during start-up are handled now, in order.
+        # No polling: the main thread sleeps in a read of the signal pipe. Signals that came
+        # during start-up are in the pipe already and are handled now, in order.
         while True:
-            signals.wake.wait()
-            signals.wake.clear()
-            while signals.received:
-                received = signals.received.pop(0)
-                if received != signal.SIGHUP:
-                    log.info("received %s, shutting down", signal.Signals(received).name)
-                    return
-                _reload(node, flags, log)
+            received = signals.wait()
+            if received != signal.SIGHUP:
+                log.info("received %s, shutting down", signal.Signals(received).name)
+                return
+            _reload(node, flags, log)
     finally:
         node.stop()
 
