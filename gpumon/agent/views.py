@@ -150,6 +150,8 @@ def _analysis_dict(analysis: RankAnalysis) -> dict[str, Any]:
         "mfu": verdict.mfu if verdict else None,
         "bottleneck_steps": dict(analysis.bottleneck_steps),
         "straggler_score": analysis.straggler_score,
+        "straggler_cause": analysis.straggler_cause.value if analysis.straggler_cause else None,
+        "waiting_on_rank": analysis.slower_rank.rank if analysis.slower_rank else None,
         "oom": None if oom is None else {
             "risk_ratio": oom.risk_ratio, "predicted_seconds": oom.predicted_seconds,
             "headroom_bytes": oom.headroom_bytes, "reasons": list(oom.reasons)},
