@@ -55,6 +55,7 @@ HOST_CLOCK_PHASES = frozenset({"data"})
 """Phases timed on the host even with CUDA: waiting for input is not GPU work."""
 
 T = TypeVar("T")
+M = TypeVar("M")
 
 _live_monitors: weakref.WeakSet[StepMonitor] = weakref.WeakSet()
 
@@ -217,6 +218,19 @@ class StepMonitor:
         if self._gpu is not None:
             return self._gpu
         return None if self._cuda is None else self._cuda.gpu
+
+    def watch(self, model: M, optimizer: Any = None) -> M:
+        """Measure what the loop cannot see of ``model`` in every later step; returns ``model``.
+
+        A ``DistributedDataParallel`` or FSDP module: its collective communication (exposed
+        and overlapped seconds, bytes and count per kind of collective), with no ``comm``
+        phase to time by hand. Call it before the first backward and, with DDP, before
+        registering a comm hook of your own (the hook is kept and measured either way).
+        Idempotent; a plain module is left as it is; never raises into the training loop.
+        """
+        from gpumon.client.watch import watch
+
+        return watch(self, model, optimizer)
 
     def flush(self) -> None:
         """Send buffered records now, from the calling thread, instead of at the next
