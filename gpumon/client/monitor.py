@@ -28,7 +28,8 @@ from gpumon.wire import (
     MAX_GPU_INDEX,
     MAX_LABEL_CHARS,
     MAX_MESSAGE_CHARS,
-    PROTOCOL_VERSION,
+    EventRecord,
+    HelloRecord,
     is_label,
 )
 
@@ -129,18 +130,9 @@ class StepMonitor(HookCore):
         buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         super().__init__(buffer)  # the hot-path state, touched only by the training thread
 
-        identity: dict[str, object] = {"v": PROTOCOL_VERSION, "run": self.run, "rank": self.rank}
-        if self.world is not None:
-            identity["world"] = self.world
-        if self.local_rank is not None:
-            identity["local_rank"] = self.local_rank
-        identity["pid"] = os.getpid()
-        self._sender = Sender(
-            transport,
-            step_header={**identity, "kind": "step"},
-            hello={**identity, "kind": "hello", "client_version": gpumon.__version__},
-            buffer=buffer,
-        )
+        hello = HelloRecord(self.run, self.rank, self.world, self.local_rank, os.getpid(),
+                            client_version=gpumon.__version__)
+        self._sender = Sender(transport, hello, buffer)
         if gpu is not None:
             self._sender.set_gpu(gpu)
         self._detect_cuda(final=False)
@@ -237,16 +229,10 @@ class StepMonitor(HookCore):
         """Queue an event record (e.g. ``oom``) for the next flush."""
         if not self._enabled:
             return
-        record: dict[str, object] = {
-            **self._sender.hello,
-            "kind": "event",
-            "event": name,
-            "t": time(),
-            "step": step,
-        }
-        del record["client_version"]
+        hello = self._sender.hello
         if message is not None:
-            record["message"] = message[:MAX_MESSAGE_CHARS]
+            message = message[:MAX_MESSAGE_CHARS]
+        record = EventRecord(hello.run, hello.rank, name, time(), step, hello.pid, hello.gpu, message)
         self._sender.add_control(record)
 
     def _detect_cuda(self, final: bool) -> None:

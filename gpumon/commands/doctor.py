@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import os
 import socket
 import time
@@ -44,13 +45,14 @@ def diagnose(port: int, socket_path: Path) -> dict[str, Any]:
             source.sample(time.time(), first)
             time.sleep(0.15)
             samples = source.sample(time.time(), time.monotonic())
-            for device, sample in zip(source.devices, samples, strict=True):
+            answered = {s.index for s in samples if s.up}  # a slow GPU is not answering
+            for device in source.devices:
                 static = device.static
-                groups = {label: (sample.up and device.supports(group))
-                          for group, label in GPU_GROUPS}
+                up = device.index in answered
+                groups = {label: (up and device.supports(group)) for group, label in GPU_GROUPS}
                 report["gpus"].append({
                     "index": static.index, "name": static.name, "uuid": static.uuid,
-                    "pci_bus_id": static.pci_bus_id, "up": sample.up,
+                    "pci_bus_id": static.pci_bus_id, "up": up,
                     "mig": static.mig_enabled, "nvlink_links": static.nvlink_link_count,
                     "groups": groups,
                 })
@@ -96,6 +98,15 @@ def _port(port: int) -> dict[str, Any]:
     finally:
         probe.close()
     return {"check": f"port {port}", "ok": True, "detail": "free"}
+
+
+def run_doctor(port: int, socket_path: Path, json_output: bool) -> None:
+    """Diagnose this node and print the report, as tables or as indented JSON."""
+    report = diagnose(port=port, socket_path=socket_path)
+    if json_output:
+        print(json.dumps(report, indent=2))
+    else:
+        render(report)
 
 
 def render(report: dict[str, Any]) -> None:
