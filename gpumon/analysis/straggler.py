@@ -56,11 +56,13 @@ __all__ = [
     "straggler_scores",
 ]
 
-STRAGGLER_MIN_STEPS = 16
+STRAGGLER_MIN_STEPS = 24
 """Steps a rank's comparison window must cover before it can be flagged: a straggler is a
-rank slower over a run of steps, and 16 steps of a training job are seconds, while the
-episodes of a host's CPU contention that make one rank slower for a few steps are not
-worth an alarm."""
+rank slower over a run of steps, and a couple of dozen steps of a training job are seconds
+to a minute, while the episodes of a host's CPU contention that make one rank slower are
+mostly shorter. On a host with more runnable threads than cores, a balanced two-rank DDP
+job still had one such episode pass a 16-step window (on 2 of its 40 steps); none passed 24.
+"""
 
 INPUT_SHARE_MIN = 0.5
 """Share of a straggler's extra time per step that must be extra data wait for its cause to

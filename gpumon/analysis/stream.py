@@ -39,7 +39,7 @@ RankKey = tuple[str, int]
 History = Callable[[int, float, float], Sequence[GpuSample]]
 """(gpu index, t0, t1) -> that GPU's samples with t0 <= t <= t1."""
 
-WORK_HISTORY = 16  # steps per rank for its median own work (straggler comparison)
+WORK_HISTORY = 24  # steps per rank for the straggler comparison (its medians and quartiles)
 SILENT_STEPS = 10  # a rank this many of its run's typical steps behind the newest is silent
 SILENT_MIN_S = 5.0  # ... and at least this many seconds behind
 PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
@@ -93,9 +93,10 @@ class _RankTracker:
     analysis: RankAnalysis
     pending: list[StepRecord] = field(default_factory=list)
     own_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    own_steps: deque[int] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    """Steps merged into each entry of ``own_s``: how many steps the comparison covers."""
+    """Own work of its latest steps received (analysed or not)."""
     data_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    step_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    """Durations of its latest steps received: the share of the step a straggler costs."""
     peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     last: StepRecord | None = None
@@ -156,10 +157,15 @@ class StepAnalyzer:
                     state.analysis.world_changes += 1
                     state.analysis.version = next(_versions)
                     state.own_s.clear()
-                    state.own_steps.clear()
                     state.data_s.clear()
+                    state.step_s.clear()
                 state.world = step.world
             state.last_end_t = max(state.last_end_t, step.t_end or received_t)
+            # The comparison reads only the records, so it keeps up with them rather than
+            # with the analysis, which waits for the GPU samples.
+            state.own_s.append(own_work_s(step))
+            state.data_s.append(step.phases_s.get("data", 0.0) if step.phases_s else None)
+            state.step_s.append(step.duration_s)
             state.pending.append(step)
             if pids and pids.get(key) is not None:
                 state.last_pid = pids[key]
@@ -192,17 +198,18 @@ class StepAnalyzer:
 
         Between slices the caller may release its lock, so that ``add`` and ``analyses`` wait
         for one slice rather than for the whole pass. The verdicts are those of an unsliced
-        pass: a rank's analysis depends only on its own steps, and the one figure that
-        compares ranks, the straggler score (each rank's median compute time against its
-        run's), is computed once, after the last slice, from every rank's history, exactly
-        as unsliced. A verdict reached during a pass uses the previous pass's score either
-        way. Steps added between slices are analysed in this pass if their rank's turn has
-        not come (as if added just before the pass), otherwise in the next (just after); a
-        rank first seen between slices waits for the next pass. A reader between slices sees
-        some ranks' new verdicts beside others' old ones, all with the previous scores.
+        pass: a rank's analysis depends only on its own steps, and the one comparison across
+        ranks, the straggler comparison (each rank's median own work against its peers'), is
+        made once, before the first slice, from every step received so far — it needs no
+        GPU samples, so the verdicts of this pass already use it. Steps added between slices
+        are analysed in this pass if their rank's turn has not come (as if added just before
+        the pass), otherwise in the next (just after); a rank first seen between slices waits
+        for the next pass. A reader between slices sees some ranks' new verdicts beside
+        others' old ones, all with this pass's comparison.
         """
         by_index = {s.index: s for s in statics}
         thresholds = self.thresholds  # one pass, one set, even if reloaded between slices
+        self._compare_ranks(thresholds)
         cutoff = now_t - self.lag_s
         done: list[StepVerdict] = []
         work = 0
@@ -236,7 +243,6 @@ class StepAnalyzer:
                 if work >= slice_work:
                     yield done
                     done, work = [], 0
-        self._compare_ranks(thresholds)
         if done:
             yield done
 
@@ -271,9 +277,6 @@ class StepAnalyzer:
         analysis.verdict = verdict
         analysis.verdict_step = last.step
         analysis.bottleneck_steps[verdict.primary.value] += steps
-        state.own_s.append(own_work_s(group) / steps)
-        state.own_steps.append(steps)
-        state.data_s.append(group.phases_s.get("data", 0.0) / steps if group.phases_s else None)
         state.sm_clock_hz = window.sm_clock_hz if window is not None else None
         state.gpu_trouble = Flag.THROTTLED in verdict.flags or index in xid_gpus
         state.durations.append(group.duration_s / steps)
@@ -337,15 +340,14 @@ class StepAnalyzer:
 
 
 def _rank_work(state: _RankTracker) -> RankWork:
-    """A rank's recent own work, as the straggler comparison reads it."""
+    """A rank's latest steps, as the straggler comparison reads them."""
     own = list(state.own_s)
     low, high = (statistics.quantiles(own, n=4, method="inclusive")[::2] if len(own) > 1
                  else (own[0], own[0]))
     data = [d for d in state.data_s if d is not None]
     return RankWork(statistics.median(own), statistics.median(data) if data else None,
                     state.sm_clock_hz, state.gpu_trouble, own_low_s=low, own_high_s=high,
-                    step_s=statistics.median(state.durations) if state.durations else None,
-                    steps=sum(state.own_steps))
+                    step_s=statistics.median(state.step_s), steps=len(own))
 
 
 def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:

@@ -218,8 +218,8 @@ def test_a_large_ratio_on_a_small_share_of_the_step_is_not_flagged() -> None:
 def test_a_straggler_must_be_slower_through_its_window() -> None:
     """Medians 1.5x apart, but the slow rank's lower quartile is under its peer's upper one:
     slower on some long steps, not throughout (a host's CPU contention, not more work)."""
-    fast = RankWork(0.2, own_low_s=0.16, own_high_s=0.26, step_s=0.5, steps=16)
-    slow = RankWork(0.3, own_low_s=0.22, own_high_s=0.4, step_s=0.5, steps=16)
+    fast = RankWork(0.2, own_low_s=0.16, own_high_s=0.26, step_s=0.5, steps=STRAGGLER_MIN_STEPS)
+    slow = RankWork(0.3, own_low_s=0.22, own_high_s=0.4, step_s=0.5, steps=STRAGGLER_MIN_STEPS)
     assert judge_run({0: slow, 1: fast})[0].cause is None
     steady = replace(slow, own_low_s=0.28)
     assert judge_run({0: steady, 1: fast})[0].cause is StragglerCause.UNKNOWN
