@@ -115,7 +115,6 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
         gpu = analysis.get("gpu")
         if gpu is None:
             gpu = rank.get("gpu")
-        flags = analysis.get("flags") or []
         table.add_row(
             str(rank.get("run", "")), str(rank.get("rank", "")),
             "—" if gpu is None else _short_gpu(gpu),
@@ -123,13 +122,26 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
             _seconds(rank.get("last_step_duration_seconds")),
             Text(verdict or "—", style=_VERDICT_STYLES.get(verdict or "", "")),
             _pct(analysis.get("confidence")),
-            Text(", ".join(flags), style="bold yellow") if flags else Text("—", style="dim"),
+            _flags(analysis),
             _pct(analysis.get("mfu")),
             _gib(rank.get("memory_peak_bytes")),
             _risk(oom.get("risk_ratio")),
             _seconds(oom.get("predicted_seconds"), whole=True),
         )
     return table
+
+
+def _flags(analysis: Mapping[str, Any]) -> Text:
+    """The rank's flags; the straggler's with its cause, and on the other ranks of its run
+    the rank they wait on, so that the row to look at next is named."""
+    words = []
+    for flag in analysis.get("flags") or []:
+        cause = analysis.get("straggler_cause")
+        words.append(f"straggler ({cause})" if flag == "straggler" and cause else str(flag))
+    waiting_on = analysis.get("waiting_on_rank")
+    if waiting_on is not None and "straggler" not in (analysis.get("flags") or []):
+        words.append(f"waits on rank {waiting_on}")
+    return Text(", ".join(words), style="bold yellow") if words else Text("—", style="dim")
 
 
 def _pct(value: Any) -> str:
