@@ -7,9 +7,11 @@ rank's wait for the others sits inside its ``backward`` phase, as the hook sees 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,8 +27,9 @@ from gpumon.analysis.straggler import (
     own_work_s,
     straggler_scores,
 )
+from gpumon.analysis.stream import StepAnalyzer
 from gpumon.analysis.thresholds import DEFAULT
-from gpumon.wire import CollectiveOp, CommStats, StepRecord
+from gpumon.wire import CollectiveOp, CommStats, StepRecord, decode_record
 
 GRADIENTS = 64 * 2**20
 TAIL_S = 0.015  # the last bucket's all-reduce once every rank is ready
@@ -228,3 +231,54 @@ def test_a_straggler_must_be_slower_through_its_window() -> None:
     standings = judge_run({0: short, 1: replace(fast, steps=STRAGGLER_MIN_STEPS - 1)})
     assert standings[0].cause is None and standings[1].slower_rank is None
     assert standings[0].score == pytest.approx(0.2 / 0.3)  # the score is still reported
+
+
+# --- real recordings: a balanced job on a contended host, and a real straggler ---------------
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def replay(name: str) -> tuple[dict[int, list[Verdict]], list[dict[int, float | None]]]:
+    """A recording of real DDP ranks (gloo, 2 ranks, recorded by an agent) through the
+    agent's engine, a pass as each step arrives: each rank's verdicts, and every pass's scores."""
+    records = [decode_record(json.loads(line))
+               for line in (DATA / name).read_text().splitlines() if line.strip()]
+    steps = sorted((r for r in records if isinstance(r, StepRecord)), key=lambda r: r.t_end or 0.0)
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    verdicts: dict[int, list[Verdict]] = {}
+    scores = []
+    for now in [s.t_end or 0.0 for s in steps] + [math.inf]:
+        for step in steps:
+            if step.t_end == now:
+                analyzer.add([step], received_t=now)
+        for v in analyzer.process(now, lambda *_: [], [], {}):
+            verdicts.setdefault(v.rank, []).extend([v.verdict] * len(v.steps))
+        scores.append({a.rank: a.straggler_score for a in analyzer.analyses()})
+    return verdicts, scores
+
+
+def test_a_balanced_job_on_a_contended_host_has_no_straggler() -> None:
+    """Two ranks doing the same work (4 x Linear(2048, 2048), batch 2) on a host with far more
+    runnable threads than cores. Rank 0's own work ran at 0.30 s a step against rank 1's
+    0.22 s, for most of the 40 steps, while their training threads' CPU time per step read
+    0.088 s and 0.069 s: its thread waited for a core. The score alone (peers ÷ own) sat
+    below 0.75 through most of the run and flagged rank 0 on 35 of its 40 steps."""
+    verdicts, scores = replay("ddp_balanced_contended.jsonl")
+    rank0 = [s[0] for s in scores if s.get(0) is not None]
+    assert sum(score < 0.75 for score in rank0) >= 0.5 * len(rank0)  # what the score alone says
+    assert {len(v) for v in verdicts.values()} == {40}
+    for rank in (0, 1):
+        assert not any(Flag.STRAGGLER in v.flags for v in verdicts[rank])
+        assert all(v.slower_rank is None for v in verdicts[rank])
+
+
+def test_a_real_straggler_is_still_flagged() -> None:
+    """Two ranks, rank 1's batches 60 ms late (a sleep in its data loader), 80 steps."""
+    verdicts, _ = replay("ddp_slow_input.jsonl")
+    flagged = [Flag.STRAGGLER in v.flags for v in verdicts[1]]
+    assert sum(flagged) >= 0.8 * len(flagged)
+    assert {v.straggler_cause for v in verdicts[1] if Flag.STRAGGLER in v.flags} == {
+        StragglerCause.INPUT}
+    assert not any(Flag.STRAGGLER in v.flags for v in verdicts[0])
+    late = verdicts[0][STRAGGLER_MIN_STEPS:]
+    assert sum(v.slower_rank == 1 for v in late) >= 0.9 * len(late)
