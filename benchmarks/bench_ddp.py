@@ -18,6 +18,12 @@ watched ÷ plain.
   bucket costs (the wrapper hook, the wrapped ``all_reduce``, the completion callback on the
   gloo thread, the step's bookkeeping spread over its buckets).
 
+Any comm hook makes DDP copy each gradient into its bucket as it is and leaves the averaging
+to the hook: one more pass over the gradients a step than DDP's own path, which scales them
+in that copy. On CPU, where the communication-heavy job is bound by memory bandwidth, that
+pass is most of what watching costs; ``--bucket-view`` runs both models with
+``gradient_as_bucket_view=True``, where DDP makes no copy and the pass is the same either way.
+
 ``--control`` watches neither model: the ratio it reads is what this machine reads for no
 difference (on a shared machine, several per cent). ``--ranks 1`` runs the same in a world
 of one: no peer to wait for, so the per-collective figure is the CPU the timing adds, without
@@ -35,6 +41,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from time import perf_counter
@@ -51,6 +58,8 @@ def main() -> None:
     parser.add_argument("--block-steps", type=int, default=3)
     parser.add_argument("--small-rounds", type=int, default=12)
     parser.add_argument("--small-block-steps", type=int, default=10)
+    parser.add_argument("--bucket-view", action="store_true",
+                        help="DDP(gradient_as_bucket_view=True): no gradient copies into buckets")
     parser.add_argument("--control", action="store_true",
                         help="watch neither model: the ratio this machine reads for no difference")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -61,9 +70,9 @@ def main() -> None:
     sys.path.insert(0, str(HERE))
     from bench_hook import drained_socket
 
-    with drained_socket() as (socket_path, finish):
+    with drained_socket() as (socket_path, finish), tempfile.TemporaryDirectory() as results:
         env = {**os.environ, "GPUMON_SOCKET": socket_path, "GPUMON_RUN": "bench-ddp",
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent)}
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "BENCH_DDP_RESULTS": results}
         from gpumon.testing import free_port
 
         done = subprocess.run(
@@ -71,17 +80,17 @@ def main() -> None:
              "--master-port", str(free_port()), __file__, "--worker", *sys.argv[1:]],
             env=env, capture_output=True, text=True)
         received = finish()
-    if done.returncode != 0:
-        sys.exit(f"the job failed:\n{done.stdout}\n{done.stderr[-6000:]}")
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    results = [json.loads(line) for line in lines]
-    for result in sorted(results, key=lambda r: r["rank"]):
+        if done.returncode != 0:
+            sys.exit(f"the job failed:\n{done.stdout}\n{done.stderr[-6000:]}")
+        ranks = [json.loads(path.read_text()) for path in Path(results).glob("rank*.json")]
+    for result in sorted(ranks, key=lambda r: r["rank"]):
         print(f"rank {result['rank']}: job throughput watched/plain {result['job_ratio']:.4f} "
               f"(step {result['job_step_ms']:.1f} ms), per collective {result['per_collective_us']:.1f} µs "
               f"({result['buckets']} buckets a step of {result['small_step_ms']:.2f} ms)")
     print(f"records received by the reader: {received}")
-    rank0 = next(r for r in results if r["rank"] == 0)
-    print(json.dumps({"bench": "ddp", "control": args.control, "ranks": args.ranks,
+    rank0 = next(r for r in ranks if r["rank"] == 0)
+    print(json.dumps({"bench": "ddp", "control": args.control, "bucket_view": args.bucket_view,
+                      "ranks": args.ranks,
                       "job_throughput_ratio": rank0["job_ratio"],
                       "per_collective_us": rank0["per_collective_us"], "records_received": received}))
 
@@ -101,20 +110,23 @@ def worker(args: argparse.Namespace) -> None:
         return nn.Sequential(*[nn.Linear(64, 64) for _ in range(48)])
 
     watch = not args.control
-    plain, watched = Arm(comm_heavy, watched=False), Arm(comm_heavy, watched=watch)
+    view = args.bucket_view
+    plain = Arm(comm_heavy, watched=False, gradient_as_bucket_view=view)
+    watched = Arm(comm_heavy, watched=watch, gradient_as_bucket_view=view)
     job_s = _alternate(plain, watched, args.rounds, args.block_steps)
     job_ratios = [p / w for p, w in job_s]  # throughput watched ÷ plain
-    plain = Arm(small, watched=False, bucket_cap_mb=0.016)
-    watched = Arm(small, watched=watch, bucket_cap_mb=0.016)
+    plain = Arm(small, watched=False, bucket_cap_mb=0.016, gradient_as_bucket_view=view)
+    watched = Arm(small, watched=watch, bucket_cap_mb=0.016, gradient_as_bucket_view=view)
     small_s = _alternate(plain, watched, args.small_rounds, args.small_block_steps)
     buckets = watched.buckets()
     steps = args.small_block_steps
-    print(json.dumps({
+    result = json.dumps({
         "rank": dist.get_rank(), "job_ratio": statistics.median(job_ratios),
         "job_step_ms": statistics.median(p for p, _ in job_s) / args.block_steps * 1e3,
         "per_collective_us": statistics.median((w - p) / steps for p, w in small_s) / buckets * 1e6,
         "buckets": buckets, "small_step_ms": statistics.median(p for p, _ in small_s) / steps * 1e3,
-    }), flush=True)
+    })
+    Path(os.environ["BENCH_DDP_RESULTS"], f"rank{dist.get_rank()}.json").write_text(result)
     dist.destroy_process_group()
 
 
