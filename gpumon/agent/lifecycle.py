@@ -34,6 +34,7 @@ from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.export.gpu_metrics import node_families
+from gpumon.export.memory_metrics import MemoryFamilies
 from gpumon.export.server import MetricsServer
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.export.webconfig import WebConfig, WebConfigError, load_web_config
@@ -168,6 +169,7 @@ class Agent:
         self.analyzer = StepAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self._analyzer_lock = threading.Lock()  # fed by ingest, run by housekeeping
         self._step_families = StepFamilies()  # keeps each run's series rendered
+        self._memory_families = MemoryFamilies()
         self._ingest: IngestServer | None = None
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
@@ -371,9 +373,11 @@ class Agent:
             analyses = self.analyzer.analyses()
         uuids = {g.index: g.uuid for g in snap.gpus}
         resolved = {(a.run, a.rank): uuids[a.gpu] for a in analyses if a.gpu in uuids}
-        yield from self._step_families.steps(self.steps.ranks(), records, dropped,
+        ranks = self.steps.ranks()
+        yield from self._step_families.steps(ranks, records, dropped,
                                              snap.processes, resolved)
         yield from self._step_families.analyses(analyses)
+        yield from self._memory_families.families(ranks, analyses)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
@@ -450,6 +454,8 @@ def _rank_dict(state: RankState, analysis: RankAnalysis | None) -> dict[str, Any
         "memory_peak_bytes": state.memory_peak_bytes,
         "alloc_retries_total": state.alloc_retries_total, "ooms_total": state.ooms_total,
         "last_step_duration_seconds": state.last_duration_s,
+        "memory_breakdown": None if state.memory_breakdown is None
+        else asdict(state.memory_breakdown),
         "analysis": None if analysis is None else _analysis_dict(analysis),
     }
 
@@ -465,6 +471,9 @@ def _analysis_dict(analysis: RankAnalysis) -> dict[str, Any]:
         "mfu": verdict.mfu if verdict else None,
         "bottleneck_steps": dict(analysis.bottleneck_steps),
         "straggler_score": analysis.straggler_score,
+        "memory": None if analysis.memory is None else {
+            "component": analysis.memory.component, "cause": analysis.memory.cause,
+            "bytes": analysis.memory.bytes, "remedy": analysis.memory.remedy},
         "oom": None if oom is None else {
             "risk_ratio": oom.risk_ratio, "predicted_seconds": oom.predicted_seconds,
             "headroom_bytes": oom.headroom_bytes, "reasons": list(oom.reasons)},

@@ -13,7 +13,7 @@ from bisect import bisect_left
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, Record, StepRecord
+from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, MemoryBreakdown, Record, StepRecord
 
 # Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
 # large-model steps; le="+Inf" is added on export.
@@ -56,6 +56,8 @@ class RankState:
     alloc_retries_total: int | None = None
     torch_ooms_reported: int = 0
     oom_events_total: int = 0
+    memory_breakdown: MemoryBreakdown | None = None
+    """The latest sampled breakdown (``watch(model, optimizer)``)."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does (StepStore stamps it)."""
 
@@ -90,6 +92,8 @@ class RankState:
                 self.alloc_retries_total = mem.alloc_retries
             if mem.ooms is not None:
                 self.torch_ooms_reported = max(self.torch_ooms_reported, mem.ooms)
+        if record.memory_breakdown is not None:
+            self.memory_breakdown = record.memory_breakdown
 
 
 @dataclass(frozen=True)

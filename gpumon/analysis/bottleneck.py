@@ -200,12 +200,15 @@ def classify(
     previous_alloc_retries: int | None = None,
     previous_ooms: int | None = None,
     thresholds: Thresholds = DEFAULT,
+    memory_remedy: str | None = None,
 ) -> Verdict:
     """Classify one step (docs/architecture.md §7): primary wall, confidence, time shares, flags and a hint.
 
     ``previous_alloc_retries``/``previous_ooms`` are the rank's cumulative allocator counters at
     its previous step: retries or OOMs *rising* signal pressure (without ``previous_ooms``, any
     OOM so far does). ``straggler_score`` comes from ``straggler_scores`` over the run's ranks.
+    ``memory_remedy`` replaces the generic memory-pressure hint when the rank's memory
+    breakdown names what fills it (``gpumon.analysis.memory.attribute_growth``).
     """
     th = thresholds
     measured = phase_fractions(step)
@@ -309,7 +312,8 @@ def classify(
                    previous_ooms, th)
     for flag in (Flag.MEMORY_PRESSURE, Flag.THROTTLED, Flag.STRAGGLER):
         if flag in flags:
-            hint += "; " + _FLAG_HINTS[flag]
+            remedy = memory_remedy if flag is Flag.MEMORY_PRESSURE else None
+            hint += "; " + (f"memory pressure — {remedy}" if remedy else _FLAG_HINTS[flag])
     return Verdict(primary, confidence, fractions, frozenset(flags), hint, step_mfu)
 
 

@@ -27,11 +27,12 @@ from gpumon.analysis.bottleneck import (
     straggler_scores,
 )
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
+from gpumon.analysis.memory import MemoryAttribution, attribute_growth
 from gpumon.analysis.oom import OomRisk, assess_oom_risk
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.wire import StepRecord
+from gpumon.wire import MemoryBreakdown, StepRecord
 
 RankKey = tuple[str, int]
 History = Callable[[int, float, float], Sequence[GpuSample]]
@@ -39,6 +40,7 @@ History = Callable[[int, float, float], Sequence[GpuSample]]
 
 COMPUTE_HISTORY = 16  # steps per rank for its median compute time (straggler score)
 PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
+BREAKDOWN_HISTORY = 16  # sampled memory breakdowns per rank: ~80 s at the client's 5 s
 MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
 CLOCK_SKEW_TOLERANCE_S = 5.0  # a step "ending" later than this after receipt is re-based
 VERDICT_WORK = 32  # a verdict costs about as much as merging 32 steps (~0.1 ms)
@@ -60,6 +62,8 @@ class RankAnalysis:
     bottleneck_steps: Counter[str] = field(default_factory=Counter)
     oom: OomRisk | None = None
     straggler_score: float | None = None
+    memory: MemoryAttribution | None = None
+    """Which memory component the rank's sampled breakdowns blame, when it sends them."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does."""
 
@@ -80,6 +84,8 @@ class _RankState:
     pending: list[StepRecord] = field(default_factory=list)
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=COMPUTE_HISTORY))
     peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
+    breakdowns: deque[tuple[float, MemoryBreakdown]] = field(
+        default_factory=lambda: deque(maxlen=BREAKDOWN_HISTORY))
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=COMPUTE_HISTORY))
     last: StepRecord | None = None
     last_pid: int | None = None
@@ -129,6 +135,8 @@ class StepAnalyzer:
             if state is None:
                 state = self._ranks[key] = _RankState(RankAnalysis(step.run, step.rank))
             state.pending.append(step)
+            if step.memory_breakdown is not None:
+                state.breakdowns.append((step.t_end or received_t, step.memory_breakdown))
             if pids and pids.get(key) is not None:
                 state.last_pid = pids[key]
             if len(state.pending) == MAX_PENDING + 1:
@@ -218,6 +226,7 @@ class StepAnalyzer:
                                           group.t_start, group.t_end)
         name = static.name if static else None
         previous = state.last
+        memory = analysis.memory = attribute_growth(list(state.breakdowns))
         verdict = classify(
             group, window,
             peak_flops=resolve_peak_flops(name, self._peak_override),
@@ -228,6 +237,7 @@ class StepAnalyzer:
             previous_alloc_retries=previous.mem.alloc_retries if previous and previous.mem else None,
             previous_ooms=previous.mem.ooms if previous and previous.mem else None,
             thresholds=thresholds,
+            memory_remedy=memory.text if memory is not None else None,
         )
         analysis.verdict = verdict
         analysis.verdict_step = last.step
@@ -252,6 +262,9 @@ class StepAnalyzer:
                 ooms_delta=_delta(previous, last, "ooms"),
                 step_period_s=statistics.median(state.durations) if state.durations else None,
             )
+            if memory is not None and analysis.oom.reasons:
+                # What is at risk is only half the warning: say which part fills the memory.
+                analysis.oom = replace(analysis.oom, reasons=(*analysis.oom.reasons, memory.text))
         state.last = last
         analysis.version = next(_versions)
         return verdict
