@@ -26,12 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import ROOT, latencies, percentile
+from common import ROOT, SCENARIO, latencies
 
-from tests.fakenvml.build import build_fake_nvml
-from tests.helpers import agent_env, start_agent
-
-SCENARIO = ROOT / "tests" / "fakenvml" / "scenarios" / "h100_8x_live.scn"
+from gpumon.testing import agent_env, quantile, start_agent
+from gpumon.testing.fakenvml import build_fake_nvml
 
 _CHILD = r"""
 import json, statistics, sys, time
@@ -108,9 +106,9 @@ def scrape(lib_dir: Path, count: int) -> dict[str, float]:
             agent.stop()
     return {
         "metrics_p50_s": statistics.median(metrics),
-        "metrics_p99_s": percentile(metrics, 0.99),
+        "metrics_p99_s": quantile(metrics, 0.99),
         "healthz_p50_s": statistics.median(health),
-        "healthz_p99_s": percentile(health, 0.99),
+        "healthz_p99_s": quantile(health, 0.99),
         "metrics_bytes": size,
     }
 

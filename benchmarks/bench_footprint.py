@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 import psutil
-from common import build_peer_nvml, cpu_seconds, get, live_node, nvml_env, print_table, send_steps
+from common import build_peer_nvml, cpu_seconds, get, live_node, print_table, send_steps
 
-from tests.helpers import parse_metrics, start_agent, values
+from gpumon.testing import agent_env, parse_metrics, start_agent, values
 
 MIB = 2**20
 
@@ -60,8 +60,8 @@ def main() -> None:
         tmp = Path(tmp_name)
         lib = build_peer_nvml(tmp / "lib")
         with live_node(tmp) as scenario:
-            fed = start_agent(tmp, "--interval", "1", env=nvml_env(lib, scenario))
-            idle = start_agent(tmp, "--interval", "1", env=nvml_env(lib, scenario))
+            fed = start_agent(tmp, "--interval", "1", env=agent_env(lib.parent, scenario))
+            idle = start_agent(tmp, "--interval", "1", env=agent_env(lib.parent, scenario))
             try:
                 processes = [psutil.Process(fed.process.pid), psutil.Process(idle.process.pid)]
                 time.sleep(5.0)  # first GPM pairs, slow NVML set, host sample

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from common import step_record
 
+from gpumon.testing import agent_env, parse_metrics, start_agent, values
 from gpumon.wire import encode_datagrams
-from tests.helpers import agent_env, parse_metrics, start_agent, values
 
 RANKS = 8
 RETRY_BUDGET_S = 0.05  # what the client's sender allows a full queue per flush

@@ -42,18 +42,23 @@ from common import (
     get,
     latencies,
     live_node,
-    nvml_env,
     peers_python,
-    percentile,
     print_table,
     send_steps,
     thread_cpu_ns,
     thread_names,
 )
 from counted import read_count
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import AgentProcess, free_port, http_get, wait_for
+from gpumon.testing import (
+    AgentProcess,
+    agent_env,
+    free_port,
+    http_get,
+    parse_metrics,
+    quantile,
+    wait_for,
+)
 
 COUNTED = str(Path(__file__).resolve().parent / "counted.py")
 COLLECTORS = ("gpumon", "nvitop-exporter", "gpustat", "idle-loop")
@@ -95,7 +100,7 @@ def start(name: str, lib: Path, scenario: Path, tmp: Path, interval_s: float,
     log_path = tmp / f"{name}-{port}.log"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                   env=nvml_env(lib, scenario), cwd=ROOT)
+                                   env=agent_env(lib.parent, scenario), cwd=ROOT)
     running = Running(process, port, socket_path, log_path, name, count_file)
     probe = running.url + "/readyz" if name == "gpumon" else (running.url if serve else None)
 
@@ -194,13 +199,13 @@ def scrape(lib: Path, scenario: Path, tmp: Path, scrapes: int, ranks: int, inter
             feeder.kill()
         for proc in running.values():
             proc.stop()
-    stats = {name: {"p50_s": statistics.median(t), "p99_s": percentile(t, 0.99),
+    stats = {name: {"p50_s": statistics.median(t), "p99_s": quantile(t, 0.99),
                     "bytes": sizes[name]} for name, t in times.items()}
     return stats, bodies
 
 
 def _samples(text: str) -> list[tuple[str, dict[str, str]]]:
-    return [(s.name, s.labels) for f in text_string_to_metric_families(text) for s in f.samples]
+    return [(name, dict(labels)) for name, labels in parse_metrics(text)]
 
 
 def coverage(bodies: dict[str, str]) -> dict[str, dict[str, Any]]:

@@ -14,9 +14,8 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import venv
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,14 +23,14 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
+from gpumon.testing import http_get  # noqa: E402
+from gpumon.testing.fakenvml import BASE_FLAGS, SCENARIOS, SOURCE, FakeNvmlBuildError, Scenario  # noqa: E402
 from gpumon.wire import encode_record, pack_datagrams  # noqa: E402
-from tests.fakenvml.build import BASE_FLAGS, SOURCE, FakeNvmlBuildError  # noqa: E402
-from tests.fakenvml.scenario import Scenario  # noqa: E402
 
 PEERS_VENV = HERE / ".peers-venv"
 REQUIREMENTS = HERE / "peers-requirements.txt"
 STUBS = HERE / "peer_nvml_stubs.c"
-SCENARIO = ROOT / "tests" / "fakenvml" / "scenarios" / "h100_8x_live.scn"
+SCENARIO = SCENARIOS / "h100_8x_live.scn"
 LAUNCHER = HERE / "counted.py"
 
 
@@ -92,16 +91,6 @@ def live_node(out_dir: Path) -> Iterator[Path]:
             sleeper.wait()
 
 
-def nvml_env(lib: Path, scenario: Path = SCENARIO,
-             extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Environment of a process that loads ``lib`` with ``scenario``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUMON_")}
-    env["LD_LIBRARY_PATH"] = str(lib.parent)
-    env["FAKE_NVML_SCENARIO"] = str(scenario)
-    env.update(extra or {})
-    return env
-
-
 def thread_cpu_ns(pid: int) -> dict[int, int]:
     """CPU nanoseconds of every live thread of ``pid``, by thread id: the scheduler's own
     account in /proc/PID/task/*/schedstat (psutil's clock ticks are 10 ms coarse)."""
@@ -127,9 +116,11 @@ def thread_names(pid: int) -> dict[int, str]:
 
 
 def get(url: str) -> bytes:
-    """The body of a GET."""
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return bytes(response.read())
+    """The body of a GET that must answer 200."""
+    status, body = http_get(url, timeout=10)
+    if status != 200:
+        raise RuntimeError(f"GET {url} answered {status}: {body[:200]!r}")
+    return body
 
 
 def latencies(url: str, count: int) -> tuple[list[float], int]:
@@ -140,12 +131,6 @@ def latencies(url: str, count: int) -> tuple[list[float], int]:
         size = len(get(url))
         times.append(time.perf_counter() - start)
     return times, size
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) of ``values``, nearest rank."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def print_table(header: list[str], rows: list[list[str]]) -> None:

@@ -68,7 +68,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.helpers import free_port, http_get  # noqa: E402
+from gpumon.testing import free_port, http_get  # noqa: E402
 
 RUN = "gpu-node-check"
 OOM_RUN = "gpu-node-check-oom"
@@ -624,7 +624,7 @@ def nvml_environment(mode: str, scratch: Path, report: Report) -> dict[str, str]
     if mode == "real":
         env.pop("FAKE_NVML_SCENARIO", None)
         return env
-    from tests.fakenvml.build import build_fake_nvml
+    from gpumon.testing.fakenvml import build_fake_nvml
 
     lib = build_fake_nvml(scratch / "fakenvml")
     scenario = scratch / "h200_dry_run.scn"

@@ -2,17 +2,46 @@
 
 from __future__ import annotations
 
-import logging
 import signal
 import sys
 import threading
-from pathlib import Path
-from typing import Annotated, Any, NoReturn
 
-import typer
 
-from gpumon import __version__
-from gpumon.agent.config import DEFAULT_PORT, ConfigError, load_config
+class _SignalInbox:
+    """Signals kept for the agent's main loop, which handles them in order.
+
+    SIGHUP (reload) is caught from the first moment: importing the agent takes ~0.3 s, and
+    a SIGHUP's default action in that window kills the process. SIGTERM and SIGINT keep
+    their default action until the agent has started, so a start that hangs (in a broken
+    driver, say) can still be stopped.
+    """
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.wake = threading.Event()
+
+    def catch(self, *signums: int) -> None:
+        """Keep these signals from now on (main thread only)."""
+        for signum in signums:
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self.received.append(signum)
+        self.wake.set()
+
+
+_signals = _SignalInbox()
+if sys.argv[1:2] == ["agent"]:
+    _signals.catch(signal.SIGHUP)
+
+import logging  # noqa: E402 (after the signal handlers, on purpose)
+from pathlib import Path  # noqa: E402
+from typing import Annotated, Any, NoReturn  # noqa: E402
+
+import typer  # noqa: E402
+
+from gpumon import __version__  # noqa: E402
+from gpumon.agent.config import DEFAULT_PORT, ConfigError, load_config  # noqa: E402
 
 app = typer.Typer(
     name="gpumon",
@@ -57,6 +86,7 @@ def agent(
     web_config: Annotated[str | None, typer.Option(help="TLS and basic-auth file in the Prometheus exporters' web config format [env GPUMON_WEB_CONFIG].")] = None,
 ) -> None:
     """Run the node agent: collect, classify and serve /metrics until SIGTERM/SIGINT."""
+    _signals.catch(signal.SIGHUP)  # already, when started from the command line
     from gpumon.agent import Agent, AgentError
     from gpumon.export.server import ServeError
 
@@ -80,18 +110,12 @@ def agent(
     except (ServeError, AgentError) as exc:
         node.stop()
         _fail(str(exc))
-    signalled: list[int] = []
-    wake = threading.Event()
     log = logging.getLogger("gpumon")
-
-    def _on_signal(signum: int, _frame: Any) -> None:
-        signalled.append(signum)
-        wake.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, _on_signal)
+    _signals.catch(signal.SIGTERM, signal.SIGINT)
+    signalled, wake = _signals.received, _signals.wake
     try:
         # No polling: the wait is interrupted by a signal, whose handler sets the event.
+        # Signals that came during start-up are handled now, in order.
         while True:
             wake.wait()
             wake.clear()
@@ -113,6 +137,9 @@ def _reload(node: Any, flags: dict[str, Any], log: logging.Logger) -> None:
         notes = node.reload(load_config(flags))
     except (ConfigError, AgentError) as exc:
         log.error("reload failed, keeping the running configuration: %s", exc)
+        return
+    except Exception:  # a reload must never take a running agent down with it
+        log.exception("reload failed, keeping the running configuration")
         return
     log.info("configuration reloaded%s", "".join(f"; {n}" for n in notes))
 

@@ -61,3 +61,14 @@ def test_port_in_use(tmp_path: Path) -> None:
     assert error_lines(result.stderr) == [
         f"gpumon: error: cannot listen on 127.0.0.1:{port}: Address already in use"]
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_config_file_that_is_not_utf8(tmp_path: Path) -> None:
+    config = tmp_path / "gpumon.toml"
+    config.write_bytes(b"[agent]\n# r\xe9seau\nport = 9500\n")
+    result = run_cli("agent", "--config", str(config))
+    assert result.returncode == 2
+    assert error_lines(result.stderr) == [
+        f"gpumon: error: config file {config} is not valid UTF-8 (byte 11: invalid "
+        "continuation byte)"]
+    assert "Traceback" not in result.stderr

@@ -74,9 +74,12 @@ def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) 
 
 def _read_file(path: Path) -> dict[str, Any]:
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8 by definition
+        raise ConfigError(f"config file {path} is not valid UTF-8 "
+                          f"(byte {exc.start}: {exc.reason})") from exc
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

@@ -27,13 +27,14 @@ from prometheus_client.process_collector import ProcessCollector
 from gpumon import __version__
 from gpumon.agent.config import AgentConfig
 from gpumon.agent.node import NodeState, NvmlStatus
-from gpumon.agent.ranks import RankState, Sender, StepStore
+from gpumon.agent.ranks import RankStore, RankTotals
 from gpumon.agent.recorder import Recorder
 from gpumon.analysis.stream import RankAnalysis, StepAnalyzer
 from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer
-from gpumon.collectors.samples import GpuSample, GpuStatic
+from gpumon.collectors.samples import GpuSample, GpuStatic, SenderCredentials
 from gpumon.export.gpu_metrics import node_families
+from gpumon.export.health_metrics import recording_families
 from gpumon.export.memory_metrics import MemoryFamilies
 from gpumon.export.server import MetricsServer
 from gpumon.export.step_metrics import StepFamilies
@@ -165,7 +166,7 @@ class Agent:
         self.registry.register(_NodeCollector(self))
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
         self._host = HostSource() if config.enabled("host") else None
-        self.steps = StepStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
+        self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self.analyzer = StepAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self._analyzer_lock = threading.Lock()  # fed by ingest, run by housekeeping
         self._step_families = StepFamilies()  # keeps each run's series rendered
@@ -231,7 +232,7 @@ class Agent:
     def _start_ingest(self) -> None:
         try:
             self._ingest = IngestServer(Path(self.config.socket), self._on_records,
-                                        self.steps.count_dropped, self.config.allowed_uids)
+                                        self.rank_store.count_dropped, self.config.allowed_uids)
         except IngestError as exc:
             # GPU and host metrics are still worth serving: say so loudly, keep going.
             self.ingest_problem = str(exc)
@@ -261,7 +262,7 @@ class Agent:
         if self._ingest is not None and config.allowed_uids != self.config.allowed_uids:
             self._ingest.set_allowed_uids(config.allowed_uids)
             notes.append(f"allowed_uids: {list(config.allowed_uids) or 'anyone'}")
-        self.steps.ttl_s, self.steps.max_ranks = config.rank_ttl_seconds, config.max_ranks
+        self.rank_store.ttl_s, self.rank_store.max_ranks = config.rank_ttl_seconds, config.max_ranks
         if config.thresholds != self.config.thresholds:
             with self._analyzer_lock:
                 self.analyzer.thresholds = config.thresholds
@@ -329,11 +330,11 @@ class Agent:
 
     def _collect_host(self, now: float, monotonic: float) -> None:
         assert self._host is not None
-        self.state.put_host(self._host.sample(now), self._host.processes(self.steps.pids()))
+        self.state.put_host(self._host.sample(now), self._host.processes(self.rank_store.pids()))
 
-    def _on_records(self, records: list[Record], sender: Sender) -> None:
+    def _on_records(self, records: list[Record], sender: SenderCredentials) -> None:
         now = time.time()
-        accepted = self.steps.ingest(records, sender, time.monotonic(), now)
+        accepted = self.rank_store.ingest(records, sender, time.monotonic(), now)
         if not accepted:
             return
         pids = {(r.run, r.rank): sender.pid or r.pid for r in accepted}
@@ -343,7 +344,7 @@ class Agent:
             self._recorder.steps(accepted)
 
     def _housekeeping(self, now: float, monotonic: float) -> None:
-        expired = self.steps.expire(monotonic)
+        expired = self.rank_store.expire(monotonic)
         snap = self.state.snapshot(now)
         with self._analyzer_lock:
             self.analyzer.forget(expired)
@@ -368,16 +369,18 @@ class Agent:
         """Every metric family, rendered from one snapshot."""
         snap = self.state.snapshot(time.time())
         yield from node_families(snap)
-        records, dropped = self.steps.counters()
+        records, dropped = self.rank_store.counters()
         with self._analyzer_lock:
             analyses = self.analyzer.analyses()
         uuids = {g.index: g.uuid for g in snap.gpus}
         resolved = {(a.run, a.rank): uuids[a.gpu] for a in analyses if a.gpu in uuids}
-        ranks = self.steps.ranks()
+        ranks = self.rank_store.ranks()
         yield from self._step_families.steps(ranks, records, dropped,
                                              snap.processes, resolved)
         yield from self._step_families.analyses(analyses)
         yield from self._memory_families.families(ranks, analyses)
+        recorder = self._recorder
+        yield from recording_families(recorder.status() if recorder else None)
 
     def readiness(self) -> tuple[bool, dict[str, Any]]:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
@@ -393,6 +396,12 @@ class Agent:
                 problems.append(f"{name}: cycle stuck for {now_monotonic - started:.0f}s")
         if self.ingest_problem:
             problems.append(f"ingest: {self.ingest_problem}")
+        recorder = self._recorder
+        recording = recorder.status() if recorder else None
+        if recording is not None and recording.error:
+            problems.append(f"recording: cannot write {recording.path}: {recording.error} "
+                            f"({recording.backlog_bytes} bytes waiting, "
+                            f"{recording.lines_dropped_total} lines dropped)")
         lost = [str(i) for i, s in snap.latest.items() if not s.up]
         if lost:
             problems.append(f"gpu lost: {', '.join(sorted(lost))}")
@@ -430,7 +439,7 @@ class Agent:
             "xid_errors": [{"gpu": g, "xid": x, "count": c}
                            for (g, x), c in sorted(snap.xid_counts.items())],
             "ranks": [_rank_dict(r, analyses.get((r.run, r.rank)))
-                      for r in sorted(self.steps.ranks(), key=lambda r: (r.run, r.rank))],
+                      for r in sorted(self.rank_store.ranks(), key=lambda r: (r.run, r.rank))],
         }
 
 
@@ -442,7 +451,7 @@ def _sample_dict(sample: GpuSample) -> dict[str, Any]:
     return data
 
 
-def _rank_dict(state: RankState, analysis: RankAnalysis | None) -> dict[str, Any]:
+def _rank_dict(state: RankTotals, analysis: RankAnalysis | None) -> dict[str, Any]:
     return {
         "run": state.run, "rank": state.rank, "world": state.world,
         "local_rank": state.local_rank, "pid": state.pid, "gpu": state.gpu_hint,

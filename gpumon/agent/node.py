@@ -1,4 +1,4 @@
-"""The agent's in-memory state: written by collectors, read (as a snapshot) by scrapes.
+"""The node's state (GPUs, host, XIDs, collectors): written by collectors, read as a snapshot.
 
 Collectors replace immutable samples under a short lock; a scrape copies references under
 the same lock and renders outside it, so a slow collector never slows a scrape.
@@ -39,7 +39,7 @@ class NvmlStatus:
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class NodeSnapshot:
     """A consistent copy of the state for one scrape or API call."""
 
     t: float
@@ -118,10 +118,10 @@ class NodeState:
         with self._lock:
             return self._gpus
 
-    def snapshot(self, now: float) -> Snapshot:
+    def snapshot(self, now: float) -> NodeSnapshot:
         """A consistent copy for rendering outside the lock."""
         with self._lock:
-            return Snapshot(
+            return NodeSnapshot(
                 t=now,
                 nvml=self.nvml,
                 gpus=self._gpus,

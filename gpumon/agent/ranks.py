@@ -1,4 +1,4 @@
-"""Per-(run, rank) training-step state, fed by the ingest socket and read by scrapes.
+"""The rank store: per-(run, rank) step totals, fed by the ingest socket and read by scrapes.
 
 Bounded: a (run, rank) that stops reporting expires after a TTL, and a cap on live pairs
 rejects new ones (counted as ``too_many_ranks``) so a misbehaving client cannot blow up
@@ -13,13 +13,14 @@ from bisect import bisect_left
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from gpumon.analysis.stream import RankKey
+from gpumon.collectors.samples import SenderCredentials
 from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, MemoryBreakdown, Record, StepRecord
 
 # Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
 # large-model steps; le="+Inf" is added on export.
 DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
-RankKey = tuple[str, int]
 _KNOWN_PHASES = frozenset(KNOWN_PHASES)
 # Process-wide, so that no two states of a (run, rank), even across an expiry or two stores,
 # ever carry the same version: a renderer may reuse its text for a version it has seen.
@@ -27,8 +28,9 @@ _versions = itertools.count(1)
 
 
 @dataclass
-class RankState:
-    """Everything known about one rank of one run."""
+class RankTotals:
+    """What ingest has counted for one rank of one run: its identity, running totals and
+    latest readings (what the analyzer concludes about it is ``RankAnalysis``)."""
 
     run: str
     rank: int
@@ -59,7 +61,7 @@ class RankState:
     memory_breakdown: MemoryBreakdown | None = None
     """The latest sampled breakdown (``watch(model, optimizer)``)."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
-    """Changes whenever anything above does (StepStore stamps it)."""
+    """Changes whenever anything above does (RankStore stamps it)."""
 
     @property
     def ooms_total(self) -> int:
@@ -96,26 +98,18 @@ class RankState:
             self.memory_breakdown = record.memory_breakdown
 
 
-@dataclass(frozen=True)
-class Sender:
-    """Who sent a datagram, from the kernel (SCM_CREDENTIALS), when known."""
-
-    pid: int | None = None
-    uid: int | None = None
-
-
-class StepStore:
-    """Thread-safe map of (run, rank) to RankState with TTL expiry and a cap."""
+class RankStore:
+    """Thread-safe map of (run, rank) to RankTotals with TTL expiry and a cap."""
 
     def __init__(self, ttl_s: float = 300.0, max_ranks: int = 1024) -> None:
         self._lock = threading.Lock()
-        self._ranks: dict[RankKey, RankState] = {}
+        self._ranks: dict[RankKey, RankTotals] = {}
         self.ttl_s = ttl_s
         self.max_ranks = max_ranks
         self.records_total: Counter[str] = Counter()  # by kind
         self.dropped_total: Counter[str] = Counter()  # by reason
 
-    def ingest(self, records: list[Record], sender: Sender, monotonic: float,
+    def ingest(self, records: list[Record], sender: SenderCredentials, monotonic: float,
                now_t: float) -> list[StepRecord]:
         """Apply decoded records; returns the steps accepted (for recording/verdicts)."""
         accepted: list[StepRecord] = []
@@ -152,7 +146,7 @@ class StepStore:
         with self._lock:
             self.dropped_total[reason] += count
 
-    def _rank(self, run: str, rank: int, monotonic: float) -> RankState | None:
+    def _rank(self, run: str, rank: int, monotonic: float) -> RankTotals | None:
         key = (run, rank)
         state = self._ranks.get(key)
         if state is None:
@@ -160,7 +154,7 @@ class StepStore:
                 self._expire_locked(monotonic)
                 if len(self._ranks) >= self.max_ranks:
                     return None
-            state = self._ranks[key] = RankState(run=run, rank=rank,
+            state = self._ranks[key] = RankTotals(run=run, rank=rank,
                                                  last_seen_monotonic=monotonic)
         return state
 
@@ -176,7 +170,7 @@ class StepStore:
             del self._ranks[key]
         return stale
 
-    def ranks(self) -> list[RankState]:
+    def ranks(self) -> list[RankTotals]:
         """Copies of every live rank's state (without step history), for rendering."""
         with self._lock:
             return [_copy(s) for s in self._ranks.values()]
@@ -192,7 +186,7 @@ class StepStore:
             return {s.pid: k for k, s in self._ranks.items() if s.pid is not None}
 
 
-def _note_identity(state: RankState, world: int | None, local_rank: int | None,
+def _note_identity(state: RankTotals, world: int | None, local_rank: int | None,
                    gpu: str | int | None) -> None:
     if world is not None:
         state.world = world
@@ -202,8 +196,8 @@ def _note_identity(state: RankState, world: int | None, local_rank: int | None,
         state.gpu_hint = gpu
 
 
-def _copy(state: RankState) -> RankState:
-    clone = RankState(**{k: getattr(state, k) for k in state.__dataclass_fields__})
+def _copy(state: RankTotals) -> RankTotals:
+    clone = RankTotals(**{k: getattr(state, k) for k in state.__dataclass_fields__})
     clone.phase_seconds_total = defaultdict(float, state.phase_seconds_total)
     clone.duration_bucket_counts = list(state.duration_bucket_counts)
     return clone

@@ -35,6 +35,7 @@ from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.wire import MemoryBreakdown, StepRecord
 
 RankKey = tuple[str, int]
+"""(run, rank): how a rank of a run is named everywhere in the agent."""
 History = Callable[[int, float, float], Sequence[GpuSample]]
 """(gpu index, t0, t1) -> that GPU's samples with t0 <= t <= t1."""
 
@@ -79,7 +80,10 @@ class StepVerdict:
 
 
 @dataclass
-class _RankState:
+class _RankTracker:
+    """The analyzer's working state for one rank: steps waiting for their GPU samples and
+    the recent figures its verdicts and scores need; ``analysis`` is what it has concluded."""
+
     analysis: RankAnalysis
     pending: list[StepRecord] = field(default_factory=list)
     compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=COMPUTE_HISTORY))
@@ -119,13 +123,13 @@ class StepAnalyzer:
         self.lag_s = resolution_s + 0.5
         self.thresholds = thresholds
         self._peak_override = peak_flops_override
-        self._ranks: dict[RankKey, _RankState] = {}
+        self._ranks: dict[RankKey, _RankTracker] = {}
 
     def add(self, steps: Iterable[StepRecord], received_t: float,
             pids: Mapping[RankKey, int | None] | None = None) -> None:
         """Queue steps; a step without ``t_start``, or one claiming to end well after it
         was received (a client clock running ahead), is taken to have ended when received."""
-        full: list[_RankState] = []
+        full: list[_RankTracker] = []
         for step in steps:
             end = step.t_end
             if end is None or end > received_t + CLOCK_SKEW_TOLERANCE_S:
@@ -133,7 +137,7 @@ class StepAnalyzer:
             key = (step.run, step.rank)
             state = self._ranks.get(key)
             if state is None:
-                state = self._ranks[key] = _RankState(RankAnalysis(step.run, step.rank))
+                state = self._ranks[key] = _RankTracker(RankAnalysis(step.run, step.rank))
             state.pending.append(step)
             if step.memory_breakdown is not None:
                 state.breakdowns.append((step.t_end or received_t, step.memory_breakdown))
@@ -212,7 +216,7 @@ class StepAnalyzer:
         if done:
             yield done
 
-    def _analyse(self, state: _RankState, group: StepRecord, steps: int, last: StepRecord,
+    def _analyse(self, state: _RankTracker, group: StepRecord, steps: int, last: StepRecord,
                  history: History, statics: Mapping[int, GpuStatic],
                  latest: Mapping[int, GpuSample], thresholds: Thresholds) -> Verdict:
         analysis = state.analysis

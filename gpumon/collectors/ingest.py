@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from queue import SimpleQueue
 
-from gpumon.agent.ranks import Sender
+from gpumon.collectors.samples import SenderCredentials
 from gpumon.wire import MAX_DATAGRAM_BYTES, Record, decode_datagram
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ QUEUE_DATAGRAMS = 4096  # at most ~32 MiB of undecoded datagrams
 _CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _ANCILLARY_BYTES = socket.CMSG_SPACE(_CREDENTIALS.size)
 
-OnRecords = Callable[[list[Record], Sender], None]
+OnRecords = Callable[[list[Record], SenderCredentials], None]
 OnDropped = Callable[[str, int], None]
 
 
@@ -87,14 +87,14 @@ def _remove_stale(path: Path) -> None:
     raise IngestError(f"{path} is in use by another running agent")
 
 
-def parse_sender(ancillary: list[tuple[int, int, bytes]]) -> Sender:
+def parse_sender(ancillary: list[tuple[int, int, bytes]]) -> SenderCredentials:
     """The sender's pid/uid from SCM_CREDENTIALS, when the kernel attached them."""
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS \
                 and len(data) >= _CREDENTIALS.size:
             pid, uid, _gid = _CREDENTIALS.unpack_from(data)
-            return Sender(pid=pid or None, uid=uid)
-    return Sender()
+            return SenderCredentials(pid=pid or None, uid=uid)
+    return SenderCredentials()
 
 
 class IngestServer:

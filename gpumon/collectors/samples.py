@@ -76,3 +76,11 @@ class ProcessSample:
     cpu_seconds_total: float
     resident_memory_bytes: int
     extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class SenderCredentials:
+    """Who sent a datagram, as the kernel tells it (SCM_CREDENTIALS), when known."""
+
+    pid: int | None = None
+    uid: int | None = None

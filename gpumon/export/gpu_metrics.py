@@ -1,4 +1,4 @@
-"""Prometheus families for the node: GPUs, host and the agent itself, from a Snapshot."""
+"""Prometheus families for the node: GPUs, host and the agent itself, from a NodeSnapshot."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import InfoMetricFamily, Metric
 
 from gpumon import __version__
-from gpumon.agent.node import Snapshot
+from gpumon.agent.node import NodeSnapshot
 from gpumon.export.exposition import CounterFamily, GaugeFamily
 
 GPU_LABELS = ["gpu", "uuid", "model"]
@@ -44,14 +44,14 @@ GPU_COUNTERS = (
 )
 
 
-def node_families(snap: Snapshot) -> Iterator[Metric]:
+def node_families(snap: NodeSnapshot) -> Iterator[Metric]:
     """All GPU, host and agent families of one snapshot."""
     yield from _gpu_families(snap)
     yield from _host_families(snap)
     yield from _agent_families(snap)
 
 
-def _gpu_families(snap: Snapshot) -> Iterator[Metric]:
+def _gpu_families(snap: NodeSnapshot) -> Iterator[Metric]:
     info = InfoMetricFamily("gpumon_gpu", "Static facts about each GPU.",
                             labels=["gpu", "uuid", "model", "pci_bus_id", "driver_version"])
     up = GaugeFamily("gpumon_gpu_up", "1 when the GPU answers NVML, 0 when it is lost.",
@@ -105,7 +105,7 @@ def _gpu_families(snap: Snapshot) -> Iterator[Metric]:
     yield from (clock_events, ecc, process_memory, xid)
 
 
-def _host_families(snap: Snapshot) -> Iterator[Metric]:
+def _host_families(snap: NodeSnapshot) -> Iterator[Metric]:
     if snap.host is None:
         return
     yield GaugeFamily("gpumon_host_cpu_utilization_ratio",
@@ -117,7 +117,7 @@ def _host_families(snap: Snapshot) -> Iterator[Metric]:
                       value=float(snap.host.memory_total_bytes))
 
 
-def _agent_families(snap: Snapshot) -> Iterator[Metric]:
+def _agent_families(snap: NodeSnapshot) -> Iterator[Metric]:
     yield InfoMetricFamily("gpumon_agent", "The gpumon agent.", value={"version": __version__})
     yield GaugeFamily("gpumon_nvml_up", "1 when NVML (or the simulator) is usable.",
                       value=1.0 if snap.nvml.up else 0.0)

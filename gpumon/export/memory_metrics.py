@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from prometheus_client.core import Metric
 
-from gpumon.agent.ranks import RankState
+from gpumon.agent.ranks import RankTotals
 from gpumon.analysis.memory import project_zero
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.export.exposition import GaugeFamily, RenderCache
@@ -21,7 +21,7 @@ from gpumon.wire import MEMORY_COMPONENTS
 
 RANK_LABELS = ["run", "rank"]
 
-MemorySource = tuple[RankState, RankAnalysis | None]
+MemorySource = tuple[RankTotals, RankAnalysis | None]
 
 
 class _MemoryFamilySet(NamedTuple):
@@ -74,7 +74,7 @@ class MemoryFamilies:
     def __init__(self) -> None:
         self._cache = RenderCache(_families, _fill)
 
-    def families(self, ranks: list[RankState], analyses: list[RankAnalysis]) -> Iterator[Metric]:
+    def families(self, ranks: list[RankTotals], analyses: list[RankAnalysis]) -> Iterator[Metric]:
         """Series for every rank that sent a breakdown."""
         by_key = {(a.run, a.rank): a for a in analyses}
         runs: dict[str, list[MemorySource]] = {}

@@ -1,8 +1,8 @@
-"""Prometheus families for training steps, memory and ingest, from StepStore copies.
+"""Prometheus families for training steps, memory and ingest, from RankStore copies.
 
 Nearly all of a scrape's series are per rank: 55 a rank, ~3,500 of ~3,770 at 8 GPUs × 64
 ranks. They are rendered as text in one block per run, kept with the versions of the states
-they came from (``RankState.version``, ``RankAnalysis.version``), and a run is rendered again
+they came from (``RankTotals.version``, ``RankAnalysis.version``), and a run is rendered again
 only when one of its ranks has changed. A run rather than a rank, because a run's ranks
 step together: blocks per rank made a scrape in which every rank had changed a third slower
 (+0.7 ms at 64 ranks), and at a 15 s scrape interval that is every scrape.
@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from prometheus_client.core import Metric
 
-from gpumon.agent.ranks import DURATION_BUCKETS_S, RankState
+from gpumon.agent.ranks import DURATION_BUCKETS_S, RankTotals
 from gpumon.analysis.bottleneck import Bottleneck, Flag
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.samples import ProcessSample
@@ -28,7 +28,7 @@ _BUCKET_BOUNDS = tuple("+Inf" if b == float("inf") else repr(float(b))
 _BOTTLENECKS = tuple((b, b.value) for b in Bottleneck)
 _FLAGS = tuple((f, f.value) for f in Flag)
 
-RankSource = tuple[RankState, ProcessSample | None, str]
+RankSource = tuple[RankTotals, ProcessSample | None, str]
 """A rank's state, its process's sample, and the device it runs on (``gpumon_rank_info{gpu}``)."""
 
 
@@ -40,7 +40,7 @@ class StepFamilies:
         self._steps = RenderCache(_step_families, _add_steps)
         self._analyses = RenderCache(_analysis_families, _add_analyses)
 
-    def steps(self, ranks: list[RankState], records_total: dict[str, int],
+    def steps(self, ranks: list[RankTotals], records_total: dict[str, int],
               dropped_total: dict[str, int], processes: dict[int, ProcessSample],
               resolved_uuids: dict[tuple[str, int], str]) -> Iterator[Metric]:
         """Step, phase, memory and process families per (run, rank), and ingest counters.
@@ -144,7 +144,7 @@ def _add_steps(families: _StepFamilySet, ranks: list[RankSource]) -> None:
         _add_rank_steps(families, state, process, gpu)
 
 
-def _add_rank_steps(families: _StepFamilySet, state: RankState, process: ProcessSample | None,
+def _add_rank_steps(families: _StepFamilySet, state: RankTotals, process: ProcessSample | None,
                     gpu: str) -> None:
     (info, steps, duration, phases, samples, tokens, flops, last,
      allocated, reserved, peak, retries, ooms, cpu, rss) = families

@@ -39,6 +39,7 @@ _CLIENT_AUTH = {
 }
 _KNOWN_TOP = {"tls_server_config", "basic_auth_users", "http_server_config"}
 _CACHE_MAX = 256
+BCRYPT_MAX_PASSWORD_BYTES = 72
 
 
 class WebConfigError(ValueError):
@@ -62,14 +63,17 @@ class WebConfig:
         """
         if not self.users:
             return True
-        if not header or not header.startswith("Basic "):
+        scheme, _, credentials = (header or "").strip().partition(" ")
+        if scheme.lower() != "basic":  # auth schemes are case-insensitive (RFC 9110)
             return False
         try:
-            decoded = base64.b64decode(header[6:].strip(), validate=True)
+            decoded = base64.b64decode(credentials.strip(), validate=True)
         except (binascii.Error, ValueError):
             return False
         user, sep, password = decoded.partition(b":")
-        if not sep:
+        if not sep or len(password) > BCRYPT_MAX_PASSWORD_BYTES:
+            # bcrypt reads at most 72 bytes (Python's refuses more, Go's fails the check):
+            # no longer password can match, and no hash is spent on it.
             return False
         key = hashlib.sha256(decoded).digest()
         with self._lock:
@@ -97,9 +101,12 @@ def _dummy_hash() -> bytes:
 def load_web_config(path: Path) -> WebConfig:
     """Parse and check a web config file; raises WebConfigError with a clear reason."""
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise WebConfigError(f"cannot read web config {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise WebConfigError(f"web config {path} is not valid UTF-8 "
+                             f"(byte {exc.start}: {exc.reason})") from exc
     except yaml.YAMLError as exc:
         raise WebConfigError(f"web config {path} is not valid YAML: {exc}") from exc
     if data is None:
@@ -162,5 +169,10 @@ def _users(section: Any, path: Path) -> dict[str, bytes]:
                                  f"($2y$...), not a plain password")
         # Python's bcrypt reads $2y$ (Apache htpasswd) as the equivalent $2b$.
         users[str(name)] = ("$2b$" + hashed[4:]).encode()
+        try:  # a damaged hash fails here, once, not in every request
+            bcrypt.checkpw(b"", users[str(name)])
+        except ValueError as exc:
+            raise WebConfigError(f"web config {path}: user {name!r}: not a valid bcrypt "
+                                 f"hash ({exc})") from None
     return users
 

@@ -15,7 +15,7 @@ import pytest
 
 from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
-from gpumon.agent.ranks import Sender
+from gpumon.collectors.samples import SenderCredentials
 from gpumon.sim.gpus import SimulatedSource
 from gpumon.wire import StepRecord
 from tests.helpers import (
@@ -122,7 +122,7 @@ def test_housekeeping_analyses_64_ranks_in_slices_letting_scrapes_in_between() -
     agent._on_records([StepRecord(run="llm", rank=rank, step=n, duration_s=0.5,
                                   t_start=now - 6 + n * 0.5, gpu=rank % 8,
                                   phases_s={"forward": 0.2, "backward": 0.25})
-                       for n in range(4) for rank in range(64)], Sender())
+                       for n in range(4) for rank in range(64)], SenderCredentials())
     probe = agent._analyzer_lock = _ScrapeBetweenHolds(agent)  # type: ignore[assignment]
     agent._housekeeping(now, time.monotonic())
     assert probe.holds >= 1 + 64 * 2 // 8  # forget, then at most 8 verdicts a slice

@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 
 import bcrypt
@@ -92,3 +93,56 @@ def test_second_agent_on_the_same_socket_refuses_to_steal_it(tmp_path: Path) -> 
             second.stop()
         first.stop()
     assert not first.socket_path.exists()  # the second agent never removed it; the first did
+
+
+def test_sighup_with_a_config_that_is_not_utf8_keeps_the_agent(tmp_path: Path) -> None:
+    config = tmp_path / "gpumon.toml"
+    web = tmp_path / "web.yml"
+    web.write_text("")
+    config.write_text(f'[agent]\nsimulate = 1\nweb_config = "{web}"\n')
+    agent = start_agent(tmp_path, "--config", str(config))
+    try:
+        for broken, name in ((config, "config file"), (web, "web config")):
+            original = broken.read_bytes()
+            broken.write_bytes(original + b"# caf\xe9\n")  # Latin-1, as an editor may save it
+            agent.process.send_signal(signal.SIGHUP)
+            wait_for(lambda n=name, b=broken: f"{n} {b} is not valid UTF-8" in agent.log(),
+                     what=f"{name} refused on reload")
+            assert agent.process.poll() is None
+            assert agent.socket_path.exists()
+            assert http_get(agent.url + "/metrics")[0] == 200
+            broken.write_bytes(original)
+        assert "Traceback" not in agent.log()
+    finally:
+        assert agent.stop() == 0
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether the process has a handler for ``signum`` (the kernel's SigCgt mask)."""
+    with open(f"/proc/{pid}/status") as status:
+        mask = next(line for line in status if line.startswith("SigCgt:")).split()[1]
+    return bool(int(mask, 16) >> (signum - 1) & 1)
+
+
+def test_sighup_during_start_up_is_not_fatal(tmp_path: Path) -> None:
+    agent = start_agent(tmp_path, "--simulate", "1", wait_ready=False)
+    try:
+        wait_for(lambda: agent.process.poll() is not None or catches(agent.process.pid,
+                                                                     signal.SIGHUP),
+                 interval=0.001, what="a SIGHUP handler")
+        # Caught from before the slow imports: the HTTP port is not even bound yet.
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", agent.port)) != 0
+        for _ in range(5):  # a burst through the rest of the start-up
+            agent.process.send_signal(signal.SIGHUP)
+            time.sleep(0.02)
+        wait_for(lambda: agent.process.poll() is None and _listening(agent.port)
+                 and http_get(agent.url + "/readyz")[0] == 200, what="the agent serving")
+        wait_for(lambda: "configuration reloaded" in agent.log(), what="the reload, after start")
+    finally:
+        assert agent.stop() == 0, agent.log()
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0

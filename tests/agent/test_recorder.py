@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import resource
 import socket
+import stat
 from pathlib import Path
+
+import pytest
 
 from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
-from gpumon.agent.recorder import gpu_line, sample_from_line
-from tests.helpers import wait_for
+from gpumon.agent.recorder import Recorder, gpu_line, sample_from_line
+from gpumon.wire import StepRecord
+from tests.helpers import start_agent, value, wait_for
 
 
 def test_agent_records_steps_and_gpu_samples(tmp_path: Path) -> None:
@@ -60,3 +65,98 @@ def test_unwritable_recording_is_a_clear_error(tmp_path: Path) -> None:
         assert "cannot open recording" in str(exc) and "No such file or directory" in str(exc)
     finally:
         node.stop()
+
+
+def send_steps(path: Path, run: str, steps: range) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        for n in steps:
+            s.sendto(json.dumps({"v": 1, "kind": "step", "run": run, "rank": 0, "step": n,
+                                 "duration": 0.1}).encode(), str(path))
+
+
+def recorded_steps(path: Path) -> list[int]:
+    """Step numbers of a recording; every line must be whole JSON."""
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [line["step"] for line in lines if line["kind"] == "step"]
+
+
+def test_a_full_disk_is_seen_and_nothing_is_lost_when_space_returns(tmp_path: Path) -> None:
+    recording = tmp_path / "run.jsonl"
+    agent = start_agent(tmp_path, "--simulate", "1", "--interval", "0.2",
+                        "--record", str(recording))
+    try:
+        wait_for(lambda: recording.stat().st_size > 20_000, what="a recording under way")
+        # The kernel refuses writes past this size (EFBIG), as a full disk refuses them
+        # (ENOSPC): short writes, then errors. The agent's log is far below it.
+        limit = recording.stat().st_size + 4096
+        resource.prlimit(agent.process.pid, resource.RLIMIT_FSIZE,
+                         (limit, resource.RLIM_INFINITY))
+        send_steps(agent.socket_path, "disk", range(0, 200))
+        status, body = wait_for(lambda: (lambda r: r[1]["status"] == "degraded" and r)(
+            agent.json("/readyz")), what="readiness degraded")
+        assert any(p.startswith(f"recording: cannot write {recording}: File too large")
+                   for p in body["problems"]), body
+        m = agent.metrics()
+        assert value(m, "gpumon_recording_up") == 0
+        assert value(m, "gpumon_recording_write_errors_total") >= 1
+        assert value(m, "gpumon_recording_backlog_bytes") > 0
+        # Space comes back: what waited is written, and writing goes on.
+        resource.prlimit(agent.process.pid, resource.RLIMIT_FSIZE,
+                         (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+        wait_for(lambda: agent.json("/readyz")[1]["status"] == "ok", what="readiness back")
+        send_steps(agent.socket_path, "disk", range(200, 300))
+        wait_for(lambda: len(recorded_steps(recording)) == 300, what="every step recorded")
+        m = agent.metrics()
+        assert value(m, "gpumon_recording_up") == 1
+        assert value(m, "gpumon_recording_dropped_lines_total") == 0
+        assert value(m, "gpumon_recording_backlog_bytes") == 0
+    finally:
+        assert agent.stop() == 0, agent.log()
+    assert recorded_steps(recording) == list(range(300))  # in order, no line torn
+    assert "writing again after" in agent.log()
+
+
+def test_a_recording_that_cannot_be_written_at_exit_still_exits_cleanly(tmp_path: Path) -> None:
+    agent = start_agent(tmp_path, "--simulate", "1", "--record", "/dev/full")
+    try:
+        send_steps(agent.socket_path, "full", range(5))
+        wait_for(lambda: any("No space left on device" in p
+                             for p in agent.json("/readyz")[1]["problems"]),
+                 what="the write failure in /readyz")
+    finally:
+        code = agent.stop()
+    assert code == 0, agent.log()
+    assert "Traceback" not in agent.log()
+    assert "recording /dev/full: " in agent.log() and "lines could not be written" in agent.log()
+
+
+def test_an_appended_session_starts_on_a_fresh_line(tmp_path: Path) -> None:
+    recording = tmp_path / "run.jsonl"
+    recording.write_text('{"kind":"step","v":1,"run":"a","rank":0,"step":0,"duration":0.1}\n'
+                         '{"kind":"gpu","t":17')  # the last line of an agent killed mid-write
+    recorder = Recorder(recording)
+    recorder.steps([StepRecord(run="b", rank=0, step=1, duration_s=0.1)])
+    recorder.close()
+    lines = recording.read_text().splitlines()
+    assert lines[1] == '{"kind":"gpu","t":17'  # torn, but alone on its line
+    assert json.loads(lines[2])["run"] == "b"
+    assert len(lines) == 3
+
+
+def test_a_recording_is_created_private_and_never_through_a_symlink(tmp_path: Path) -> None:
+    from gpumon.agent import AgentError
+
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("precious\n")
+    link = tmp_path / "run.jsonl"
+    link.symlink_to(target)
+    node = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=1,
+                             socket=str(tmp_path / "s.sock"), record=str(link)))
+    with pytest.raises(AgentError, match="it is a symbolic link, and a recording is never "
+                                         "written through one"):
+        node.start()
+    node.stop()
+    assert target.read_text() == "precious\n"
+    fresh = tmp_path / "fresh.jsonl"
+    Recorder(fresh).close()
+    assert stat.S_IMODE(fresh.stat().st_mode) & 0o007 == 0  # nothing for other users

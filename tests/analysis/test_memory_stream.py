@@ -3,7 +3,7 @@ for the export; a leak and growing sequences blame different parts."""
 
 from __future__ import annotations
 
-from gpumon.agent.ranks import RankState
+from gpumon.agent.ranks import RankTotals
 from gpumon.analysis.bottleneck import Flag
 from gpumon.analysis.memory import REMEDIES
 from gpumon.analysis.stream import StepAnalyzer
@@ -77,9 +77,9 @@ def test_export_of_breakdown_projection_and_named_component() -> None:
     (analysis,) = analyzer.analyses()
     breakdown = MemoryBreakdown(parameters=4 * GIB, gradients=4 * GIB, optimizer_states=8 * GIB,
                                 activations=10 * GIB, other=3 * GIB)
-    state = RankState(run="r", rank=0, last_seen_monotonic=0.0, world=4,
+    state = RankTotals(run="r", rank=0, last_seen_monotonic=0.0, world=4,
                       memory_breakdown=breakdown)
-    quiet = RankState(run="r", rank=1, last_seen_monotonic=0.0, world=4)  # sent no breakdown
+    quiet = RankTotals(run="r", rank=1, last_seen_monotonic=0.0, world=4)  # sent no breakdown
     families = MemoryFamilies()
     text = render(list(families.families([state, quiet], [analysis]))).decode()
     assert text == render(list(families.families([state, quiet], [analysis]))).decode()

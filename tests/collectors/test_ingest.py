@@ -14,8 +14,9 @@ import pytest
 
 from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
-from gpumon.agent.ranks import Sender, StepStore
+from gpumon.agent.ranks import RankStore
 from gpumon.collectors.ingest import IngestError, IngestServer, bind_socket
+from gpumon.collectors.samples import SenderCredentials
 from gpumon.wire import MAX_DATAGRAM_BYTES
 from tests.helpers import (
     http_get,
@@ -196,17 +197,17 @@ def test_unwritable_socket_directory_degrades_but_serves(tmp_path: Path) -> None
 def test_every_change_to_a_rank_gives_it_a_version_never_seen_before() -> None:
     from gpumon.wire import EventRecord, HelloRecord, StepRecord
 
-    store = StepStore(ttl_s=10.0)
+    store = RankStore(ttl_s=10.0)
     versions = []
     for record in (StepRecord(run="r", rank=0, step=0, duration_s=1.0),
                    HelloRecord(run="r", rank=0, local_rank=3),
                    EventRecord(run="r", rank=0, event="oom"),
                    StepRecord(run="r", rank=0, step=1, duration_s=1.0)):
-        store.ingest([record], Sender(pid=7), monotonic=0.0, now_t=0.0)
+        store.ingest([record], SenderCredentials(pid=7), monotonic=0.0, now_t=0.0)
         versions.append(store.ranks()[0].version)
     assert store.ranks()[0].version == versions[-1]  # reading changes nothing
     store.expire(monotonic=20.0)
-    store.ingest([StepRecord(run="r", rank=0, step=0, duration_s=1.0)], Sender(pid=7),
+    store.ingest([StepRecord(run="r", rank=0, step=0, duration_s=1.0)], SenderCredentials(pid=7),
                  monotonic=20.0, now_t=20.0)  # back as a new state
     versions.append(store.ranks()[0].version)
     assert len(set(versions)) == len(versions)
@@ -215,13 +216,13 @@ def test_every_change_to_a_rank_gives_it_a_version_never_seen_before() -> None:
 def test_ttl_expiry_and_rank_cap() -> None:
     from gpumon.wire import StepRecord
 
-    store = StepStore(ttl_s=10.0, max_ranks=2)
+    store = RankStore(ttl_s=10.0, max_ranks=2)
     records = [StepRecord(run="r", rank=k, step=0, duration_s=1.0) for k in range(3)]
-    accepted = store.ingest(records, Sender(), monotonic=0.0, now_t=0.0)
+    accepted = store.ingest(records, SenderCredentials(), monotonic=0.0, now_t=0.0)
     assert [r.rank for r in accepted] == [0, 1]
     assert store.counters()[1] == {"too_many_ranks": 1}
-    store.ingest(records[:1], Sender(), monotonic=8.0, now_t=8.0)
+    store.ingest(records[:1], SenderCredentials(), monotonic=8.0, now_t=8.0)
     assert store.expire(monotonic=15.0) == [("r", 1)]  # rank 1 was silent for 15 s
     assert [s.rank for s in store.ranks()] == [0]
     # A freed slot takes a new rank; silent ones are expired to make room.
-    assert store.ingest(records[2:], Sender(), monotonic=30.0, now_t=30.0)
+    assert store.ingest(records[2:], SenderCredentials(), monotonic=30.0, now_t=30.0)

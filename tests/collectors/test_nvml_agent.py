@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakenvml.scenario import SCENARIOS, Scenario
+from gpumon.testing.fakenvml import SCENARIOS, Scenario
 from tests.helpers import (
     ROOT,
     AgentProcess,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fakenvml.scenario import SCENARIOS
+from gpumon.testing.fakenvml import SCENARIOS
 from tests.helpers import agent_env, start_agent, value, values, wait_for
 
 ALL_GROUPS = ("memory utilization power energy temperature clocks clock_reasons ecc nvlink "

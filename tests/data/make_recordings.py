@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpumon.client import StepMonitor
-from tests.fakenvml.build import build_fake_nvml
+from gpumon.testing.fakenvml import build_fake_nvml
 from tests.helpers import ROOT, agent_env, start_agent
 
 DATA = Path(__file__).resolve().parent

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from gpumon.agent.ranks import Sender, StepStore
+from gpumon.agent.ranks import RankStore
 from gpumon.analysis.stream import StepAnalyzer
-from gpumon.collectors.samples import ProcessSample
+from gpumon.collectors.samples import ProcessSample, SenderCredentials
 from gpumon.export.exposition import render
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.wire import EventRecord, HelloRecord, MemoryStats, Record, StepRecord
@@ -21,7 +21,7 @@ class Node:
     """A step store and an analyzer fed as the agent feeds them, and their scrape inputs."""
 
     def __init__(self) -> None:
-        self.store = StepStore(ttl_s=TTL_S)
+        self.store = RankStore(ttl_s=TTL_S)
         self.analyzer = StepAnalyzer(resolution_s=1.0)
         self.t = 1_000_000.0
         self.monotonic = 0.0
@@ -29,7 +29,7 @@ class Node:
         self.resolved: dict[tuple[str, int], str] = {}
 
     def ingest(self, records: list[Record]) -> None:
-        accepted = self.store.ingest(records, Sender(), self.monotonic, self.t)
+        accepted = self.store.ingest(records, SenderCredentials(), self.monotonic, self.t)
         self.analyzer.add(accepted, self.t)
 
     def housekeeping(self) -> None:

@@ -116,3 +116,56 @@ def test_bad_web_configs_are_clear(tmp_path: Path, text: str, message: str) -> N
     with pytest.raises(WebConfigError) as excinfo:
         load_web_config(path)
     assert message in str(excinfo.value)
+
+
+@pytest.fixture
+def plain_server(tmp_path: Path) -> Iterator[MetricsServer]:
+    web = load_web_config(web_config(tmp_path, tls=False))
+    metrics = MetricsServer("127.0.0.1", 0, CollectorRegistry(),
+                            lambda: (True, {"status": "ok"}), lambda: {}, web)
+    metrics.start()
+    yield metrics
+    metrics.stop()
+
+
+def get_with(url: str, authorization: str) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": authorization})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def basic(user: str, password: str | bytes, scheme: str = "Basic") -> str:
+    raw = password if isinstance(password, bytes) else password.encode()
+    return f"{scheme} " + base64.b64encode(user.encode() + b":" + raw).decode()
+
+
+def test_a_password_over_72_bytes_is_a_plain_401(plain_server: MetricsServer,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    url = f"http://127.0.0.1:{plain_server.port}/metrics"
+    for user in ("prometheus", "nobody-known"):
+        for _ in range(3):
+            assert get_with(url, basic(user, "x" * 100)) == 401
+    assert get_with(url, basic("prometheus", PASSWORD.encode() + b"y" * 80)) == 401
+    assert get_with(url, basic("prometheus", PASSWORD)) == 200
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+
+
+@pytest.mark.parametrize("scheme", ["basic", "BASIC", "bAsIc"])
+def test_the_basic_scheme_is_case_insensitive(plain_server: MetricsServer, scheme: str) -> None:
+    url = f"http://127.0.0.1:{plain_server.port}/metrics"
+    assert get_with(url, basic("prometheus", PASSWORD, scheme)) == 200
+    assert get_with(url, basic("prometheus", "wrong", scheme)) == 401
+
+
+def test_a_damaged_hash_or_a_file_not_in_utf8_is_refused_at_load(tmp_path: Path) -> None:
+    damaged = tmp_path / "damaged.yml"
+    damaged.write_text("basic_auth_users:\n  prom: $2y$10$tooshort\n")
+    with pytest.raises(WebConfigError, match="user 'prom': not a valid bcrypt hash"):
+        load_web_config(damaged)
+    latin1 = tmp_path / "latin1.yml"
+    latin1.write_bytes(b"# caf\xe9\nbasic_auth_users: {}\n")
+    with pytest.raises(WebConfigError, match="is not valid UTF-8"):
+        load_web_config(latin1)

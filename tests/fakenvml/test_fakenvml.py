@@ -3,7 +3,7 @@
 pynvml caches the loaded library in a module global, so every check runs in a
 fresh ``python -c`` child with LD_LIBRARY_PATH and FAKE_NVML_SCENARIO set; the
 child prints one JSON document that the test compares with the scenario file
-(read with tests.fakenvml.scenario).  Timing checks use generous bounds.
+(read with gpumon.testing.fakenvml.Scenario).  Timing checks use generous bounds.
 """
 
 from __future__ import annotations
@@ -19,9 +19,16 @@ from typing import Any
 
 import pytest
 
-from tests.fakenvml.build import FakeNvmlBuildError, build_fake_nvml
-from tests.fakenvml.fixtures import fake_nvml_env, fake_nvml_lib, fake_nvml_old_lib  # noqa: F401
-from tests.fakenvml.scenario import GPM_METRICS, SCENARIOS, Scenario, gpu_defaults
+from gpumon.testing.fakenvml import (
+    GPM_METRICS,
+    SCENARIOS,
+    FakeNvmlBuildError,
+    Scenario,
+    build_fake_nvml,
+    fake_nvml_env,
+    gpu_defaults,
+)
+from tests.fakenvml.fixtures import fake_nvml_lib, fake_nvml_old_lib  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL_LINKS = 0xFFFFFFFF
@@ -782,7 +789,7 @@ def test_python_defaults_match_the_library(fake_nvml_lib: Path, tmp_path: Path) 
 # ---------------------------------------------------------------------------
 
 REWRITE_BODY = """
-from tests.fakenvml.scenario import Scenario
+from gpumon.testing.fakenvml import Scenario
 path = os.environ["FAKE_NVML_SCENARIO"]
 scn = Scenario.load(path)
 N.nvmlInit()
@@ -844,7 +851,7 @@ def test_scenario_rewrite_mid_run(fake_nvml_lib: Path, tmp_path: Path) -> None: 
 # ---------------------------------------------------------------------------
 
 THREADS_BODY = """
-from tests.fakenvml.scenario import Scenario
+from gpumon.testing.fakenvml import Scenario
 N.nvmlInit()
 hs = [N.nvmlDeviceGetHandleByIndex(i) for i in range(N.nvmlDeviceGetCount())]
 es = N.nvmlEventSetCreate()

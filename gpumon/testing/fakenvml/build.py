@@ -2,13 +2,14 @@
 
 Usage from Python::
 
-    from tests.fakenvml.build import build_fake_nvml
+    from gpumon.testing.fakenvml import build_fake_nvml
     lib = build_fake_nvml(tmp_dir)                    # .../libnvidia-ml.so.1
     old = build_fake_nvml(other_dir, old_driver=True)
 
 and then start a process with ``LD_LIBRARY_PATH=<lib.parent>`` and
 ``FAKE_NVML_SCENARIO=<scenario file>``; ``pynvml.nvmlInit()`` in that process
-loads the fake.  From a shell: ``python -m tests.fakenvml.build OUT_DIR [--old-driver]``.
+loads the fake (:func:`gpumon.testing.fakenvml.fake_nvml_env` builds that environment).
+From a shell: ``python -m gpumon.testing.fakenvml.build OUT_DIR [--old-driver]``.
 """
 
 from __future__ import annotations
