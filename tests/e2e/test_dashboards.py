@@ -143,7 +143,8 @@ class Live:
 
 def _feed(agent: AgentProcess, gpus: list[str], stop: threading.Event) -> None:
     """A 3-rank run on two GPUs: 0.3 s steps, a quarter waiting for data, rank 2 straggling,
-    per-step peaks growing towards capacity (so an OOM is predicted)."""
+    per-step peaks growing towards capacity (so an OOM is predicted), a memory breakdown on
+    every fifth step whose ``other`` grows with the peak."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.sendto(b"this is not json", str(agent.socket_path))  # one counted drop
     step = 0
@@ -161,6 +162,10 @@ def _feed(agent: AgentProcess, gpus: list[str], stop: threading.Event) -> None:
                 "mem": {"allocated": peak - 2 * GIB, "reserved": peak + GIB, "peak": peak,
                         "retries": step // 20, "ooms": 0},
             }
+            if step % 5 == 0:  # the sampled breakdown (watch(model, optimizer)); leaking
+                record["memb"] = {"parameters": 4 * GIB, "gradients": 4 * GIB,
+                                  "optimizer_states": 8 * GIB, "activations": 12 * GIB,
+                                  "other": peak - 28 * GIB}
             sock.sendto(json.dumps(record).encode(), str(agent.socket_path))
         step += 1
         stop.wait(0.3)
