@@ -275,15 +275,19 @@ def demo(
 def top(
     url: Annotated[str, typer.Option(help="The agent's base URL.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
     interval: Annotated[float, typer.Option(min=0.1, max=60.0, help="Seconds between redraws.")] = 1.0,
+    rank: Annotated[str | None, typer.Option(help="Show this rank's memory breakdown: RUN:RANK or RANK [default: the one with the highest OOM risk].")] = None,
 ) -> None:
     """Live terminal view of a running agent: GPUs, ranks, verdicts and OOM risk."""
+    from gpumon.commands.memory_view import parse_rank
     from gpumon.commands.top import run_top, snapshot_url
 
     try:
         snapshot_url(url)
+        if rank is not None:
+            parse_rank(rank)
     except ValueError as exc:
         _fail(str(exc), 2)
-    raise typer.Exit(run_top(url, interval))
+    raise typer.Exit(run_top(url, interval, rank=rank))
 
 
 def main() -> None:

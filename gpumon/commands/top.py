@@ -23,6 +23,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from gpumon.commands.memory_view import memory_table, select_rank
+
 GIB = 1024**3
 SNAPSHOT_PATH = "/api/v1/snapshot"
 _VERDICT_STYLES = {
@@ -36,8 +38,10 @@ _VERDICT_STYLES = {
 _HIGH_RISK = 0.8  # gpumon.analysis.oom.HIGH_RISK: the agent's own "high"
 
 
-def render(snapshot: Mapping[str, Any], title: str | None = None) -> RenderableType:
-    """The view of one snapshot: a header line, a GPU table and a rank table."""
+def render(snapshot: Mapping[str, Any], title: str | None = None,
+           rank: str | None = None) -> RenderableType:
+    """The view of one snapshot: a header line, a GPU table, a rank table and the memory
+    breakdown of the selected rank (``RUN:RANK``; default: the riskiest one that sends it)."""
     parts: list[RenderableType] = [_header(snapshot, title)]
     nvml = snapshot.get("nvml") or {}
     if not nvml.get("up", True):
@@ -49,6 +53,12 @@ def render(snapshot: Mapping[str, Any], title: str | None = None) -> RenderableT
     ranks = snapshot.get("ranks") or []
     if ranks:
         parts.append(_rank_table(ranks))
+        shown = select_rank(ranks, rank)
+        if shown is not None:
+            parts.append(memory_table(shown, _capacity(gpus, shown)))
+        elif rank:
+            parts.append(Text(f"rank {rank}: no memory breakdown (watch(model, optimizer) "
+                              "sends it)", style="dim"))
     else:
         parts.append(Text("no training steps received yet: point gpumon.client.StepMonitor "
                           "at this agent's socket", style="dim"))
@@ -126,6 +136,11 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
             _seconds(oom.get("predicted_seconds"), whole=True),
         )
     return table
+
+
+def _capacity(gpus: list[Mapping[str, Any]], rank: Mapping[str, Any]) -> Any:
+    index = (rank.get("analysis") or {}).get("gpu")
+    return next((g.get("memory_total_bytes") for g in gpus if g.get("index") == index), None)
 
 
 def _pct(value: Any) -> str:
@@ -206,7 +221,8 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, handler)
 
 
-def run_top(url: str, interval_s: float = 1.0, console: Console | None = None) -> int:
+def run_top(url: str, interval_s: float = 1.0, console: Console | None = None,
+            rank: str | None = None) -> int:
     """Redraw the view of the agent at ``url`` every ``interval_s`` until SIGINT/SIGTERM.
 
     On a terminal the view is redrawn in place; otherwise one frame is printed per interval.
@@ -217,7 +233,7 @@ def run_top(url: str, interval_s: float = 1.0, console: Console | None = None) -
 
     def frame() -> RenderableType:
         try:
-            return render(fetch_snapshot(url), title=title)
+            return render(fetch_snapshot(url), title=title, rank=rank)
         except (OSError, ValueError) as exc:
             return _unreachable(url, exc)
 
