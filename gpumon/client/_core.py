@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from gpumon.client._cuda import CudaClock, Mark, MemoryTuple
+    from gpumon.client._extensions import StepExtensions
     from gpumon.client._sender import StepTuple
 
 T = TypeVar("T")
@@ -53,6 +54,7 @@ class HookCore:
         self._cuda_checked = False
         self._last_ooms: int | None = None
         self._buffer = buffer
+        self._extensions: StepExtensions | None = None  # None unless one is registered
 
     def step(
         self,
@@ -119,6 +121,10 @@ class HookCore:
             self._pending_t0 = t0
         self._phases["data"] = self._phases.get("data", 0.0) + (t1 - t0)
 
+    def _set_extensions(self, extensions: StepExtensions | None) -> None:
+        """Call ``extensions`` at every step's start and end from now on (``None``: stop)."""
+        self._extensions = extensions
+
     # Provided by the subclass.
     def _detect_cuda(self, final: bool) -> None:
         raise NotImplementedError
@@ -157,6 +163,8 @@ class Step:
         if m._step_depth == 1:
             if not m._cuda_checked:
                 m._detect_cuda(True)
+            if m._extensions is not None:
+                m._extensions.begin()
             m._step_t0 = perf_counter()
         return self
 
@@ -171,6 +179,8 @@ class Step:
         if m._step_depth:
             return
         t1 = perf_counter()
+        extensions = m._extensions
+        fields = None if extensions is None else extensions.end(exc_type is None)
         if exc_type is not None:
             m._step_failed(exc, self._step)
             return
@@ -193,7 +203,8 @@ class Step:
             mem = self._memory
         if m._enabled:
             m._buffer.append(
-                (m._seq, self._step, t0, t1, phases, self._samples, self._tokens, self._flops, mem, marks)
+                (m._seq, self._step, t0, t1, phases, self._samples, self._tokens, self._flops, mem, marks,
+                 fields)
             )
         m._seq += 1
 

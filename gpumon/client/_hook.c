@@ -24,7 +24,7 @@
 #endif
 
 static PyObject *str_append, *str_event, *str_memory, *str_detect_cuda, *str_step_failed,
-    *str_new_phase, *str_data;
+    *str_new_phase, *str_data, *str_begin, *str_end;
 static PyObject *step_kwnames[5]; /* samples, tokens, flops, step, memory */
 static double default_share_gap_s;  /* _core.SHARE_GAP_S, read at import */
 
@@ -62,6 +62,7 @@ typedef struct {
     PyObject *last_ooms;    /* int or None */
     PyObject *buffer;       /* deque of step tuples, shared with the sender */
     PyObject *spare_step;   /* a Step object reused while nothing else holds it */
+    PyObject *extensions;   /* StepExtensions, or NULL: none registered, nothing to call */
 } HookCore;
 
 typedef struct {
@@ -150,6 +151,7 @@ HookCore_traverse(HookCore *self, visitproc visit, void *arg)
     Py_VISIT(self->last_ooms);
     Py_VISIT(self->buffer);
     Py_VISIT(self->spare_step);
+    Py_VISIT(self->extensions);
     return 0;
 }
 
@@ -164,6 +166,7 @@ HookCore_clear(HookCore *self)
     Py_CLEAR(self->last_ooms);
     Py_CLEAR(self->buffer);
     Py_CLEAR(self->spare_step);
+    Py_CLEAR(self->extensions);
     return 0;
 }
 
@@ -279,6 +282,15 @@ HookCore_data_wait(HookCore *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
+HookCore_set_extensions(HookCore *self, PyObject *extensions)
+{
+    Py_CLEAR(self->extensions);
+    if (extensions != Py_None)
+        self->extensions = Py_NewRef(extensions);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 HookCore_get_pending_t0(HookCore *self, void *closure)
 {
     if (!self->has_pending)
@@ -367,6 +379,9 @@ static PyMethodDef HookCore_methods[] = {
      "Yield iterable's items, timing each wait as the data phase of the next step."},
     {"_data_wait", (PyCFunction)(void (*)(void))HookCore_data_wait, METH_FASTCALL,
      "_data_wait(t0, t1)\n--\n\nCount t1 - t0 (perf_counter) as waiting for input."},
+    {"_set_extensions", (PyCFunction)HookCore_set_extensions, METH_O,
+     "_set_extensions(extensions)\n--\n\n"
+     "Call extensions at every step's start and end from now on (None: stop)."},
     {NULL},
 };
 
@@ -438,6 +453,14 @@ Step_enter(Step *self, PyObject *unused)
             }
             Py_DECREF(r);
         }
+        if (m->extensions != NULL) {
+            PyObject *r = PyObject_CallMethodNoArgs(m->extensions, str_begin);
+            if (r == NULL) {
+                m->step_depth -= 1;
+                return NULL;
+            }
+            Py_DECREF(r);
+        }
         m->step_t0 = now();
     }
     return Py_NewRef(self);
@@ -457,7 +480,17 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
     if (m->step_depth)
         Py_RETURN_NONE;
     double t1 = now();
+    PyObject *fields = NULL;
+    if (m->extensions != NULL) {
+        PyObject *extensions = Py_NewRef(m->extensions); /* end() may unregister them */
+        fields = PyObject_CallMethodOneArg(extensions, str_end,
+                                           args[0] == Py_None ? Py_True : Py_False);
+        Py_DECREF(extensions);
+        if (fields == NULL)
+            return NULL;
+    }
     if (args[0] != Py_None) {
+        Py_XDECREF(fields);
         PyObject *step = self->step == NULL ? Py_None : self->step;
         PyObject *call[3] = {(PyObject *)m, args[1], step};
         PyObject *r = PyObject_VectorcallMethod(
@@ -472,9 +505,13 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
         t0 = m->pending_t0;
         m->has_pending = 0;
     }
+    if (fields == NULL)
+        fields = Py_NewRef(Py_None);
     PyObject *fresh = PyDict_New();
-    if (fresh == NULL)
+    if (fresh == NULL) {
+        Py_DECREF(fields);
         return NULL;
+    }
     PyObject *phases = m->phases; /* the reference moves to the record */
     m->phases = fresh;
     PyObject *marks = NULL, *mem = NULL;
@@ -506,9 +543,9 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *end = PyFloat_FromDouble(t1);
         PyObject *record = NULL;
         if (seq != NULL && start != NULL && end != NULL)
-            record = PyTuple_Pack(10, seq, OR_NONE(self->step), start, end, phases,
+            record = PyTuple_Pack(11, seq, OR_NONE(self->step), start, end, phases,
                                   OR_NONE(self->samples), OR_NONE(self->tokens),
-                                  OR_NONE(self->flops), mem, marks);
+                                  OR_NONE(self->flops), mem, marks, fields);
         Py_XDECREF(seq);
         Py_XDECREF(start);
         Py_XDECREF(end);
@@ -524,11 +561,13 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(phases);
     Py_DECREF(mem);
     Py_DECREF(marks);
+    Py_DECREF(fields);
     Py_RETURN_NONE;
 error:
     Py_DECREF(phases);
     Py_XDECREF(mem);
     Py_XDECREF(marks);
+    Py_DECREF(fields);
     return NULL;
 }
 
@@ -808,6 +847,8 @@ PyInit__hook(void)
     INTERN(str_step_failed, "_step_failed");
     INTERN(str_new_phase, "_new_phase");
     INTERN(str_data, "data");
+    INTERN(str_begin, "begin");
+    INTERN(str_end, "end");
     INTERN(step_kwnames[0], "samples");
     INTERN(step_kwnames[1], "tokens");
     INTERN(step_kwnames[2], "flops");

@@ -19,7 +19,15 @@ from typing import Any
 
 from gpumon.client._cuda import CudaClock, Mark, MemoryTuple
 from gpumon.client.transport import Transport
-from gpumon.wire import MAX_FLOPS, MAX_INT, MAX_PHASES, encode_record, pack_datagrams
+from gpumon.wire import (
+    MAX_FLOPS,
+    MAX_INT,
+    MAX_PHASES,
+    ProtocolError,
+    encode_measured_field,
+    encode_record,
+    pack_datagrams,
+)
 
 FLUSH_INTERVAL_S = 0.25
 """How often buffered records are sent: inside the 1 s a record may take to arrive, even when
@@ -40,6 +48,7 @@ StepTuple = tuple[
     Any,  # flops
     "MemoryTuple | Mapping[str, int] | None",  # from CUDA, else as given to step(memory=)
     "list[Mark] | None",
+    "dict[str, object] | None",  # measured fields the monitor's extensions added (comm, memb)
 ]
 
 FLUSH_BUDGET_S = 0.05
@@ -162,7 +171,7 @@ class Sender:
         # Formatted by hand rather than through json: this is most of the sender's cost per
         # step. Safe because every string in it is a validated label (run and phase names)
         # or was encoded by json (the header), and every number is checked finite here.
-        seq, step, t0, t1, _, samples, tokens, flops, mem, _ = item
+        seq, step, t0, t1, _, samples, tokens, flops, mem, _, measured = item
         duration = t1 - t0
         if step is None:
             step = seq
@@ -185,7 +194,20 @@ class Sender:
                 self.invalid_fields += 1
         elif mem is not None:
             text += self._memory_field(mem)
+        if measured:
+            text += self._measured_fields(measured, duration)
         return text + "}"
+
+    def _measured_fields(self, measured: dict[str, object], duration: float) -> str:
+        """What extensions measured, each field checked as the agent checks it: one it would
+        refuse is left out (and counted) rather than costing the whole record."""
+        text = ""
+        for name, value in measured.items():
+            try:
+                text += encode_measured_field(name, value, duration)
+            except (ProtocolError, TypeError, ValueError):
+                self.invalid_fields += 1
+        return text
 
     def _phases_field(self, phases: dict[str, float], duration: float) -> str:
         """The ``phases`` field, through one cached template per sequence of phase names."""

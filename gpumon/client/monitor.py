@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import gpumon
 from gpumon.client import _core, _cuda
+from gpumon.client._extensions import StepExtension, StepExtensions
 from gpumon.client._sender import Sender, StepTuple
 from gpumon.client.identity import resolve_identity, resolve_socket_path
 from gpumon.client.transport import Transport, UnixDatagramTransport
@@ -56,13 +57,16 @@ _live_monitors: weakref.WeakSet[StepMonitor] = weakref.WeakSet()
 
 @dataclass(frozen=True, slots=True)
 class ClientStats:
-    """What a monitor did so far: steps timed, records sent, and records lost by reason."""
+    """What a monitor did so far: steps timed, records sent, records lost by reason, fields
+    left out as invalid, and errors raised inside watchers (``watch()``), which never reach
+    the training loop."""
 
     steps: int
     records_sent: int
     datagrams_sent: int
     dropped: dict[str, int] = field(default_factory=dict)
     invalid_fields: int = 0
+    extension_errors: int = 0
 
 
 class StepMonitor(HookCore):
@@ -139,6 +143,7 @@ class StepMonitor(HookCore):
             self._sender.set_gpu(gpu)
         self._detect_cuda(final=False)
         self._sender.add_control(self._sender.hello)
+        self._step_extensions: StepExtensions | None = None
         self._finalizer = weakref.finalize(self, self._sender.close)
         _live_monitors.add(self)
 
@@ -152,6 +157,7 @@ class StepMonitor(HookCore):
             datagrams_sent=sender.datagrams_sent,
             dropped=dict(sender.dropped),
             invalid_fields=sender.invalid_fields,
+            extension_errors=0 if self._step_extensions is None else self._step_extensions.errors,
         )
 
     @property
@@ -179,6 +185,7 @@ class StepMonitor(HookCore):
             if mem is not None and self._last_ooms is not None and mem[4] > self._last_ooms:
                 self._event("oom", "an out-of-memory error ended the last step", self._seq)
         self._enabled = False
+        self._set_extensions(None)
         self._finalizer()
 
     def __enter__(self) -> StepMonitor:
@@ -192,7 +199,24 @@ class StepMonitor(HookCore):
     ) -> None:
         self.close()
 
-    # --- used by the integrations -------------------------------------------------------
+    # --- used by the integrations and watchers --------------------------------------------
+
+    def _add_extension(self, extension: StepExtension) -> None:
+        """Call ``extension.step_begin()`` and ``.step_end(fields)`` around every step from
+        the next one on; the fields it sets go into that step's record (see ``_extensions``)."""
+        if not self._enabled:
+            return
+        if self._step_extensions is None:
+            ref = weakref.ref(self)  # no cycle: the monitor's finalizer runs when it goes
+
+            def all_disabled() -> None:  # nothing left to call: back to no calls at all
+                monitor = ref()
+                if monitor is not None:
+                    monitor._set_extensions(None)
+
+            self._step_extensions = StepExtensions(on_empty=all_disabled)
+        self._step_extensions.add(extension)
+        self._set_extensions(self._step_extensions)
 
     def _event(self, name: str, message: str | None, step: int) -> None:
         """Queue an event record (e.g. ``oom``) for the next flush."""

@@ -269,6 +269,26 @@ def _comm_wire(comm: CommStats) -> dict[str, object]:
     return out
 
 
+STEP_MEASURED_FIELDS = ("comm", "memb")
+"""Optional step fields a watcher on the training thread may add (see ``encode_measured_field``)."""
+
+
+def encode_measured_field(name: str, value: object, duration_s: float) -> str:
+    """``,"name":{...}`` for a measured step field (``comm`` or ``memb``) given in its wire
+    shape, written from what the decoder makes of it: what is sent is exactly what the agent
+    will accept. Raises ``ProtocolError`` for an unknown name or a value the agent would drop
+    (which would cost the whole step record)."""
+    wire: dict[str, object]
+    if name == "comm":
+        wire = _comm_wire(_comm(value, duration_s))
+    elif name == "memb":
+        breakdown = _memory_breakdown(value)
+        wire = {k: v for k in MEMORY_COMPONENTS if (v := getattr(breakdown, k)) is not None}
+    else:
+        raise ProtocolError("bad_type", f"{name!r} is not a measured step field")
+    return f',"{name}":{_ENCODER.encode(wire)}'
+
+
 def encode_record(record: WireRecord | Record) -> bytes:
     """One record as a compact JSON object (also the line format of recordings)."""
     wire = record if isinstance(record, Mapping) else to_wire(record)

@@ -83,7 +83,7 @@ def normalised(core: Any) -> list[tuple[Any, ...]]:
     """The buffered records with times replaced by checks: durations positive, each phase
     within its step, and the phase names in order."""
     out = []
-    for seq, step, t0, t1, phases, samples, tokens, flops, mem, marks in core._buffer:
+    for seq, step, t0, t1, phases, samples, tokens, flops, mem, marks, _measured in core._buffer:
         assert isinstance(t0, float) and isinstance(t1, float) and t0 <= t1
         assert all(0.0 <= s <= t1 - t0 for s in phases.values()), phases
         out.append((seq, step, list(phases), samples, tokens, flops, mem, marks))
@@ -285,3 +285,66 @@ def test_client_tests_pass_on_the_pure_python_core() -> None:
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
+
+
+class LoggedExtensions:
+    """Stands in for ``_extensions.StepExtensions``: logs the calls, numbers the fields."""
+
+    def __init__(self) -> None:
+        self.calls: list[object] = []
+
+    def begin(self) -> None:
+        self.calls.append("begin")
+
+    def end(self, recorded: bool) -> dict[str, object] | None:
+        self.calls.append(("end", recorded))
+        return {"memb": {"other": len(self.calls)}} if recorded else None
+
+
+@pytest.mark.parametrize("base", CORES)
+def test_extensions_are_called_around_outermost_steps_only(base: type) -> None:
+    core = make_core(base)
+    with core.step():
+        pass
+    extensions = LoggedExtensions()
+    core._set_extensions(extensions)
+    with core.step():
+        with core.step():
+            pass
+    with pytest.raises(KeyError):
+        with core.step():
+            raise KeyError("boom")
+    core._set_extensions(None)
+    with core.step():
+        pass
+    assert extensions.calls == ["begin", ("end", True), "begin", ("end", False)]
+    assert [r[-1] for r in core._buffer] == [None, {"memb": {"other": 2}}, None]
+
+
+def test_both_cores_pass_the_same_extension_fields() -> None:
+    python, c = make_core(_core.HookCore), make_core(_hook.HookCore)
+    logs = []
+    for core in (python, c):
+        logs.append(LoggedExtensions())
+        core._set_extensions(logs[-1])
+        scenario(core)
+    assert logs[0].calls == logs[1].calls
+    assert [r[-1] for r in python._buffer] == [r[-1] for r in c._buffer]
+    assert normalised(c) == normalised(python)
+
+
+def test_c_core_with_extensions_leaks_nothing() -> None:
+    core = make_core(_hook.HookCore)
+    core._set_extensions(LoggedExtensions())
+    run_steps(core, 1000)
+    core._set_extensions(extensions := LoggedExtensions())
+    gc.collect()
+    before = len(gc.get_objects())
+    run_steps(core, 20000)
+    extensions.calls.clear()
+    gc.collect()
+    assert len(gc.get_objects()) - before < 50
+    ref = weakref.ref(core)
+    del core
+    gc.collect()
+    assert ref() is None

@@ -28,7 +28,8 @@ def sender() -> Iterator[Sender]:
 def encode(sender: Sender, phases: dict[str, float], duration: float = 0.01, **fields: object) -> StepRecord:
     """One step through the sender's formatter, decoded as the agent decodes it."""
     item: StepTuple = (7, fields.get("step"), 100.0, 100.0 + duration, phases, fields.get("samples"),
-                       fields.get("tokens"), fields.get("flops"), None, None)  # type: ignore[assignment]
+                       fields.get("tokens"), fields.get("flops"), None, None,
+                       fields.get("measured"))  # type: ignore[assignment]
     result = decode_datagram(sender._encode_step(item, phases, 1.7e9).encode())
     assert result.rejected == []
     [record] = result.records

@@ -1,0 +1,93 @@
+"""Watchers that add measured fields to step records (collective communication, the memory
+breakdown): the monitor's internal extension point.
+
+An extension is any object with ``step_begin() -> None`` and ``step_end(fields) -> None``,
+registered with ``StepMonitor._add_extension``. Both run on the training thread, at the start
+and the end of every outermost step (``step_end`` also after a step an exception left: its
+fields are discarded, but the extension may have to undo what ``step_begin`` set up).
+``step_end`` may set ``fields["comm"]`` / ``fields["memb"]`` in their wire shape
+(docs/architecture.md §6); the sender checks them as the agent would and leaves out, and
+counts, what the agent would refuse.
+
+The hook's core holds a ``StepExtensions`` only while one extension is registered, so a monitor
+without extensions makes no call into Python for them. An extension that raises never
+reaches the training loop: the error is counted, and after ``MAX_CONSECUTIVE_FAILURES`` in a
+row that extension is switched off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+MAX_CONSECUTIVE_FAILURES = 3
+"""Failures in a row after which an extension is no longer called: a watcher broken by an
+API it did not expect must not cost every step an exception."""
+
+
+class StepExtension(Protocol):
+    """What a watcher provides; see the module docstring."""
+
+    def step_begin(self) -> None: ...
+
+    def step_end(self, fields: dict[str, object]) -> None: ...
+
+
+class StepExtensions:
+    """The registered extensions, called in order; never lets an ``Exception`` out."""
+
+    def __init__(self, on_empty: Callable[[], None] | None = None) -> None:
+        self._on_empty = on_empty  # called when the last extension was switched off
+        self._active: list[StepExtension] = []
+        self._failures: dict[int, int] = {}  # id(extension) -> steps in a row it failed in
+        self._failed_begin: set[int] = set()  # ids that failed this step's step_begin
+        self.errors = 0
+        self.disabled = 0
+
+    def add(self, extension: StepExtension) -> None:
+        """Register ``extension`` (again: nothing happens)."""
+        if not any(e is extension for e in self._active):
+            self._active.append(extension)
+
+    def __bool__(self) -> bool:
+        return bool(self._active)
+
+    def begin(self) -> None:
+        """Tell every extension a step begins."""
+        for extension in self._active:
+            try:
+                extension.step_begin()
+            except Exception:
+                self.errors += 1
+                self._failed_begin.add(id(extension))
+
+    def end(self, recorded: bool) -> dict[str, object] | None:
+        """Collect the fields the extensions measured for the step that ended, or ``None``;
+        a step that is not ``recorded`` (an exception left it) gets none."""
+        fields: dict[str, object] = {}
+        for extension in list(self._active):
+            own: dict[str, object] = {}
+            key = id(extension)
+            try:
+                extension.step_end(own)
+            except Exception:
+                self.errors += 1
+                self._step_failed(extension)  # what it set before failing is not trusted
+                continue
+            if key in self._failed_begin:
+                self._step_failed(extension)
+            else:
+                self._failures.pop(key, None)
+                fields.update(own)
+        self._failed_begin.clear()
+        return fields if fields and recorded else None
+
+    def _step_failed(self, extension: StepExtension) -> None:
+        key = id(extension)
+        failures = self._failures[key] = self._failures.get(key, 0) + 1
+        if failures >= MAX_CONSECUTIVE_FAILURES:
+            self._active = [e for e in self._active if e is not extension]
+            del self._failures[key]
+            self.disabled += 1
+            if not self._active and self._on_empty is not None:
+                self._on_empty()
