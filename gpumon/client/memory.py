@@ -212,7 +212,10 @@ class MemoryBreakdownSampler:
                     self._weight_copies[key] = nbytes
                 else:
                     self._segment[key] = nbytes
-                    self._saved.append((weakref.ref(tensor), key, nbytes))
+                    # A view dies with the graph even when what it views is kept (a list
+                    # holding the layer's output): watch the tensor that owns the storage.
+                    base = tensor._base if tensor._base is not None else tensor
+                    self._saved.append((weakref.ref(base), key, nbytes))
         return tensor
 
     def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
