@@ -31,48 +31,14 @@ from common import ROOT, SCENARIO, latencies
 from gpumon.testing import agent_env, quantile, start_agent
 from gpumon.testing.fakenvml import build_fake_nvml
 
-_CHILD = r"""
-import json, statistics, sys, time
+_CHILD = """
+import json, sys
 import pynvml
-from gpumon.collectors.nvml import NvmlSource
-
-cycles = int(sys.argv[1])
-errors = []
-source = NvmlSource(lambda c, e: errors.append(e))
-gpus = len(source.devices)
-
-def gpumon_cycle(i):
-    source.sample(time.time(), 1000.0 + i)  # one 1 s interval per cycle
-
-handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(gpus)]
-fields = [(pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, 0xFFFFFFFF),
-          (pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX, 0xFFFFFFFF),
-          pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES, pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES]
-
-def bare_cycle(i):
-    # The same fast-set fields read with no gpumon logic around them.
-    for h in handles:
-        pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
-        pynvml.nvmlDeviceGetUtilizationRates(h)
-        pynvml.nvmlDeviceGetPowerUsage(h)
-        pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU)
-        pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)
-        pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)
-        pynvml.nvmlDeviceGetFieldValues(h, fields)
-
-results = {"gpumon": [], "bare": []}
-done = 0
-for _round in range(5):  # alternate, so machine noise hits both alike
-    for name, fn in (("gpumon", gpumon_cycle), ("bare", bare_cycle)):
-        start = time.process_time()
-        for i in range(done, done + cycles // 5):
-            fn(i)
-        results[name].append((time.process_time() - start) / (cycles // 5))
-    done += cycles // 5
-print(json.dumps({"gpus": gpus, "errors": errors,
-                  "gpumon_cycle_s": statistics.median(results["gpumon"]),
-                  "bare_cycle_s": statistics.median(results["bare"])}))
+from benchmarks.gpu_checks.nvml_probe import collection_cost
+from gpumon.collectors import nvml
+print(json.dumps(collection_cost(pynvml, nvml, int(sys.argv[1]), float("inf"))))
 """
+"""The device script's own collection-cost measurement, here on the fake 8-GPU node."""
 
 
 def collection(lib_dir: Path, cycles: int) -> dict[str, float]:
@@ -124,10 +90,10 @@ def main() -> None:
         s = scrape(lib.parent, args.scrapes)
     gpus = c["gpus"]
     rows = [
-        ("collection CPU per cycle, 8 GPUs (gpumon)", f"{c['gpumon_cycle_s'] * 1e6:.0f} µs"),
-        ("collection CPU per cycle per GPU (gpumon)", f"{c['gpumon_cycle_s'] / gpus * 1e6:.0f} µs"),
-        ("bare pynvml, same fields, per cycle per GPU", f"{c['bare_cycle_s'] / gpus * 1e6:.0f} µs"),
-        ("ratio gpumon / bare pynvml", f"{c['gpumon_cycle_s'] / c['bare_cycle_s']:.2f}×"),
+        ("collection CPU per cycle, 8 GPUs (gpumon)", f"{c['gpumon_cpu_s_per_cycle'] * 1e6:.0f} µs"),
+        ("collection CPU per cycle per GPU (gpumon)", f"{c['gpumon_cpu_s_per_cycle'] / gpus * 1e6:.0f} µs"),
+        ("bare pynvml, same fields, per cycle per GPU", f"{c['bare_cpu_s_per_cycle'] / gpus * 1e6:.0f} µs"),
+        ("ratio gpumon / bare pynvml", f"{c['cpu_ratio_gpumon_to_bare']:.2f}×"),
         ("/metrics p50 / p99", f"{s['metrics_p50_s'] * 1e3:.2f} / {s['metrics_p99_s'] * 1e3:.2f} ms"),
         (
             "/healthz p50 / p99 (HTTP floor)",

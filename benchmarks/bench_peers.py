@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/bench_peers.py [--rounds 5] [--window 10] [--interval 0.25]
                                                [--scrapes 300] [--ranks 64]
 
-Every collector loads the same library: the fake NVML (tests/fakenvml) compiled together
+Every collector loads the same library: the fake NVML (gpumon/testing/fakenvml) compiled together
 with peer_nvml_stubs.c (entry points the peers call and the fake lacks), with the
 h100_8x_live scenario. The peers come from PyPI into benchmarks/.peers-venv.
 

@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpu_node_check import Workload  # noqa: E402
+from gpu_checks.workload import Workload  # noqa: E402
 
 from gpumon.client import StepMonitor  # noqa: E402
 from gpumon.client.monitor import IMPLEMENTATION  # noqa: E402

@@ -1,10 +1,11 @@
 """Run every benchmark of benchmarks/RESULTS.md, one after another, and check the targets.
 
-    .venv/bin/python benchmarks/run_all.py [--only peers,hook,...]
+    .venv/bin/python benchmarks/run_all.py [--only peers,hook,...] [--quick]
 
 Each script prints its own tables (shown as they come) and a JSON line last; this reads
 the JSON lines and ends with one table: each target, the figure measured, met or missed.
-Takes about 15 minutes; the peers' venv is made on first use.
+Takes about 15 minutes (``--quick``: a tiny run of each, a few minutes); the peers' venv is
+made on first use.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 MB = 1e6
+
+def case(result: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The row of bench_hook's results whose case starts with ``prefix`` (KeyError if absent:
+    TensorBoard's row exists only with ``--tensorboard``)."""
+    for row in result["results"]:
+        if row["case"].startswith(prefix):
+            return dict(row)
+    raise KeyError(f"no {prefix!r} row in {[row['case'] for row in result['results']]}")
+
 
 Check = tuple[str, Callable[[dict[str, Any]], float], Callable[[float], str], Callable[[float], bool]]
 """(target, figure from the JSON line, how to print it, whether it meets the target)."""
@@ -42,13 +52,14 @@ BENCHMARKS: dict[str, tuple[list[str], list[Check]]] = {
     ]),
     "hook": (["bench_hook.py", "--tensorboard"], [
         ("hook: ≤ 10 µs per step (training thread + sender)",
-         lambda r: r["results"][1]["total_us_per_step"], lambda x: f"{x:.2f} µs",
+         lambda r: case(r, "loader")["total_us_per_step"], lambda x: f"{x:.2f} µs",
          lambda x: x <= 10.0),
         ("hook: ≤ 0.2× TensorBoard add_scalar for the same figures",
-         lambda r: r["results"][1]["total_us_per_step"] / r["results"][2]["total_us_per_step"],
+         lambda r: case(r, "loader")["total_us_per_step"] / case(r, "TensorBoard")["total_us_per_step"],
          lambda x: f"{x:.3f}×", lambda x: x <= 0.2),
         ("hook: the same on its pure-Python core, no C build (for reference)",
-         lambda r: r["results"][-1]["total_us_per_step"] if r["hook_core"] == "c" else math.nan,
+         lambda r: case(r, "the same, pure-Python")["total_us_per_step"] if r["hook_core"] == "c"
+         else math.nan,
          lambda x: f"{x:.2f} µs", lambda x: x <= 10.0),
     ]),
     "train": (["bench_train.py"], [
@@ -68,6 +79,26 @@ BENCHMARKS: dict[str, tuple[list[str], list[Check]]] = {
          lambda x: x >= 50_000),
     ]),
 }
+
+
+QUICK: dict[str, list[str]] = {
+    "peers": ["--rounds", "1", "--window", "1", "--warmup", "0.5", "--scrapes", "5", "--ranks", "2"],
+    "footprint": ["--ranks", "2", "--hours", "0.1", "--rate", "8"],
+    "hook": ["--blocks", "4", "--block-steps", "20"],
+    "train": ["--pairs", "5", "--steps", "25", "--blocks", "5", "--block-steps", "2"],  # 20 warm-up steps
+    "ingest": ["--seconds", "0.3", "--rates", "2000"],
+}
+"""Arguments for a tiny run of each benchmark (``--quick``): it starts, runs every part once
+and prints its JSON line, so a broken benchmark shows in minutes; its figures mean nothing."""
+PEERS_ONLY = "--tensorboard"
+"""The flag that needs the peers' venv beside a benchmark that runs without it."""
+
+
+def quick_script(name: str, with_peers: bool) -> list[str]:
+    """The command line of ``name``'s tiny run; without the peers' venv, minus what needs it."""
+    script, _ = BENCHMARKS[name]
+    args = [a for a in script[1:] if with_peers or a != PEERS_ONLY]
+    return [script[0], *args, *QUICK[name]]
 
 
 def run(script: list[str]) -> dict[str, Any]:
@@ -91,15 +122,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=",".join(BENCHMARKS),
                         help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny run of each (does every benchmark still run?); figures mean nothing")
     args = parser.parse_args()
     rows = []
     for name in args.only.split(","):
         script, checks = BENCHMARKS[name]
+        if args.quick:
+            script = quick_script(name, with_peers=True)
         print(f"\n=== {' '.join(script)}", flush=True)
         result = run(script)
         for target, figure, show, meets in checks:
             measured = figure(result)
-            rows.append((target, show(measured), "met" if meets(measured) else "MISSED"))
+            verdict = "quick run" if args.quick else "met" if meets(measured) else "MISSED"
+            rows.append((target, show(measured), verdict))
     print()
     width = max(len(r[0]) for r in rows)
     for target, shown, verdict in rows:

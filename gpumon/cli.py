@@ -183,28 +183,18 @@ def estimate(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON (bytes per GPU).")] = False,
 ) -> None:
     """Estimate per-GPU training memory: params, grads, optimizer states, activations, buffers."""
-    import json
-
-    from gpumon.analysis.estimate import (
-        estimate_memory,
-        parse_bytes,
-        parse_count,
-        render_table,
-        to_json_dict,
-    )
+    from gpumon.commands.estimate import estimate_command
 
     try:
-        result = estimate_memory(
-            parse_count(params), precision=precision, optimizer=optimizer,  # type: ignore[arg-type]
-            master_weights=master_weights, zero_stage=zero_stage, gpus=gpus, layers=layers,
-            hidden=hidden, heads=heads, seq=seq, batch=batch, flash_attention=flash_attention,
-            recompute=recompute, tensor_parallel=tensor_parallel,  # type: ignore[arg-type]
-            buffers_bytes=parse_bytes(buffers) if buffers else None,
-            gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory else None,
-        )
+        text = estimate_command(
+            params, precision=precision, optimizer=optimizer, master_weights=master_weights,
+            zero_stage=zero_stage, gpus=gpus, layers=layers, hidden=hidden, heads=heads,
+            seq=seq, batch=batch, flash_attention=flash_attention, recompute=recompute,
+            tensor_parallel=tensor_parallel, buffers=buffers, gpu_memory=gpu_memory,
+            json_output=json_output)
     except ValueError as exc:
         _fail(str(exc), 2)
-    typer.echo(json.dumps(to_json_dict(result)) if json_output else render_table(result))
+    typer.echo(text)
 
 
 @app.command()

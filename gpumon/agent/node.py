@@ -105,13 +105,11 @@ class NodeState:
             stats.errors[error] += 1
 
     # -- readers -----------------------------------------------------------------
-    def gpu_history(self, index: int, since_t: float) -> list[GpuSample]:
-        """Samples of one GPU newer than ``since_t`` (for per-step windows)."""
+    def gpu_history(self) -> dict[int, tuple[GpuSample, ...]]:
+        """Every GPU's recent samples (for per-step windows): copied once per analyzer pass,
+        so the analyzer works from its own copy instead of calling back into this state."""
         with self._lock:
-            history = self._history.get(index)
-            if not history:
-                return []
-            return [s for s in history if s.t >= since_t]
+            return {index: tuple(history) for index, history in self._history.items()}
 
     def gpu_statics(self) -> tuple[GpuStatic, ...]:
         """Static facts of the node's GPUs."""

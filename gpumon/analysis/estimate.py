@@ -1,4 +1,6 @@
-"""The ``gpumon estimate`` engine: per-GPU training memory by item, and what to do if it won't fit.
+"""The ``gpumon estimate`` engine: per-GPU training memory by item, and which sharding fits.
+
+Pure numbers: the words (table, advice, notes) are the command's, in ``gpumon.commands.estimate``.
 
 The bytes come from ``gpumon.analysis.memory``, the model the live breakdown's ZeRO projection
 uses too. Model states follow the usual mixed-precision accounting and the ZeRO paper
@@ -8,8 +10,9 @@ uses too. Model states follow the usual mixed-precision accounting and the ZeRO 
 * optimizer states, kept in fp32: Adam/AdamW m + v = 8 B/param (the common count), SGD with
   momentum 4 B, plain SGD none;
 * the fp32 master copy of the parameters that mixed-precision training keeps (4 B/param) is
-  its own item: the 8 B/param count omits it, the ZeRO paper counts it inside its K = 12 (master 4 + m 4
-  + v 4). ``master_weights=True`` gives the paper's count; under fp32 there is no separate copy.
+  its own item: the 8 B/param count omits it, the ZeRO paper counts it inside its
+  K = 12 (master 4 + m 4 + v 4). ``master_weights=True`` gives the paper's count; under fp32
+  there is no separate copy.
 
 ZeRO shards over the data-parallel GPUs: stage 1 the optimizer states and master copy, stage 2
 also the gradients, stage 3 also the parameters. Tensor parallelism splits every model state
@@ -94,8 +97,33 @@ def _scaled(number: str, scale: Decimal, text: str) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class ZeroOption:
+    """A ZeRO stage under which the setup fits, on ``gpus`` GPUs (data × tensor parallel)."""
+
+    stage: int
+    gpus: int
+    per_gpu_bytes: int | None = None
+    """The per-GPU total under that stage, when it is the current number of GPUs."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The estimate against the GPU's memory: fits, or which sharding would make it fit.
+
+    ``zero_here`` is the lowest higher stage that fits on the current GPUs; without one,
+    ``zero_from`` says from how many GPUs each stage fits (empty: activations and buffers
+    alone fill the GPU).
+    """
+
+    fits: bool
+    memory_bytes: int
+    zero_here: ZeroOption | None = None
+    zero_from: tuple[ZeroOption, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryEstimate:
-    """Per-GPU bytes of each item of a training setup, with the setup and the advice."""
+    """Per-GPU bytes of each item of a training setup, with the setup and its plan."""
 
     params: int
     precision: str
@@ -113,8 +141,10 @@ class MemoryEstimate:
     buffers_bytes: int
     buffers_default: bool
     gpu_memory_bytes: int | None
-    advice: tuple[str, ...]
-    notes: tuple[str, ...]
+    recompute: str = "none"
+    flash_attention: bool = False
+    plan: Plan | None = None
+    """Whether it fits and what sharding would make it fit; ``None`` without GPU memory."""
 
     @property
     def model_states_bytes(self) -> int:
@@ -172,7 +202,7 @@ def estimate_memory(
     buffers_bytes: int | None = None,
     gpu_memory_bytes: int | None = None,
 ) -> MemoryEstimate:
-    """Per-GPU memory of training a ``params``-parameter model, item by item, with advice.
+    """Per-GPU memory of training a ``params``-parameter model, item by item, with its plan.
 
     Raises ``ValueError`` for impossible setups (unknown precision, stage outside 0–3, GPUs not
     divisible by ``tensor_parallel``, a partial model shape, non-positive sizes).
@@ -200,16 +230,15 @@ def estimate_memory(
         )
     buffers = DEFAULT_BUFFERS_BYTES if buffers_bytes is None else buffers_bytes
 
-    notes = _notes(setup, activations, buffers_bytes is None, zero_stage, data_parallel)
     draft = MemoryEstimate(
         params=params, precision=precision, optimizer=optimizer, master_weights=master_weights,
         zero_stage=zero_stage, gpus=gpus, tensor_parallel=tensor_parallel,
         params_bytes=p, grads_bytes=g, optimizer_states_bytes=o, master_weights_bytes=m,
         activations_bytes=activations, buffers_bytes=buffers,
         buffers_default=buffers_bytes is None, gpu_memory_bytes=gpu_memory_bytes,
-        advice=(), notes=notes,
+        recompute=recompute, flash_attention=flash_attention,
     )
-    return _with_advice(draft, setup, recompute, flash_attention)
+    return replace(draft, plan=_plan(draft, setup))
 
 
 def _check(
@@ -239,100 +268,28 @@ def _check(
         raise ValueError(f"gpu_memory_bytes must be positive, got {gpu_memory_bytes!r}")
 
 
-def _notes(
-    setup: _Setup, activations: int | None, buffers_default: bool, zero_stage: int,
-    data_parallel: int,
-) -> tuple[str, ...]:
-    notes: list[str] = []
-    states = OPTIMIZER_STATE_BYTES[setup.optimizer]
-    if setup.precision == "fp32":
-        notes.append("fp32 training: the parameters are the fp32 copy, no separate master weights")
-    elif setup.master_weights:
-        notes.append(
-            f"master weights counted: fp32 copy 4 B/param + optimizer {states} B/param "
-            f"(the ZeRO paper's K = {4 + states})"
-        )
-    else:
-        notes.append(
-            f"master weights omitted, as the common count does: optimizer {states} B/param; "
-            "mixed-precision training normally also keeps an fp32 copy (+4 B/param)"
-        )
-    if activations is None:
-        notes.append("activations not estimated: give layers, hidden, heads, seq and batch")
-    if buffers_default:
-        notes.append(
-            f"buffers: default {_gb(DEFAULT_BUFFERS_BYTES)} (the usual 2–4 GB: communication "
-            "buckets, workspaces, CUDA context)"
-        )
-    if zero_stage and data_parallel == 1:
-        notes.append("ZeRO shards over data-parallel GPUs: with one, it changes nothing")
-    return tuple(notes)
-
-
-def _with_advice(
-    est: MemoryEstimate, setup: _Setup, recompute: str, flash_attention: bool
-) -> MemoryEstimate:
-    """The decision path (docs/architecture.md §1): fits and slow ⇒ data parallel + mixed
-    precision; does not fit ⇒ ZeRO sharding or model parallelism; scales badly ⇒ communication
-    and batch size."""
+def _plan(est: MemoryEstimate, setup: _Setup) -> Plan | None:
+    """The decision path of docs/architecture.md §1 as facts: does it fit; if not, which ZeRO
+    stage fits on the GPUs there are, else from how many GPUs each stage fits."""
     memory = est.gpu_memory_bytes
-    mixed = "mixed precision (bf16 halves parameter and gradient memory and uses tensor cores)"
     if memory is None:
-        return replace(est, advice=("no GPU memory given: cannot say whether it fits",))
+        return None
     if est.total_bytes <= memory:
-        advice = [
-            f"fits: {_gb(est.total_bytes)} of {_gb(memory)} per GPU "
-            f"({_gb(memory - est.total_bytes)} spare)",
-            "if it is too slow: data parallelism over more GPUs"
-            + (f", and {mixed}" if est.precision == "fp32" else ", keeping mixed precision"),
-        ]
-        if est.gpus > 1:
-            advice.append(
-                "if multi-GPU scaling is poor: check communication (exposed all-reduce time) "
-                "and the per-GPU batch size"
-            )
-        return replace(est, advice=tuple(advice))
-
-    advice = [
-        f"does not fit: {_gb(est.total_bytes)} per GPU against {_gb(memory)} "
-        f"(short by {_gb(est.total_bytes - memory)})"
-    ]
-    advice.extend(_sharding_advice(est, setup, memory))
-    activations = est.activations_bytes or 0
-    if activations and recompute != "full":
-        lighter = (
-            "full recomputation"
-            if recompute == "selective" or flash_attention
-            else "FlashAttention or selective/full recomputation"
-        )
-        advice.append(f"activations are {_gb(activations)}: {lighter} shrinks them")
-    here = _gb(activations) if est.activations_bytes is not None else "not estimated"
-    advice.append(
-        f"a smaller batch shrinks only activations ({here}), never parameters, gradients and "
-        f"optimizer states ({_gb(est.model_states_bytes)})"
-    )
-    if est.precision == "fp32":
-        advice.append(mixed)
-    return replace(est, advice=tuple(advice))
-
-
-def _sharding_advice(est: MemoryEstimate, setup: _Setup, memory: int) -> list[str]:
-    """Which ZeRO stage fits on the current GPUs, else from how many GPUs each stage fits."""
+        return Plan(fits=True, memory_bytes=memory)
     others = (est.activations_bytes or 0) + est.buffers_bytes
     data_parallel = est.gpus // est.tensor_parallel
     if data_parallel > 1:
         for stage in range(est.zero_stage + 1, 4):
             per_gpu = sum(setup.model_states(stage, data_parallel)) + others
             if per_gpu <= memory:
-                return [f"ZeRO stage {stage} over the {est.gpus} GPUs fits ({_gb(per_gpu)} per GPU)"]
-    needs = []
+                return Plan(fits=False, memory_bytes=memory,
+                            zero_here=ZeroOption(stage, est.gpus, per_gpu))
+    options = []
     for stage in range(max(1, est.zero_stage), 4):
         n = _min_data_parallel(setup, stage, memory - others)
         if n is not None:
-            needs.append(f"ZeRO-{stage} from {n * est.tensor_parallel} GPUs")
-    first = ("ZeRO sharding fits with " + ", ".join(needs) if needs
-             else "no ZeRO stage fits: activations and buffers alone fill the GPU")
-    return [first, "or model parallelism (tensor/pipeline), which also splits activations"]
+            options.append(ZeroOption(stage, n * est.tensor_parallel))
+    return Plan(fits=False, memory_bytes=memory, zero_from=tuple(options))
 
 
 def _min_data_parallel(setup: _Setup, stage: int, available: int) -> int | None:
@@ -347,70 +304,3 @@ def _min_data_parallel(setup: _Setup, stage: int, available: int) -> int | None:
     while sum(setup.model_states(stage, n)) > available:
         n += 1
     return n
-
-
-def _gb(n: int) -> str:
-    return f"{n / GB:.1f} GB"
-
-
-def _count(n: int) -> str:
-    for scale, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
-        if n >= scale:
-            return f"{n / scale:g}{suffix}"
-    return str(n)
-
-
-def render_table(estimate: MemoryEstimate) -> str:
-    """A plain-text table like the classic 7B case (GB = 10⁹ bytes, one decimal), with advice."""
-    e = estimate
-    rows = [
-        (f"parameters ({e.precision})", _gb(e.params_bytes), ""),
-        (f"gradients ({e.precision})", _gb(e.grads_bytes), ""),
-        ("optimizer states (fp32)", _gb(e.optimizer_states_bytes), e.optimizer),
-        ("master weights (fp32)", _gb(e.master_weights_bytes), _master_remark(e)),
-        ("activations",
-         _gb(e.activations_bytes) if e.activations_bytes is not None else "—",
-         "" if e.activations_bytes is not None else "not estimated"),
-        ("buffers", _gb(e.buffers_bytes), "default" if e.buffers_default else ""),
-        ("total", _gb(e.total_bytes), ""),
-    ]
-    if e.gpu_memory_bytes is not None:
-        rows.append(("GPU memory", _gb(e.gpu_memory_bytes), "fits" if e.fits() else "does not fit"))
-    title = (
-        f"{_count(e.params)} parameters, {e.precision}, {e.optimizer}, "
-        f"master weights {'on' if e.master_weights else 'off'}, ZeRO stage {e.zero_stage}, "
-        f"{e.gpus} GPU{'s' if e.gpus > 1 else ''}"
-        + (f", tensor parallel {e.tensor_parallel}" if e.tensor_parallel > 1 else "")
-    )
-    width = max(len(r[0]) for r in rows)
-    value_width = max(len(r[1]) for r in rows)
-    lines = [title, f"{'item':<{width}}  {'per GPU':>{value_width}}"]
-    for item, value, remark in rows:
-        lines.append(f"{item:<{width}}  {value:>{value_width}}  {remark}".rstrip())
-    lines += ["", "advice:"] + [f"  - {a}" for a in e.advice]
-    lines += ["notes:"] + [f"  - {n}" for n in e.notes]
-    return "\n".join(lines) + "\n"
-
-
-def _master_remark(e: MemoryEstimate) -> str:
-    if e.precision == "fp32":
-        return "the fp32 parameters themselves"
-    return "" if e.master_weights else "not counted (common 8 B/param count)"
-
-
-def to_json_dict(estimate: MemoryEstimate) -> dict[str, object]:
-    """Bytes per GPU under ``params, grads, optimizer_states, master_weights, activations,
-    buffers, total`` (ints; activations 0 when not estimated), plus ``fits`` (``None`` without
-    GPU memory) and ``advice`` (advice lines, then notes)."""
-    e = estimate
-    return {
-        "params": e.params_bytes,
-        "grads": e.grads_bytes,
-        "optimizer_states": e.optimizer_states_bytes,
-        "master_weights": e.master_weights_bytes,
-        "activations": e.activations_bytes or 0,
-        "buffers": e.buffers_bytes,
-        "total": e.total_bytes,
-        "fits": e.fits(),
-        "advice": list(e.advice) + list(e.notes),
-    }

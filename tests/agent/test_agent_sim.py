@@ -123,7 +123,7 @@ def test_housekeeping_analyses_64_ranks_in_slices_letting_scrapes_in_between() -
                                   t_start=now - 6 + n * 0.5, gpu=rank % 8,
                                   phases_s={"forward": 0.2, "backward": 0.25})
                        for n in range(4) for rank in range(64)], SenderCredentials())
-    probe = agent._analyzer_lock = _ScrapeBetweenHolds(agent)  # type: ignore[assignment]
+    probe = agent.analyzer._lock = _ScrapeBetweenHolds(agent)  # type: ignore[assignment]
     agent._housekeeping(now, time.monotonic())
     assert probe.holds >= 1 + 64 * 2 // 8  # forget, then at most 8 verdicts a slice
     assert probe.scrapes == probe.holds

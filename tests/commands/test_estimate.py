@@ -1,16 +1,106 @@
-"""`gpumon estimate` from the command line: the classic 7B case, ZeRO stages, bad input."""
+"""`gpumon estimate`: its table, advice and JSON, and the command line (the classic 7B case,
+ZeRO stages, bad input)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
+from gpumon.analysis.estimate import estimate_memory
+from gpumon.commands.estimate import advice_lines, note_lines, render_table, to_json_dict
 from tests.helpers import ROOT
 
-GB = 1e9
+GB = 10**9
+CLASSIC_7B: dict[str, Any] = {"precision": "fp16", "optimizer": "adam", "master_weights": False,
+                              "zero_stage": 0, "gpus": 1, "buffers_bytes": 0}
+
+
+def test_master_copy_has_its_own_row() -> None:
+    table = render_table(estimate_memory(7 * 10**9, **{**CLASSIC_7B, "master_weights": True}))
+    assert "master weights (fp32)" in table and "28.0 GB" in table
+
+
+def test_buffers_default_is_explicit() -> None:
+    est = estimate_memory(10**9)
+    assert est.buffers_default
+    assert any("buffers: default" in n for n in note_lines(est))
+    assert "default" in render_table(est)
+    assert not estimate_memory(10**9, buffers_bytes=5).buffers_default
+
+
+def test_missing_activations_are_said_not_zeroed_silently() -> None:
+    est = estimate_memory(10**9)
+    assert any("activations not estimated" in n for n in note_lines(est))
+    assert to_json_dict(est)["activations"] == 0
+    assert "not estimated" in render_table(est)
+
+
+def test_fits_and_advice_when_it_fits() -> None:
+    est = estimate_memory(10**9, gpus=4, gpu_memory_bytes=80 * GB)
+    assert est.fits() is True
+    assert advice_lines(est)[0].startswith("fits")
+    assert any("data parallelism" in a for a in advice_lines(est))
+    assert any("scaling is poor" in a and "communication" in a for a in advice_lines(est))
+    assert est.fits(10 * GB) is False
+
+
+def test_advice_when_the_classic_7b_does_not_fit_one_gpu() -> None:
+    est = estimate_memory(7 * 10**9, **CLASSIC_7B, gpu_memory_bytes=80 * GB)
+    text = " | ".join(advice_lines(est))
+    assert advice_lines(est)[0].startswith("does not fit")
+    assert "ZeRO-1 from 2 GPUs" in text and "ZeRO-3 from 2 GPUs" in text
+    assert "model parallelism" in text
+    assert "a smaller batch shrinks only activations" in text
+
+
+def test_advice_names_the_zero_stage_that_fits_on_the_current_gpus() -> None:
+    est = estimate_memory(7 * 10**9, **{**CLASSIC_7B, "gpus": 8, "master_weights": True},
+                          gpu_memory_bytes=40 * GB)
+    # 112 GB of model states; ZeRO-1 over 8: 28 + 12·7/8 = 38.5 GB fits 40 GB
+    assert "ZeRO stage 1 over the 8 GPUs fits" in advice_lines(est)[1]
+
+
+def test_advice_when_activations_alone_overflow() -> None:
+    est = estimate_memory(7 * 10**9, gpus=8, layers=32, hidden=4096, heads=32, seq=4096,
+                          batch=8, gpu_memory_bytes=80 * GB)
+    text = " | ".join(advice_lines(est))
+    assert "no ZeRO stage fits" in text
+    assert "FlashAttention or selective/full recomputation" in text
+
+
+def test_without_gpu_memory_fits_is_unknown() -> None:
+    est = estimate_memory(10**9)
+    assert est.fits() is None
+    assert to_json_dict(est)["fits"] is None
+
+
+def test_json_keys_are_the_contract() -> None:
+    est = estimate_memory(7 * 10**9, **CLASSIC_7B, gpu_memory_bytes=80 * GB)
+    data = to_json_dict(est)
+    assert list(data) == ["params", "grads", "optimizer_states", "master_weights", "activations",
+                          "buffers", "total", "fits", "advice"]
+    assert data["total"] == 84 * GB and data["fits"] is False
+    assert all(isinstance(data[k], int) for k in list(data)[:7])
+    assert isinstance(data["advice"], list) and data["advice"]
+
+
+def test_table_reads_like_the_classic_7b_case() -> None:
+    table = render_table(estimate_memory(7 * 10**9, **CLASSIC_7B, gpu_memory_bytes=80 * GB))
+    lines = table.splitlines()
+    assert lines[0].startswith("7B parameters, fp16, adam")
+    for label, value in [("parameters (fp16)", "14.0 GB"), ("gradients (fp16)", "14.0 GB"),
+                         ("optimizer states (fp32)", "56.0 GB"), ("total", "84.0 GB"),
+                         ("GPU memory", "80.0 GB")]:
+        row = next(line for line in lines if line.startswith(label))
+        assert value in row
+    assert "does not fit" in table
+
+
+
 
 
 def estimate(*args: str) -> subprocess.CompletedProcess[str]:
@@ -18,7 +108,7 @@ def estimate(*args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 
-def test_seed_7b_case_item_by_item() -> None:
+def test_classic_7b_case_item_by_item() -> None:
     result = estimate("--params", "7B", "--precision", "fp16", "--optimizer", "adam",
                       "--no-master-weights", "--gpus", "1", "--gpu-memory", "80GB", "--json")
     assert result.returncode == 0, result.stderr

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import http.server
 import os
 import signal
@@ -15,6 +14,7 @@ import pytest
 import gpumon
 import gpumon.testing
 from gpumon.testing import agent_env, free_port, http_get, start_agent, value, values, wait_for
+from tests.analysis.test_layering import imported_modules
 
 PACKAGE = Path(gpumon.__file__).resolve().parent
 
@@ -103,20 +103,10 @@ def test_stop_kills_an_agent_that_ignores_sigterm_with_its_process_group(tmp_pat
     assert agent.stop(timeout=0.5) == -signal.SIGKILL
 
 
-def _imports(path: Path) -> set[str]:
-    names: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-    return names
-
-
 def test_no_layer_imports_the_harness_and_the_harness_never_imports_pytest() -> None:
     harness = Path(gpumon.testing.__file__).parent
     for path in PACKAGE.rglob("*.py"):
-        names = _imports(path)
+        names = imported_modules(path)
         if harness in path.parents:
             assert not any(n == "pytest" or n.startswith("pytest.") for n in names), path
         else:

@@ -1,0 +1,71 @@
+"""The step analyzer as the agent runs it: fed by ingest, advanced by housekeeping, read by scrapes.
+
+``analysis.stream.StepAnalyzer`` is pure and not thread-safe; here it sits behind one lock
+shared by three threads. Data flows one way: ingest hands it accepted steps, housekeeping
+hands it a copy of the node's GPU samples taken once per pass, and scrapes take copies of its
+analyses. It never reads the node state itself.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+
+from gpumon.agent.node import NodeSnapshot
+from gpumon.analysis.stream import RankAnalysis, RankKey, StepAnalyzer
+from gpumon.analysis.thresholds import Thresholds
+from gpumon.collectors.samples import GpuSample
+from gpumon.wire import StepRecord
+
+
+class SharedAnalyzer:
+    """A ``StepAnalyzer`` behind a lock, with its passes cut into slices."""
+
+    def __init__(self, resolution_s: float, thresholds: Thresholds) -> None:
+        self._analyzer = StepAnalyzer(resolution_s=resolution_s, thresholds=thresholds)
+        self._lock = threading.Lock()
+
+    @property
+    def thresholds(self) -> Thresholds:
+        """The thresholds the next pass uses."""
+        return self._analyzer.thresholds
+
+    def set_thresholds(self, thresholds: Thresholds) -> None:
+        """Use new thresholds from the next pass on (a pass under way keeps its own)."""
+        with self._lock:
+            self._analyzer.thresholds = thresholds
+
+    def add(self, steps: list[StepRecord], received_t: float,
+            pids: Mapping[RankKey, int | None]) -> None:
+        """Queue steps ingest accepted (``pids``: each rank's pid from the kernel)."""
+        with self._lock:
+            self._analyzer.add(steps, received_t, pids)
+
+    def advance(self, now: float, expired: Iterable[RankKey], node: NodeSnapshot,
+                gpu_history: Mapping[int, Sequence[GpuSample]]) -> None:
+        """Forget expired ranks and analyse every step whose window is complete.
+
+        ``gpu_history`` is each GPU's recent samples, copied from the node state for this
+        pass. A whole pass holds the GIL for 5-15 ms at 64 ranks. In slices of ~1 ms, with
+        the lock released and the GIL offered (sleep) between them, a scrape or an ingest
+        waits for one slice instead; the results are the same (see
+        ``StepAnalyzer.process_in_slices``).
+        """
+
+        def window(index: int, t0: float, t1: float) -> list[GpuSample]:
+            return [s for s in gpu_history.get(index, ()) if t0 <= s.t <= t1]
+
+        with self._lock:
+            self._analyzer.forget(expired)
+            slices = self._analyzer.process_in_slices(now, window, node.gpus, node.latest)
+        while True:
+            with self._lock:
+                if next(slices, None) is None:
+                    break
+            time.sleep(0)
+
+    def analyses(self) -> list[RankAnalysis]:
+        """Copies of every rank's current analysis."""
+        with self._lock:
+            return self._analyzer.analyses()

@@ -1,0 +1,164 @@
+"""What the agent shows: Prometheus families at scrape time, readiness, the JSON snapshot.
+
+Each view reads copies (a node snapshot, rank-store copies, the analyzer's analyses) and
+renders outside every lock. The JSON snapshot is what ``/api/v1/snapshot`` serves and what
+``gpumon top`` and ``gpumon demo`` read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from gpumon import __version__
+from gpumon.agent.analyzer import SharedAnalyzer
+from gpumon.agent.node import NodeSnapshot, NodeState
+from gpumon.agent.ranks import RankStore, RankTotals
+from gpumon.agent.recorder import RecorderStatus
+from gpumon.analysis.stream import RankAnalysis
+from gpumon.collectors.samples import GpuSample
+from gpumon.export.gpu_metrics import node_families
+from gpumon.export.health_metrics import recording_families
+from gpumon.export.memory_metrics import MemoryFamilies
+from gpumon.export.step_metrics import StepFamilies
+
+STUCK_AFTER_INTERVALS = 3
+
+
+class AgentCollector:
+    """prometheus-client Collector: families are rendered from a snapshot at scrape time."""
+
+    def __init__(self, node: NodeState, rank_store: RankStore, analyzer: SharedAnalyzer,
+                 recording: Callable[[], RecorderStatus | None]) -> None:
+        self._node = node
+        self._recording = recording
+        self._rank_store = rank_store
+        self._analyzer = analyzer
+        self._step_families = StepFamilies()  # keeps each run's series rendered
+        self._memory_families = MemoryFamilies()
+
+    def collect(self) -> Iterator[Metric]:
+        """Every metric family, rendered from one snapshot."""
+        snap = self._node.snapshot(time.time())
+        yield from node_families(snap)
+        records, dropped = self._rank_store.counters()
+        analyses = self._analyzer.analyses()
+        uuids = {g.index: g.uuid for g in snap.gpus}
+        resolved = {(a.run, a.rank): uuids[a.gpu] for a in analyses if a.gpu in uuids}
+        ranks = self._rank_store.ranks()
+        yield from self._step_families.steps(ranks, records, dropped, snap.processes, resolved)
+        yield from self._step_families.analyses(analyses)
+        yield from self._memory_families.families(ranks, analyses)
+        yield from recording_families(self._recording())
+
+    def describe(self) -> list[Metric]:
+        """Nothing up front: registering must not do I/O."""
+        return []
+
+
+def readiness(snap: NodeSnapshot, ingest_problem: str | None, now_monotonic: float,
+              recording: RecorderStatus | None = None) -> tuple[bool, dict[str, Any]]:
+    """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
+    problems: list[str] = []
+    if not snap.nvml.up:
+        problems.append(f"nvml: {snap.nvml.message}")
+    for name, stats in sorted(snap.collectors.items()):
+        started = stats.running_since_monotonic
+        if stats.interval_s and started is not None and (
+                now_monotonic - started > STUCK_AFTER_INTERVALS * stats.interval_s + 2.0):
+            problems.append(f"{name}: cycle stuck for {now_monotonic - started:.0f}s")
+    if ingest_problem:
+        problems.append(f"ingest: {ingest_problem}")
+    if recording is not None and recording.error:
+        problems.append(f"recording: cannot write {recording.path}: {recording.error} "
+                        f"({recording.backlog_bytes} bytes waiting, "
+                        f"{recording.lines_dropped_total} lines dropped)")
+    lost = [str(i) for i, s in snap.latest.items() if not s.up]
+    if lost:
+        problems.append(f"gpu lost: {', '.join(sorted(lost))}")
+    collected = any(s.last_success_t is not None for s in snap.collectors.values())
+    status = "starting" if not collected else ("degraded" if problems else "ok")
+    return collected, {"status": status, "problems": problems}
+
+
+def snapshot_document(snap: NodeSnapshot, ranks: list[RankTotals],
+                      analyses: list[RankAnalysis]) -> dict[str, Any]:
+    """The node, its GPUs and its ranks as JSON-ready data."""
+    by_rank = {(a.run, a.rank): a for a in analyses}
+    gpus = []
+    for gpu in snap.gpus:
+        sample = snap.latest.get(gpu.index)
+        entry: dict[str, Any] = {
+            "index": gpu.index, "uuid": gpu.uuid, "model": gpu.name,
+            "pci_bus_id": gpu.pci_bus_id, "up": sample.up if sample else True,
+        }
+        if sample is not None:
+            entry.update({k: v for k, v in _sample_dict(sample).items() if v is not None})
+        gpus.append(entry)
+    host = snap.host
+    return {
+        "version": __version__,
+        "t": snap.t,
+        "nvml": {"up": snap.nvml.up, "driver_version": snap.nvml.driver_version,
+                 "nvml_version": snap.nvml.nvml_version, "simulated": snap.nvml.simulated,
+                 "message": snap.nvml.message},
+        "gpus": gpus,
+        "host": None if host is None else {
+            "cpu_utilization_ratio": host.cpu_utilization_ratio,
+            "memory_used_bytes": host.memory_used_bytes,
+            "memory_total_bytes": host.memory_total_bytes},
+        "xid_errors": [{"gpu": g, "xid": x, "count": c}
+                       for (g, x), c in sorted(snap.xid_counts.items())],
+        "ranks": [_rank_dict(r, by_rank.get((r.run, r.rank)))
+                  for r in sorted(ranks, key=lambda r: (r.run, r.rank))],
+    }
+
+
+def _sample_dict(sample: GpuSample) -> dict[str, Any]:
+    data = asdict(sample)
+    data.pop("index", None)
+    if data.get("process_memory_bytes"):
+        data["process_memory_bytes"] = {str(k): v for k, v in data["process_memory_bytes"].items()}
+    return data
+
+
+def _rank_dict(state: RankTotals, analysis: RankAnalysis | None) -> dict[str, Any]:
+    return {
+        "run": state.run, "rank": state.rank, "world": state.world,
+        "local_rank": state.local_rank, "pid": state.pid, "gpu": state.gpu_hint,
+        "steps_total": state.steps_total, "last_step": state.last_step,
+        "last_step_end_t": state.last_step_end_t,
+        "phase_seconds_total": dict(state.phase_seconds_total),
+        "memory_allocated_bytes": state.memory_allocated_bytes,
+        "memory_reserved_bytes": state.memory_reserved_bytes,
+        "memory_peak_bytes": state.memory_peak_bytes,
+        "alloc_retries_total": state.alloc_retries_total, "ooms_total": state.ooms_total,
+        "last_step_duration_seconds": state.last_duration_s,
+        "memory_breakdown": None if state.memory_breakdown is None
+        else asdict(state.memory_breakdown),
+        "analysis": None if analysis is None else _analysis_dict(analysis),
+    }
+
+
+def _analysis_dict(analysis: RankAnalysis) -> dict[str, Any]:
+    verdict, oom = analysis.verdict, analysis.oom
+    return {
+        "gpu": analysis.gpu, "verdict_step": analysis.verdict_step,
+        "bottleneck": verdict.primary.value if verdict else None,
+        "confidence": verdict.confidence if verdict else None,
+        "flags": sorted(f.value for f in verdict.flags) if verdict else [],
+        "hint": verdict.hint if verdict else None,
+        "mfu": verdict.mfu if verdict else None,
+        "bottleneck_steps": dict(analysis.bottleneck_steps),
+        "straggler_score": analysis.straggler_score,
+        "memory": None if analysis.memory is None else {
+            "component": analysis.memory.component, "cause": analysis.memory.cause,
+            "bytes": analysis.memory.bytes, "remedy": analysis.memory.remedy},
+        "oom": None if oom is None else {
+            "risk_ratio": oom.risk_ratio, "predicted_seconds": oom.predicted_seconds,
+            "headroom_bytes": oom.headroom_bytes, "reasons": list(oom.reasons)},
+    }

@@ -1,0 +1,14 @@
+"""The benchmarks stand on the package and its harness (gpumon.testing), never on the tests."""
+
+from __future__ import annotations
+
+from tests.analysis.test_layering import imported_modules
+from tests.helpers import ROOT
+
+
+def test_no_benchmark_imports_the_tests() -> None:
+    scripts = sorted((ROOT / "benchmarks").rglob("*.py"))
+    assert len(scripts) >= 15
+    for path in scripts:
+        names = imported_modules(path)
+        assert not any(n == "tests" or n.startswith("tests.") for n in names), (path, names)
