@@ -164,7 +164,7 @@ def doctor(
 
 @app.command()
 def estimate(
-    params: Annotated[str, typer.Option(help="Parameter count, e.g. 7B, 175M, 1.3e9.")],
+    params: Annotated[str | None, typer.Option(help="Parameter count, e.g. 7B, 175M, 1.3e9 (or --from-run).")] = None,
     precision: Annotated[str, typer.Option(help="fp16, bf16 or fp32.")] = "bf16",
     optimizer: Annotated[str, typer.Option(help="adam, adamw, sgd or sgd_momentum.")] = "adamw",
     master_weights: Annotated[bool, typer.Option("--master-weights/--no-master-weights", help="Count the fp32 master copy of mixed precision (the ZeRO paper's K=12 counts it; the common 8 B/param Adam figure does not).")] = True,
@@ -181,10 +181,17 @@ def estimate(
     buffers: Annotated[str | None, typer.Option(help="Temporary buffers per GPU, e.g. 3GB [default: 2GB].")] = None,
     gpu_memory: Annotated[str | None, typer.Option(help="Device memory to check against, e.g. 80GB or 141GiB.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON (bytes per GPU).")] = False,
+    from_run: Annotated[str | None, typer.Option("--from-run", metavar="RUN", help="Measure instead: the memory breakdown a running job's ranks report to the agent at --url, beside its ZeRO projections.")] = None,
+    url: Annotated[str, typer.Option(help="The agent's base URL, for --from-run.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
 ) -> None:
     """Estimate per-GPU training memory: params, grads, optimizer states, activations, buffers."""
     from gpumon.commands.estimate import estimate_command
 
+    if from_run is not None:
+        _estimate_from_run(from_run, url, params, gpu_memory, json_output)
+        return
+    if params is None:
+        _fail("give --params (e.g. --params 7B), or --from-run RUN to measure a running job", 2)
     try:
         text = estimate_command(
             params, precision=precision, optimizer=optimizer, master_weights=master_weights,
@@ -194,6 +201,23 @@ def estimate(
             json_output=json_output)
     except ValueError as exc:
         _fail(str(exc), 2)
+    typer.echo(text)
+
+
+def _estimate_from_run(run: str, url: str, params: str | None, gpu_memory: str | None,
+                       json_output: bool) -> None:
+    from gpumon.analysis.estimate import parse_bytes
+    from gpumon.commands.estimate_run import from_run_command
+
+    if params is not None:
+        _fail("--from-run measures the model: leave out --params", 2)
+    try:
+        text = from_run_command(run, url, json_output=json_output,
+                                gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory else None)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    except OSError as exc:
+        _fail(f"cannot read {url}: {getattr(exc, 'reason', None) or exc}", 1)
     typer.echo(text)
 
 
