@@ -196,11 +196,54 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict[str, 
 # --- Training run ---------------------------------------------------------------------------
 
 RUN = 'run=~"$run",rank=~"$rank"'
+RUN_ONLY = 'run=~"$run"'
 
 
 def _share(phase: str) -> str:
     return (f'sum by (rank) (rate(gpumon_step_phase_seconds_total{{{RUN},phase="{phase}"}}[{RATE}]))'
             f'\n  / sum by (rank) (rate(gpumon_step_duration_seconds_sum{{{RUN}}}[{RATE}]))')
+
+
+def _per_step(counter: str) -> str:
+    return (f"sum by (rank) (rate({counter}{{{RUN}}}[{RATE}]))"
+            f"\n  / sum by (rank) (rate(gpumon_steps_total{{{RUN}}}[{RATE}]))")
+
+
+def _communication_panels() -> list[Panel]:
+    """Collectives per rank, and the straggler its peers wait for."""
+    return [
+        row("Communication and stragglers"),
+        timeseries("Communication overlap per rank", "Seconds per step each rank was blocked "
+                   "on collectives (exposed) and had them in flight while it kept computing "
+                   "(overlapped). Overlap is free; exposed time lengthens every step.",
+                   Target(_per_step("gpumon_comm_exposed_seconds_total"), "rank {{rank}} exposed"),
+                   Target(_per_step("gpumon_comm_overlapped_seconds_total"),
+                          "rank {{rank}} overlapped"), unit="s"),
+        timeseries("Bus bandwidth per rank", "Achieved bus bandwidth of each kind of collective "
+                   "over the rank's last 16 steps (nccl-tests' definition: all-reduce "
+                   "bytes / time × 2(n−1)/n), to compare with the links' peak.",
+                   Target(f"gpumon_collective_bus_bandwidth_bytes_per_second{{{RUN}}}",
+                          "rank {{rank}} {{op}}"), unit="Bps"),
+        timeseries("Collective traffic by kind", "Collective payload per second over the "
+                   "selected ranks, by kind (all_reduce, reduce_scatter, all_gather, ...).",
+                   Target(f"sum by (op) (rate(gpumon_collective_bytes_total{{{RUN}}}[{RATE}]))",
+                          "{{op}}"), unit="Bps"),
+        table("Slowest rank and why", "The run's lowest straggler score, whichever ranks are "
+              "selected (its peers' own work per step ÷ its own; under 0.75 it is the straggler "
+              "the others wait for), and the cause its agent names: input (its data wait), "
+              "compute (its own forward/backward work) or gpu (throttled, lower clocks, XID).",
+              Target(f"bottomk by (run) (1, run_rank:gpumon_rank_straggler_score:ratio5m{{{RUN_ONLY}}})"),
+              Target(f"max by (run, rank, cause) (gpumon_rank_straggler_cause{{{RUN_ONLY}}} == 1)"),
+              thresholds=[(None, "red"), (0.75, "green")]),
+        timeseries("Straggler score", "Each rank's peers' mean own work per step (step time "
+                   "less collective wait) over its own (1 = like its peers, under 0.75 = "
+                   "straggler): run-wide from the recording rule, and the agent's node-local "
+                   "score.",
+                   Target(f"run_rank:gpumon_rank_straggler_score:ratio5m{{{RUN}}}",
+                          "rank {{rank}} (run-wide)"),
+                   Target(f"gpumon_rank_straggler_score{{{RUN}}}", "rank {{rank}} (node)"),
+                   thresholds=[(None, "red"), (0.75, "green")], width=24),
+    ]
 
 
 def training() -> dict[str, Any]:
@@ -259,7 +302,9 @@ def training() -> dict[str, Any]:
               Target(f"max by (rank, bottleneck) (gpumon_step_bottleneck{{{RUN}}} == 1)"),
               Target(f"max by (rank) (gpumon_step_bottleneck_confidence{{{RUN}}})")),
         timeseries("Phase breakdown", "Mean seconds per step in each phase, over the selected "
-                   "ranks; data is the wait for the next batch, comm the exposed communication.",
+                   "ranks as the loop timed them; data is the wait for the next batch. A wait on "
+                   "collectives measured by watch() sits inside backward here (see Communication "
+                   "overlap per rank).",
                    Target(f"sum by (phase) (rate(gpumon_step_phase_seconds_total{{{RUN}}}[{RATE}]))"
                           f"\n  / ignoring (phase) group_left"
                           f"\n  sum(rate(gpumon_steps_total{{{RUN}}}[{RATE}]))", "{{phase}}"),
@@ -268,17 +313,14 @@ def training() -> dict[str, Any]:
                    "input bound from 20 % (GpumonInputBound).",
                    Target(_share("data"), "rank {{rank}}"), unit="percentunit", max=1,
                    thresholds=[(None, "green"), (0.2, "red")]),
-        timeseries("Exposed communication share", "Share of each rank's step time in "
-                   "communication not overlapped with compute; bound from 15 %.",
-                   Target(_share("comm"), "rank {{rank}}"), unit="percentunit", max=1,
+        timeseries("Exposed communication share", "Share of each rank's step time blocked on "
+                   "collectives, not overlapped with compute (measured by watch(), or a "
+                   "hand-timed comm phase); bound from 15 % (GpumonCommunicationBound).",
+                   Target(f"sum by (rank) (rate(gpumon_comm_exposed_seconds_total{{{RUN}}}[{RATE}]))"
+                          f"\n  / sum by (rank) (rate(gpumon_step_duration_seconds_sum{{{RUN}}}[{RATE}]))",
+                          "rank {{rank}}"), unit="percentunit", max=1,
                    thresholds=[(None, "green"), (0.15, "red")]),
-        timeseries("Straggler score", "Run median compute time per step over each rank's own "
-                   "(1 = typical, under 0.75 = straggler): run-wide from the recording rule, "
-                   "and the agent's node-local score.",
-                   Target(f"run_rank:gpumon_rank_straggler_score:ratio5m{{{RUN}}}",
-                          "rank {{rank}} (run-wide)"),
-                   Target(f"gpumon_rank_straggler_score{{{RUN}}}", "rank {{rank}} (node)"),
-                   thresholds=[(None, "red"), (0.75, "green")], width=24),
+        *_communication_panels(),
         row("Memory"),
         timeseries("GPU memory vs capacity", "Per rank: PyTorch allocated, reserved and per-step "
                    "peak, the whole GPU's use (NVML) and its capacity.",
@@ -511,12 +553,14 @@ def fleet() -> dict[str, Any]:
                    Target(f"avg by (run) (gpumon_step_mfu_ratio{{{JOB}}})", "{{run}}"),
                    unit="percentunit", max=1, thresholds=[(None, "red"), (0.2, "green")]),
         timeseries("Input and communication share by run", "Share of step time waiting for "
-                   "data and in exposed communication, over each run's ranks.",
-                   Target(f"sum by (run, phase) (rate(gpumon_step_phase_seconds_total"
-                          f'{{{JOB},phase=~"data|comm"}}[{RATE}]))'
-                          f"\n  / ignoring (phase) group_left"
-                          f"\n  sum by (run) (rate(gpumon_step_duration_seconds_sum{{{JOB}}}[{RATE}]))",
-                          "{{run}} {{phase}}"), unit="percentunit", max=1),
+                   "data and blocked on collectives, over each run's ranks.",
+                   Target(f"sum by (run) (rate(gpumon_step_phase_seconds_total"
+                          f'{{{JOB},phase="data"}}[{RATE}]))'
+                          f"\n  / sum by (run) (rate(gpumon_step_duration_seconds_sum{{{JOB}}}[{RATE}]))",
+                          "{{run}} input"),
+                   Target(f"sum by (run) (rate(gpumon_comm_exposed_seconds_total{{{JOB}}}[{RATE}]))"
+                          f"\n  / sum by (run) (rate(gpumon_step_duration_seconds_sum{{{JOB}}}[{RATE}]))",
+                          "{{run}} communication"), unit="percentunit", max=1),
         row("Idle GPUs and memory pressure"),
         table("Least busy GPUs", "The ten GPUs with the lowest mean utilisation over the time "
               "range; red under 10 %.",

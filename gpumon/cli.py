@@ -1,47 +1,23 @@
-"""Command line: parses flags and delegates; the work lives in the library modules."""
+"""Command line: parses flags and delegates each command to its module in gpumon.commands."""
 
 from __future__ import annotations
 
 import signal
 import sys
-import threading
 
+from gpumon.commands.agent import SignalInbox
 
-class _SignalInbox:
-    """Signals kept for the agent's main loop, which handles them in order.
-
-    SIGHUP (reload) is caught from the first moment: importing the agent takes ~0.3 s, and
-    a SIGHUP's default action in that window kills the process. SIGTERM and SIGINT keep
-    their default action until the agent has started, so a start that hangs (in a broken
-    driver, say) can still be stopped.
-    """
-
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.wake = threading.Event()
-
-    def catch(self, *signums: int) -> None:
-        """Keep these signals from now on (main thread only)."""
-        for signum in signums:
-            signal.signal(signum, self._on_signal)
-
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self.received.append(signum)
-        self.wake.set()
-
-
-_signals = _SignalInbox()
+_signals = SignalInbox()
 if sys.argv[1:2] == ["agent"]:
     _signals.catch(signal.SIGHUP)
 
-import logging  # noqa: E402 (after the signal handlers, on purpose)
-from pathlib import Path  # noqa: E402
+from pathlib import Path  # noqa: E402 (after the signal handlers, on purpose)
 from typing import Annotated, Any, NoReturn  # noqa: E402
 
 import typer  # noqa: E402
 
 from gpumon import __version__  # noqa: E402
-from gpumon.agent.config import DEFAULT_PORT, ConfigError, load_config  # noqa: E402
+from gpumon.agent.config import DEFAULT_PORT  # noqa: E402
 
 app = typer.Typer(
     name="gpumon",
@@ -86,9 +62,7 @@ def agent(
     web_config: Annotated[str | None, typer.Option(help="TLS and basic-auth file in the Prometheus exporters' web config format [env GPUMON_WEB_CONFIG].")] = None,
 ) -> None:
     """Run the node agent: collect, classify and serve /metrics until SIGTERM/SIGINT."""
-    _signals.catch(signal.SIGHUP)  # already, when started from the command line
-    from gpumon.agent import Agent, AgentError
-    from gpumon.export.server import ServeError
+    from gpumon.commands.agent import AgentCommandError, run_agent
 
     flags: dict[str, Any] = {
         "address": address, "port": port, "socket": socket, "interval": interval,
@@ -96,52 +70,9 @@ def agent(
         "collectors": collector or None, "log_level": log_level, "web_config": web_config,
     }
     try:
-        cfg = load_config(flags)
-    except ConfigError as exc:
-        _fail(str(exc), 2)
-    logging.basicConfig(level=cfg.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    # The ingest receiver must get the GIL back within a millisecond or two: the kernel
-    # queues only a handful of datagrams per Unix socket (net.unix.max_dgram_qlen).
-    sys.setswitchinterval(0.001)
-    node = Agent(cfg)
-    try:
-        node.start()
-    except (ServeError, AgentError) as exc:
-        node.stop()
-        _fail(str(exc))
-    log = logging.getLogger("gpumon")
-    _signals.catch(signal.SIGTERM, signal.SIGINT)
-    signalled, wake = _signals.received, _signals.wake
-    try:
-        # No polling: the wait is interrupted by a signal, whose handler sets the event.
-        # Signals that came during start-up are handled now, in order.
-        while True:
-            wake.wait()
-            wake.clear()
-            while signalled:
-                received = signalled.pop(0)
-                if received != signal.SIGHUP:
-                    log.info("received %s, shutting down", signal.Signals(received).name)
-                    return
-                _reload(node, flags, log)
-    finally:
-        node.stop()
-
-
-def _reload(node: Any, flags: dict[str, Any], log: logging.Logger) -> None:
-    """SIGHUP: re-read env and config file; a bad new config keeps the running one."""
-    from gpumon.agent import AgentError
-
-    try:
-        notes = node.reload(load_config(flags))
-    except (ConfigError, AgentError) as exc:
-        log.error("reload failed, keeping the running configuration: %s", exc)
-        return
-    except Exception:  # a reload must never take a running agent down with it
-        log.exception("reload failed, keeping the running configuration")
-        return
-    log.info("configuration reloaded%s", "".join(f"; {n}" for n in notes))
+        run_agent(flags, _signals)
+    except AgentCommandError as exc:
+        _fail(str(exc), exc.exit_code)
 
 
 @app.command()
@@ -151,15 +82,9 @@ def doctor(
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Report what this node supports: driver, NVML, per-GPU metric groups, socket, port."""
-    from gpumon.commands.doctor import diagnose, render
+    from gpumon.commands.doctor import run_doctor
 
-    report = diagnose(port=port, socket_path=Path(socket))
-    if json_output:
-        import json
-
-        typer.echo(json.dumps(report, indent=2))
-    else:
-        render(report)
+    run_doctor(port=port, socket_path=Path(socket), json_output=json_output)
 
 
 @app.command()
@@ -227,33 +152,14 @@ def classify(
     json_output: Annotated[bool, typer.Option("--json", help="One JSON line per step, then a summary line.")] = False,
 ) -> None:
     """Replay a recording through the bottleneck classifier and explain each step."""
-    import json
-
-    from gpumon.commands.classify import classify_file, summarize
+    from gpumon.commands.classify import output_lines
 
     try:
-        loaded, verdicts = classify_file(recording)
+        lines = output_lines(recording, json_output=json_output)
     except OSError as exc:
         _fail(f"cannot read {recording}: {exc.strerror or exc}", 2)
-    summary = summarize(verdicts)
-    if loaded.skipped:
-        summary["skipped_lines"] = dict(loaded.skipped)
-    if json_output:
-        for v in verdicts:
-            for step in v.steps:
-                typer.echo(json.dumps({
-                    "run": v.run, "rank": v.rank, "step": step,
-                    "primary": v.verdict.primary.value,
-                    "confidence": round(v.verdict.confidence, 3),
-                    "flags": sorted(f.value for f in v.verdict.flags)}))
-        typer.echo(json.dumps({"summary": summary}))
-        return
-    for v in verdicts:
-        steps = f"{v.steps[0]}" if len(v.steps) == 1 else f"{v.steps[0]}-{v.steps[-1]}"
-        flags = f" [{', '.join(sorted(f.value for f in v.verdict.flags))}]" if v.verdict.flags else ""
-        typer.echo(f"{v.run} rank {v.rank} step {steps}: {v.verdict.primary.value} "
-                   f"({v.verdict.confidence:.0%}){flags} — {v.verdict.hint}")
-    typer.echo(f"summary: {json.dumps(summary)}")
+    for line in lines:
+        typer.echo(line)
 
 
 @app.command()

@@ -58,7 +58,9 @@ class SharedAnalyzer:
 
         with self._lock:
             self._analyzer.forget(expired)
-            slices = self._analyzer.process_in_slices(now, window, node.gpus, node.latest)
+            slices = self._analyzer.process_in_slices(
+                now, window, node.gpus, node.latest,
+                xid_gpus={gpu for (gpu, _), count in node.xid_counts.items() if count})
         while True:
             with self._lock:
                 if next(slices, None) is None:

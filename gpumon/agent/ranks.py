@@ -13,6 +13,8 @@ from bisect import bisect_left
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from gpumon.agent.collectives import CommTotals
+from gpumon.analysis.comm import wait_s
 from gpumon.analysis.stream import RankKey
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, MemoryBreakdown, Record, StepRecord
@@ -58,6 +60,8 @@ class RankTotals:
     alloc_retries_total: int | None = None
     torch_ooms_reported: int = 0
     oom_events_total: int = 0
+    comm: CommTotals | None = None
+    """Collective communication, once a step has reported any (measured or a comm phase)."""
     memory_breakdown: MemoryBreakdown | None = None
     """The latest sampled breakdown (``watch(model, optimizer)``)."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
@@ -96,6 +100,10 @@ class RankTotals:
                 self.torch_ooms_reported = max(self.torch_ooms_reported, mem.ooms)
         if record.memory_breakdown is not None:
             self.memory_breakdown = record.memory_breakdown
+        if wait_s(record) is not None:
+            if self.comm is None:
+                self.comm = CommTotals()
+            self.comm.add(record)
 
 
 class RankStore:
@@ -200,4 +208,5 @@ def _copy(state: RankTotals) -> RankTotals:
     clone = RankTotals(**{k: getattr(state, k) for k in state.__dataclass_fields__})
     clone.phase_seconds_total = defaultdict(float, state.phase_seconds_total)
     clone.duration_bucket_counts = list(state.duration_bucket_counts)
+    clone.comm = state.comm.copy() if state.comm is not None else None
     return clone

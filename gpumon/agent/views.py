@@ -155,6 +155,8 @@ def _analysis_dict(analysis: RankAnalysis) -> dict[str, Any]:
         "mfu": verdict.mfu if verdict else None,
         "bottleneck_steps": dict(analysis.bottleneck_steps),
         "straggler_score": analysis.straggler_score,
+        "straggler_cause": analysis.straggler_cause.value if analysis.straggler_cause else None,
+        "waiting_on_rank": analysis.slower_rank.rank if analysis.slower_rank else None,
         "memory": None if analysis.memory is None else {
             "component": analysis.memory.component, "cause": analysis.memory.cause,
             "bytes": analysis.memory.bytes, "remedy": analysis.memory.remedy},

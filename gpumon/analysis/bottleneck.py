@@ -9,17 +9,25 @@ so a GPU running one small kernel at a time (or a NCCL kernel spinning on a peer
 while most of its SMs idle. When GPM is present, SM activity (share of SM-cycles with a resident
 warp) is used instead; without it, the time spent in exposed communication is subtracted from
 utilisation, because communication kernels count as "busy" to NVML.
+
+Communication is the step's collective wait (``comm.wait_s``): what the client's watcher
+measured, or a hand-timed ``comm`` phase, never both added. Its share is taken out of the
+phases it sat in, so ``compute`` is time the rank worked, not time it waited for a peer.
+Whether a rank is the run's straggler is decided across ranks (``straggler``); ``classify``
+is told the outcome and flags it, names its cause, and tells the straggler's peers that
+they wait for it.
 """
 
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+from gpumon.analysis.comm import attributed_phases
 from gpumon.analysis.devices import mfu
+from gpumon.analysis.straggler import SlowerRank, StragglerCause
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import GpuWindow
 from gpumon.wire import StepRecord
@@ -32,9 +40,7 @@ __all__ = [
     "Thresholds",
     "Verdict",
     "classify",
-    "compute_time_s",
     "phase_fractions",
-    "straggler_scores",
 ]
 
 
@@ -73,6 +79,10 @@ class Verdict:
     flags: frozenset[Flag]
     hint: str
     mfu: float | None = None
+    straggler_cause: StragglerCause | None = None
+    """Why this rank is the run's straggler (with ``Flag.STRAGGLER``)."""
+    slower_rank: int | None = None
+    """On a communication verdict: the run's rank this one waits for in the collectives."""
 
 
 # Multipliers applied to a verdict's confidence for each input it would have used but lacked.
@@ -133,6 +143,21 @@ _COMM_UNKNOWN_HINT = (
     "traffic is not visible to NVML) — overlap communication with compute, gradient compression, "
     "topology; check for a straggler"
 )
+_WAITING_HINT = (
+    "communication bound, waiting on a slower rank (rank {rank}{silent}): this rank idles in "
+    "the collectives until that one joins — the fix is on that rank (its straggler cause), "
+    "not on the links"
+)
+_CAUSE_HINTS = {
+    StragglerCause.INPUT: "its data wait: check its input shard, loader workers and storage",
+    StragglerCause.COMPUTE: (
+        "its own forward/backward work: uneven batches or sequence lengths, a CPU-starved "
+        "process, a noisy neighbour on its host"
+    ),
+    StragglerCause.GPU: "its GPU: throttled, lower clocks or XID errors — check cooling, power "
+                        "and the GPU's error log",
+    StragglerCause.UNKNOWN: "no phases reported to tell its input from its compute",
+}
 _FLAG_HINTS = {
     Flag.MEMORY_PRESSURE: (
         "memory pressure — ZeRO/FSDP sharding, activation checkpointing; a smaller batch shrinks "
@@ -140,41 +165,23 @@ _FLAG_HINTS = {
     ),
     Flag.THROTTLED: "clocks throttled (thermal/power slowdown) — check cooling and power",
     Flag.STRAGGLER: (
-        "straggler: compute well above the run's median — check this GPU's clocks and errors, "
-        "its host and its input shard"
+        "straggler: its own work per step (step time less collective wait) well above its "
+        "peers', who wait for it in the collectives"
     ),
 }
 
 
-def compute_time_s(step: StepRecord) -> float | None:
-    """Forward + backward + optimizer seconds of a step; ``None`` when none was reported."""
-    parts = [step.phases_s[p] for p in ("forward", "backward", "optimizer") if p in step.phases_s]
-    return sum(parts) if parts else None
-
-
-def straggler_scores(compute_s_by_rank: Mapping[int, float]) -> dict[int, float]:
-    """Per rank, its run's median compute time ÷ its own (1 = typical; < 0.75 = straggler).
-
-    Needs at least 3 ranks with a positive compute time, else returns ``{}``: with two, the
-    median is their mean, so both sit equally far from it and neither can be called the slow
-    one. Ranks with non-positive or non-finite times get no score.
-    """
-    valid = {r: t for r, t in compute_s_by_rank.items() if math.isfinite(t) and t > 0}
-    if len(valid) < 3:
-        return {}
-    median = statistics.median(valid.values())
-    return {rank: median / t for rank, t in valid.items()}
-
-
 def phase_fractions(step: StepRecord) -> dict[str, float] | None:
-    """Share of the step per category, or ``None`` when it reported no (positive) phases.
+    """Share of the step per category, or ``None`` when it reported neither (positive)
+    phases nor measured communication.
 
     ``data`` → input, ``forward`` + ``backward`` → compute, ``comm``, ``optimizer``; free-form
-    phases and time no phase covers → other. The denominator is the larger of the step's
-    duration and its phases' sum, so a client that times the data wait outside the step still
-    gets shares that sum to 1.
+    phases and time no phase covers → other. Communication is the collective wait, taken out
+    of the phases it sat in (``comm.attributed_phases``). The denominator is the larger of the
+    step's duration and its phases' sum, so a client that times the data wait outside the
+    step still gets shares that sum to 1.
     """
-    phases = {k: v for k, v in step.phases_s.items() if math.isfinite(v) and v > 0}
+    phases = attributed_phases(step)
     if not phases:
         return None
     total = max(step.duration_s, sum(phases.values()))
@@ -197,6 +204,8 @@ def classify(
     peak_dram_bytes_per_second: float | None = None,
     peak_nvlink_bytes_per_second: float | None = None,
     straggler_score: float | None = None,
+    straggler_cause: StragglerCause | None = None,
+    slower_rank: SlowerRank | None = None,
     previous_alloc_retries: int | None = None,
     previous_ooms: int | None = None,
     thresholds: Thresholds = DEFAULT,
@@ -206,7 +215,9 @@ def classify(
 
     ``previous_alloc_retries``/``previous_ooms`` are the rank's cumulative allocator counters at
     its previous step: retries or OOMs *rising* signal pressure (without ``previous_ooms``, any
-    OOM so far does). ``straggler_score`` comes from ``straggler_scores`` over the run's ranks.
+    OOM so far does). ``straggler_score``, ``straggler_cause`` and ``slower_rank`` come from
+    comparing the run's ranks (``straggler.judge_run``): a score under the threshold flags
+    this rank; ``slower_rank`` names the rank it waits for when its verdict is communication.
     ``memory_remedy`` replaces the generic memory-pressure hint when the rank's memory
     breakdown names what fills it (``gpumon.analysis.memory.attribute_growth``).
     """
@@ -290,7 +301,14 @@ def classify(
             strength = 0.3 + 0.2 * _margin(value or 0.0, low, high)
             moderate = True
 
-    if primary is Bottleneck.COMMUNICATION:
+    waiting_on = None
+    if primary is Bottleneck.COMMUNICATION and slower_rank is not None \
+            and slower_rank.rank != step.rank:
+        # Waiting on a peer is established by the comparison itself: link figures add nothing.
+        waiting_on = slower_rank.rank
+        hint = _WAITING_HINT.format(
+            rank=slower_rank.rank, silent=", which stopped reporting" if slower_rank.silent else "")
+    elif primary is Bottleneck.COMMUNICATION:
         hint, link_known = _comm_hint(gpu, comm or 0.0, peak_nvlink_bytes_per_second, th)
         if not link_known:
             strength *= _MISSING_LINK
@@ -310,11 +328,16 @@ def classify(
 
     flags = _flags(step, gpu, memory_total_bytes, straggler_score, previous_alloc_retries,
                    previous_ooms, th)
+    cause = None
     for flag in (Flag.MEMORY_PRESSURE, Flag.THROTTLED, Flag.STRAGGLER):
         if flag in flags:
             remedy = memory_remedy if flag is Flag.MEMORY_PRESSURE else None
             hint += "; " + (f"memory pressure — {remedy}" if remedy else _FLAG_HINTS[flag])
-    return Verdict(primary, confidence, fractions, frozenset(flags), hint, step_mfu)
+    if Flag.STRAGGLER in flags:
+        cause = straggler_cause or StragglerCause.UNKNOWN
+        hint += f"; cause: {cause.value} — {_CAUSE_HINTS[cause]}"
+    return Verdict(primary, confidence, fractions, frozenset(flags), hint, step_mfu, cause,
+                   waiting_on)
 
 
 def _flags(

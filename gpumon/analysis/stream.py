@@ -1,8 +1,8 @@
 """Streaming verdicts: steps and GPU samples in, per-rank verdicts and OOM risk out.
 
 The same engine serves the live agent and ``gpumon classify`` replaying a recording. It
-holds per-rank state (steps waiting for their GPU samples, recent compute times for
-straggler scores, recent peaks for the OOM trend) but does no I/O and reads no clock: the
+holds per-rank state (steps waiting for their GPU samples, recent own-work times for the
+straggler comparison, recent peaks for the OOM trend) but does no I/O and reads no clock: the
 caller passes "now" and a function returning a GPU's samples over a window.
 
 A step is analysed once the GPU samples covering its window can have arrived (``lag_s``
@@ -16,19 +16,20 @@ import itertools
 import math
 import statistics
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from gpumon.analysis.bottleneck import (
-    Bottleneck,
-    Verdict,
-    classify,
-    compute_time_s,
-    straggler_scores,
-)
+from gpumon.analysis.bottleneck import Bottleneck, Flag, Verdict, classify
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
 from gpumon.analysis.memory import MemoryAttribution, attribute_growth
 from gpumon.analysis.oom import OomRisk, assess_oom_risk
+from gpumon.analysis.straggler import (
+    RankWork,
+    SlowerRank,
+    StragglerCause,
+    judge_run,
+    own_work_s,
+)
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
@@ -39,7 +40,9 @@ RankKey = tuple[str, int]
 History = Callable[[int, float, float], Sequence[GpuSample]]
 """(gpu index, t0, t1) -> that GPU's samples with t0 <= t <= t1."""
 
-COMPUTE_HISTORY = 16  # steps per rank for its median compute time (straggler score)
+WORK_HISTORY = 16  # steps per rank for its median own work (straggler comparison)
+SILENT_STEPS = 10  # a rank this many of its run's typical steps behind the newest is silent
+SILENT_MIN_S = 5.0  # ... and at least this many seconds behind
 PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
 BREAKDOWN_HISTORY = 16  # sampled memory breakdowns per rank: ~80 s at the client's 5 s
 MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
@@ -63,6 +66,13 @@ class RankAnalysis:
     bottleneck_steps: Counter[str] = field(default_factory=Counter)
     oom: OomRisk | None = None
     straggler_score: float | None = None
+    """Its peers' mean own work per step ÷ its own (``straggler.straggler_scores``)."""
+    straggler_cause: StragglerCause | None = None
+    """Set while it is its run's straggler."""
+    slower_rank: SlowerRank | None = None
+    """Set while another rank of its run is the straggler, or went silent."""
+    world_changes: int = 0
+    """Times the world size this rank reports changed (its comparison history restarts)."""
     memory: MemoryAttribution | None = None
     """Which memory component the rank's sampled breakdowns blame, when it sends them."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
@@ -86,13 +96,19 @@ class _RankTracker:
 
     analysis: RankAnalysis
     pending: list[StepRecord] = field(default_factory=list)
-    compute_s: deque[float] = field(default_factory=lambda: deque(maxlen=COMPUTE_HISTORY))
+    own_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    data_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
     breakdowns: deque[tuple[float, MemoryBreakdown]] = field(
         default_factory=lambda: deque(maxlen=BREAKDOWN_HISTORY))
-    durations: deque[float] = field(default_factory=lambda: deque(maxlen=COMPUTE_HISTORY))
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     last: StepRecord | None = None
     last_pid: int | None = None
+    world: int | None = None
+    last_end_t: float = -math.inf
+    """When its newest step (analysed or waiting) ended."""
+    sm_clock_hz: float | None = None
+    gpu_trouble: bool = False
 
 
 def attribute_gpu(gpu: str | int | None, pid: int | None, statics: Sequence[GpuStatic],
@@ -138,6 +154,15 @@ class StepAnalyzer:
             state = self._ranks.get(key)
             if state is None:
                 state = self._ranks[key] = _RankTracker(RankAnalysis(step.run, step.rank))
+            if step.world is not None and step.world != state.world:
+                if state.world is not None:
+                    # A restarted (elastic) job: what this rank did before describes another run.
+                    state.analysis.world_changes += 1
+                    state.analysis.version = next(_versions)
+                    state.own_s.clear()
+                    state.data_s.clear()
+                state.world = step.world
+            state.last_end_t = max(state.last_end_t, step.t_end or received_t)
             state.pending.append(step)
             if step.memory_breakdown is not None:
                 state.breakdowns.append((step.t_end or received_t, step.memory_breakdown))
@@ -162,9 +187,13 @@ class StepAnalyzer:
 
     def process_in_slices(self, now_t: float, history: History, statics: Sequence[GpuStatic],
                           latest: Mapping[int, GpuSample],
-                          slice_work: float = SLICE_WORK) -> Iterator[list[StepVerdict]]:
+                          slice_work: float = SLICE_WORK,
+                          xid_gpus: Collection[int] = ()) -> Iterator[list[StepVerdict]]:
         """``process`` a little at a time: yields the verdicts of each slice of about
         ``slice_work`` units (a step grouped is one, a verdict ``VERDICT_WORK``).
+
+        ``xid_gpus`` are the local GPUs that have reported XID errors: a straggler on one of
+        them has its GPU as the cause.
 
         Between slices the caller may release its lock, so that ``add`` and ``analyses`` wait
         for one slice rather than for the whole pass. The verdicts are those of an unsliced
@@ -205,20 +234,21 @@ class StepAnalyzer:
             for members in groups:
                 merged = merge_steps(members)
                 verdict = self._analyse(state, merged, len(members), members[-1], history,
-                                        by_index, latest, thresholds)
+                                        by_index, latest, thresholds, xid_gpus)
                 done.append(StepVerdict(merged.run, merged.rank,
                                         tuple(m.step for m in members), verdict))
                 work += VERDICT_WORK
                 if work >= slice_work:
                     yield done
                     done, work = [], 0
-        self._score_stragglers()
+        self._compare_ranks(thresholds)
         if done:
             yield done
 
     def _analyse(self, state: _RankTracker, group: StepRecord, steps: int, last: StepRecord,
                  history: History, statics: Mapping[int, GpuStatic],
-                 latest: Mapping[int, GpuSample], thresholds: Thresholds) -> Verdict:
+                 latest: Mapping[int, GpuSample], thresholds: Thresholds,
+                 xid_gpus: Collection[int]) -> Verdict:
         analysis = state.analysis
         index = attribute_gpu(last.gpu, last.pid or state.last_pid, list(statics.values()),
                               latest)
@@ -238,6 +268,8 @@ class StepAnalyzer:
             peak_dram_bytes_per_second=resolve_peak_dram(name),
             peak_nvlink_bytes_per_second=resolve_peak_nvlink(name),
             straggler_score=analysis.straggler_score,
+            straggler_cause=analysis.straggler_cause,
+            slower_rank=analysis.slower_rank,
             previous_alloc_retries=previous.mem.alloc_retries if previous and previous.mem else None,
             previous_ooms=previous.mem.ooms if previous and previous.mem else None,
             thresholds=thresholds,
@@ -246,9 +278,10 @@ class StepAnalyzer:
         analysis.verdict = verdict
         analysis.verdict_step = last.step
         analysis.bottleneck_steps[verdict.primary.value] += steps
-        compute = compute_time_s(group)
-        if compute is not None:
-            state.compute_s.append(compute / steps)
+        state.own_s.append(own_work_s(group) / steps)
+        state.data_s.append(group.phases_s.get("data", 0.0) / steps if group.phases_s else None)
+        state.sm_clock_hz = window.sm_clock_hz if window is not None else None
+        state.gpu_trouble = Flag.THROTTLED in verdict.flags or index in xid_gpus
         state.durations.append(group.duration_s / steps)
         if last.mem is not None and last.mem.peak_bytes is not None and last.t_end is not None:
             state.peaks.append((last.t_end, last.mem.peak_bytes))
@@ -273,18 +306,41 @@ class StepAnalyzer:
         analysis.version = next(_versions)
         return verdict
 
-    def _score_stragglers(self) -> None:
-        runs: dict[str, dict[int, float]] = {}
-        for (run, rank), state in self._ranks.items():
-            if state.compute_s:
-                runs.setdefault(run, {})[rank] = statistics.median(state.compute_s)
-        for run, compute in runs.items():
-            scores = straggler_scores(compute)
-            for rank in compute:
-                analysis = self._ranks[(run, rank)].analysis
-                score = scores.get(rank)
-                if score != analysis.straggler_score:  # scores are positive: never -0.0 or NaN
-                    analysis.straggler_score = score
+    def _compare_ranks(self, thresholds: Thresholds) -> None:
+        """Each run's straggler comparison (``straggler.judge_run``), over the ranks that are
+        still reporting at the run's current world size."""
+        runs: dict[str, list[_RankTracker]] = {}
+        for (run, _), state in self._ranks.items():
+            runs.setdefault(run, []).append(state)
+        for states in runs.values():
+            newest = max(states, key=lambda s: s.last_end_t)
+            periods = [statistics.median(s.durations) for s in states if s.durations]
+            behind_s = max(SILENT_MIN_S, SILENT_STEPS * statistics.median(periods)
+                           if periods else 0.0)
+            works: dict[int, RankWork] = {}
+            silent: set[int] = set()
+            for state in states:
+                rank = state.analysis.rank
+                if newest.world is not None and (state.world != newest.world
+                                                 or rank >= newest.world):
+                    continue  # a rank of an earlier world size
+                if newest.last_end_t - state.last_end_t > behind_s:
+                    silent.add(rank)
+                elif state.own_s:
+                    data = [d for d in state.data_s if d is not None]
+                    works[rank] = RankWork(
+                        statistics.median(state.own_s),
+                        statistics.median(data) if data else None,
+                        state.sm_clock_hz, state.gpu_trouble)
+            standings = judge_run(works, frozenset(silent), thresholds)
+            for state in states:
+                analysis = state.analysis
+                standing = standings.get(analysis.rank)
+                update = (standing.score, standing.cause, standing.slower_rank) \
+                    if standing is not None else (None, None, None)
+                if update != (analysis.straggler_score, analysis.straggler_cause,
+                              analysis.slower_rank):  # scores are positive: never -0.0 or NaN
+                    analysis.straggler_score, analysis.straggler_cause, analysis.slower_rank = update
                     analysis.version = next(_versions)
 
     def analyses(self) -> list[RankAnalysis]:

@@ -63,13 +63,17 @@ class Thresholds:
     46.2% PaLM 540B."""
 
     straggler_score_max: float = 0.75
-    """A rank whose score (its run's median compute time ÷ its own) is below this is a
-    straggler: 0.75 means a compute time above 1/0.75 ≈ 1.33× the median. (docs/architecture.md §7 pairs
-    0.75 with "≥ 1.25×", which is not the same point: 1.25× is a score of 0.8; set 0.8 for
-    that.) The score is the same kind of ratio NVIDIA's nvidia-resiliency-ext straggler
-    detection reports (reference ÷ own time, 0–1, 1 best); NeMo/Megatron-Bridge default its
-    threshold to 0.7 against the *fastest* rank. gpumon uses the median, which one unusually
-    fast rank cannot move (docs/architecture.md §7 rule 8)."""
+    """A rank whose score — its peers' mean own work per step ÷ its own, own work being step
+    time minus the time blocked on collectives (docs/architecture.md §7 rule 8) — is below
+    this is a straggler: its own work is above 1/0.75 ≈ 1.33× its peers'. The score is the
+    same kind of ratio NVIDIA's nvidia-resiliency-ext straggler detection reports (reference
+    ÷ own time, 1 best), which flags below 0.75 too; NeMo/Megatron-Bridge default theirs to
+    0.7 against the *fastest* rank. Set 0.8 to flag from 1.25×."""
+
+    straggler_clock_ratio_max: float = 0.9
+    """A straggler whose GPU's SM clock is below this share of its peers' median has a slow
+    GPU as its cause (a clock 10 % down costs about 10 % of compute-bound step time, which
+    the run's other GPUs do not lose)."""
 
     throttle_reasons: frozenset[str] = field(
         default_factory=lambda: frozenset(
@@ -85,6 +89,7 @@ class Thresholds:
             "comm_high_fraction", "comm_moderate_fraction", "link_bandwidth_bound_ratio",
             "host_busy_max", "membw_dram_min", "membw_tensor_max", "roofline_dram_min",
             "compute_sm_min", "compute_tensor_min", "compute_mfu_min", "straggler_score_max",
+            "straggler_clock_ratio_max",
         ):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

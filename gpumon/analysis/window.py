@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpumon.collectors.samples import GpuSample
-from gpumon.wire import MemoryStats, StepRecord
+from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 
 # Fields averaged over a window. Memory used is summarised by its maximum instead: the
 # highest point in a step is what matters for pressure, not the mean.
@@ -143,7 +143,8 @@ def merge_steps(steps: Sequence[StepRecord]) -> StepRecord:
     The merged step spans from the first start to the last end (when starts are known), its
     phases are summed, and counts (samples, tokens, flops) are summed only when every step has
     them, since a partial sum would understate throughput. Allocator counters are cumulative,
-    so the last step's are kept; the peak is the highest peak.
+    so the last step's are kept; the peak is the highest peak. Measured communication is
+    summed over the steps that carry it (a step without it had none measured, not none).
     """
     if not steps:
         raise ValueError("merge_steps needs at least one step")
@@ -183,6 +184,7 @@ def merge_steps(steps: Sequence[StepRecord]) -> StepRecord:
         gpu=last.gpu,
         pid=last.pid,
         mem=_merge_mem([s.mem for s in steps]),
+        comm=_merge_comm([s.comm for s in steps]),
     )
 
 
@@ -236,4 +238,21 @@ def _merge_mem(stats: Sequence[MemoryStats | None]) -> MemoryStats | None:
         peak_bytes=max(peaks) if peaks else None,
         alloc_retries=last.alloc_retries,
         ooms=last.ooms,
+    )
+
+
+def _merge_comm(stats: Sequence[CommStats | None]) -> CommStats | None:
+    """Measured communication of consecutive steps: times, counts and bytes summed, per op."""
+    present = [c for c in stats if c is not None]
+    if not present:
+        return None
+    ops: dict[str, tuple[int, int, float]] = {}
+    for comm in present:
+        for op in comm.ops:
+            count, size, seconds = ops.get(op.name, (0, 0, 0.0))
+            ops[op.name] = (count + op.count, size + op.bytes, seconds + op.seconds)
+    return CommStats(
+        exposed_s=sum(c.exposed_s for c in present),
+        busy_s=sum(c.busy_s for c in present),
+        ops=tuple(CollectiveOp(name, *figures) for name, figures in ops.items()),
     )

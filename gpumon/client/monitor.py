@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from time import time
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import gpumon
 from gpumon.client import _core, _cuda
@@ -28,7 +28,8 @@ from gpumon.wire import (
     MAX_GPU_INDEX,
     MAX_LABEL_CHARS,
     MAX_MESSAGE_CHARS,
-    PROTOCOL_VERSION,
+    EventRecord,
+    HelloRecord,
     is_label,
 )
 
@@ -51,6 +52,8 @@ BUFFER_STEPS = 4096
 
 HOST_CLOCK_PHASES = frozenset({"data"})
 """Phases timed on the host even with CUDA: waiting for input is not GPU work."""
+
+M = TypeVar("M")
 
 _live_monitors: weakref.WeakSet[StepMonitor] = weakref.WeakSet()
 
@@ -127,18 +130,9 @@ class StepMonitor(HookCore):
         buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         super().__init__(buffer)  # the hot-path state, touched only by the training thread
 
-        identity: dict[str, object] = {"v": PROTOCOL_VERSION, "run": self.run, "rank": self.rank}
-        if self.world is not None:
-            identity["world"] = self.world
-        if self.local_rank is not None:
-            identity["local_rank"] = self.local_rank
-        identity["pid"] = os.getpid()
-        self._sender = Sender(
-            transport,
-            step_header={**identity, "kind": "step"},
-            hello={**identity, "kind": "hello", "client_version": gpumon.__version__},
-            buffer=buffer,
-        )
+        hello = HelloRecord(self.run, self.rank, self.world, self.local_rank, os.getpid(),
+                            client_version=gpumon.__version__)
+        self._sender = Sender(transport, hello, buffer)
         if gpu is not None:
             self._sender.set_gpu(gpu)
         self._detect_cuda(final=False)
@@ -167,6 +161,19 @@ class StepMonitor(HookCore):
         if self._gpu is not None:
             return self._gpu
         return None if self._cuda is None else self._cuda.gpu
+
+    def watch(self, model: M, optimizer: Any = None) -> M:
+        """Measure what the loop cannot see of ``model`` in every later step; returns ``model``.
+
+        A ``DistributedDataParallel`` or FSDP module: its collective communication (exposed
+        and overlapped seconds, bytes and count per kind of collective), with no ``comm``
+        phase to time by hand. Call it before the first backward and, with DDP, before
+        registering a comm hook of your own (the hook is kept and measured either way).
+        Idempotent; a plain module is left as it is; never raises into the training loop.
+        """
+        from gpumon.client.watch import watch
+
+        return watch(self, model, optimizer)
 
     def flush(self) -> None:
         """Send buffered records now, from the calling thread, instead of at the next
@@ -222,16 +229,10 @@ class StepMonitor(HookCore):
         """Queue an event record (e.g. ``oom``) for the next flush."""
         if not self._enabled:
             return
-        record: dict[str, object] = {
-            **self._sender.hello,
-            "kind": "event",
-            "event": name,
-            "t": time(),
-            "step": step,
-        }
-        del record["client_version"]
+        hello = self._sender.hello
         if message is not None:
-            record["message"] = message[:MAX_MESSAGE_CHARS]
+            message = message[:MAX_MESSAGE_CHARS]
+        record = EventRecord(hello.run, hello.rank, name, time(), step, hello.pid, hello.gpu, message)
         self._sender.add_control(record)
 
     def _detect_cuda(self, final: bool) -> None:

@@ -6,7 +6,7 @@ import json
 import statistics
 from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -113,3 +113,33 @@ def classify_file(path: Path) -> tuple[Recording, list[StepVerdict]]:
     with open(path, encoding="utf-8", errors="replace") as lines:
         recording = load_recording(lines)
     return recording, classify_recording(recording)
+
+
+def output_lines(path: Path, json_output: bool) -> Iterator[str]:
+    """What ``gpumon classify`` prints: a line per verdict (with ``json_output``, a JSON line
+    per step), then the summary. The file is read before the first line is given, so an
+    unreadable file raises ``OSError`` from this call, not from the iteration."""
+    recording, verdicts = classify_file(path)
+    return _lines(recording, verdicts, json_output)
+
+
+def _lines(recording: Recording, verdicts: list[StepVerdict], json_output: bool) -> Iterator[str]:
+    summary = summarize(verdicts)
+    if recording.skipped:
+        summary["skipped_lines"] = dict(recording.skipped)
+    if json_output:
+        for v in verdicts:
+            for step in v.steps:
+                yield json.dumps({
+                    "run": v.run, "rank": v.rank, "step": step,
+                    "primary": v.verdict.primary.value,
+                    "confidence": round(v.verdict.confidence, 3),
+                    "flags": sorted(f.value for f in v.verdict.flags)})
+        yield json.dumps({"summary": summary})
+        return
+    for v in verdicts:
+        steps = f"{v.steps[0]}" if len(v.steps) == 1 else f"{v.steps[0]}-{v.steps[-1]}"
+        flags = f" [{', '.join(sorted(f.value for f in v.verdict.flags))}]" if v.verdict.flags else ""
+        yield (f"{v.run} rank {v.rank} step {steps}: {v.verdict.primary.value} "
+               f"({v.verdict.confidence:.0%}){flags} — {v.verdict.hint}")
+    yield f"summary: {json.dumps(summary)}"

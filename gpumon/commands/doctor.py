@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import glob
+import json
 import os
 import socket
 import time
@@ -96,6 +97,15 @@ def _port(port: int) -> dict[str, Any]:
     finally:
         probe.close()
     return {"check": f"port {port}", "ok": True, "detail": "free"}
+
+
+def run_doctor(port: int, socket_path: Path, json_output: bool) -> None:
+    """Diagnose this node and print the report, as tables or as indented JSON."""
+    report = diagnose(port=port, socket_path=socket_path)
+    if json_output:
+        print(json.dumps(report, indent=2))
+    else:
+        render(report)
 
 
 def render(report: dict[str, Any]) -> None:

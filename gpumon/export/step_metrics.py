@@ -1,4 +1,4 @@
-"""Prometheus families for training steps, memory and ingest, from RankStore copies.
+"""Prometheus families for training steps, memory, communication and ingest, from RankStore copies.
 
 Nearly all of a scrape's series are per rank: 55 a rank, ~3,500 of ~3,770 at 8 GPUs × 64
 ranks. They are rendered as text in one block per run, kept with the versions of the states
@@ -17,6 +17,7 @@ from prometheus_client.core import Metric
 
 from gpumon.agent.ranks import DURATION_BUCKETS_S, RankTotals
 from gpumon.analysis.bottleneck import Bottleneck, Flag
+from gpumon.analysis.straggler import StragglerCause
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.samples import ProcessSample
 from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily, RenderCache
@@ -27,6 +28,7 @@ _BUCKET_BOUNDS = tuple("+Inf" if b == float("inf") else repr(float(b))
                        for b in (*DURATION_BUCKETS_S, float("inf")))
 _BOTTLENECKS = tuple((b, b.value) for b in Bottleneck)
 _FLAGS = tuple((f, f.value) for f in Flag)
+_CAUSES = tuple((c, c.value) for c in StragglerCause)
 
 RankSource = tuple[RankTotals, ProcessSample | None, str]
 """A rank's state, its process's sample, and the device it runs on (``gpumon_rank_info{gpu}``)."""
@@ -38,7 +40,9 @@ class StepFamilies:
 
     def __init__(self) -> None:
         self._steps = RenderCache(_step_families, _add_steps)
+        self._comm = RenderCache(_comm_families, _add_comm)
         self._analyses = RenderCache(_analysis_families, _add_analyses)
+        self._stragglers = RenderCache(_straggler_families, _add_stragglers)
 
     def steps(self, ranks: list[RankTotals], records_total: dict[str, int],
               dropped_total: dict[str, int], processes: dict[int, ProcessSample],
@@ -57,9 +61,10 @@ class StepFamilies:
         # Versions are unique to a state, so they also say which ranks there are. A process
         # sample is a new object each host cycle; equal readings render the same (they are
         # non-negative: never -0.0 beside 0.0, nor NaN).
-        yield from self._steps.families(
-            (run, tuple((s.version, process, gpu) for s, process, gpu in sources), sources)
-            for run, sources in runs.items())
+        keyed = [(run, tuple((s.version, process, gpu) for s, process, gpu in sources), sources)
+                 for run, sources in runs.items()]
+        yield from self._steps.families(keyed)
+        yield from self._comm.families(keyed)
         records = CounterFamily("gpumon_ingest_records", "Records accepted, by kind.",
                                 labels=["kind"])
         for kind, count in sorted(records_total.items()):
@@ -76,8 +81,9 @@ class StepFamilies:
         runs: dict[str, list[RankAnalysis]] = {}
         for analysis in sorted(analyses, key=lambda a: (a.run, a.rank)):
             runs.setdefault(analysis.run, []).append(analysis)
-        yield from self._analyses.families(
-            (run, tuple(a.version for a in sources), sources) for run, sources in runs.items())
+        keyed = [(run, tuple(a.version for a in sources), sources) for run, sources in runs.items()]
+        yield from self._analyses.families(keyed)
+        yield from self._stragglers.families(keyed)
 
     def runs_held(self) -> tuple[int, int]:
         """Runs whose rendered series are held: (step families, analysis families)."""
@@ -207,7 +213,8 @@ def _analysis_families() -> _AnalysisFamilySet:
         GaugeFamily("gpumon_step_mfu_ratio",
                     "Model FLOPs utilisation of the latest analysed step.", labels=RANK_LABELS),
         GaugeFamily("gpumon_rank_straggler_score",
-                    "Run median compute time / this rank's (below 0.75: straggler).",
+                    "Mean own work per step (step time less collective wait) of the run's "
+                    "other ranks on this node / this rank's (below 0.75: straggler).",
                     labels=RANK_LABELS),
         GaugeFamily("gpumon_oom_risk_ratio",
                     "Composite out-of-memory risk, 0-1.", labels=RANK_LABELS),
@@ -248,3 +255,90 @@ def _add_rank_analysis(families: _AnalysisFamilySet, analysis: RankAnalysis) -> 
             predicted.add_metric(labels, oom.predicted_seconds)
         if oom.headroom_bytes is not None:
             headroom.add_metric(labels, float(oom.headroom_bytes))
+
+
+# --- communication, per rank (from RankTotals.comm) -----------------------------------------
+
+
+class _CommFamilySet(NamedTuple):
+    exposed: CounterFamily
+    overlapped: CounterFamily
+    operations: CounterFamily
+    bytes: CounterFamily
+    seconds: CounterFamily
+    bus: GaugeFamily
+
+
+def _comm_families() -> _CommFamilySet:
+    op_labels = [*RANK_LABELS, "op"]
+    return _CommFamilySet(
+        CounterFamily("gpumon_comm_exposed_seconds",
+                      "Time the training thread was blocked on collectives (measured by "
+                      "watch(), or a hand-timed comm phase when larger; never both added).",
+                      labels=RANK_LABELS),
+        CounterFamily("gpumon_comm_overlapped_seconds",
+                      "Time collectives were in flight while the rank kept computing "
+                      "(measured busy time beyond the exposed wait).", labels=RANK_LABELS),
+        CounterFamily("gpumon_collective_operations", "Collectives run, by kind.",
+                      labels=op_labels),
+        CounterFamily("gpumon_collective_bytes", "Collective payload bytes, by kind.",
+                      labels=op_labels),
+        CounterFamily("gpumon_collective_seconds",
+                      "Summed duration of collectives (launch to completion), by kind.",
+                      labels=op_labels),
+        GaugeFamily("gpumon_collective_bus_bandwidth_bytes_per_second",
+                    "Achieved bus bandwidth over the rank's last 16 steps that ran the kind: "
+                    "bytes / seconds x nccl-tests' factor (all-reduce 2(n-1)/n).",
+                    labels=op_labels),
+    )
+
+
+def _add_comm(families: _CommFamilySet, ranks: list[RankSource]) -> None:
+    exposed, overlapped, operations, size, seconds, bus = families
+    for state, _, _ in ranks:
+        comm = state.comm
+        if comm is None:
+            continue
+        labels = [state.run, str(state.rank)]
+        exposed.add_metric(labels, comm.exposed_seconds)
+        if not comm.measured:
+            continue
+        overlapped.add_metric(labels, comm.overlapped_seconds)
+        for op, figures in sorted(comm.ops.items()):
+            op_labels = [*labels, op]
+            operations.add_metric(op_labels, float(figures.count))
+            size.add_metric(op_labels, float(figures.bytes))
+            seconds.add_metric(op_labels, figures.seconds)
+            if figures.bus_bytes_per_second is not None:
+                bus.add_metric(op_labels, figures.bus_bytes_per_second)
+
+
+# --- the straggler comparison, per rank (from RankAnalysis) ---------------------------------
+
+
+class _StragglerFamilySet(NamedTuple):
+    cause: GaugeFamily
+    world_changes: CounterFamily
+
+
+def _straggler_families() -> _StragglerFamilySet:
+    return _StragglerFamilySet(
+        GaugeFamily("gpumon_rank_straggler_cause",
+                    "1 for the cause of a straggler's slowness (input, compute, gpu, unknown), "
+                    "0 for the others; all 0 on a rank that is not its run's straggler.",
+                    labels=[*RANK_LABELS, "cause"]),
+        CounterFamily("gpumon_rank_world_changes",
+                      "Times the world size this rank reports changed (an elastic restart).",
+                      labels=RANK_LABELS),
+    )
+
+
+def _add_stragglers(families: _StragglerFamilySet, analyses: list[RankAnalysis]) -> None:
+    cause, world_changes = families
+    for analysis in analyses:
+        labels = [analysis.run, str(analysis.rank)]
+        if analysis.straggler_score is not None:
+            for member, name in _CAUSES:
+                cause.add_metric([*labels, name],
+                                 1.0 if analysis.straggler_cause is member else 0.0)
+        world_changes.add_metric(labels, float(analysis.world_changes))

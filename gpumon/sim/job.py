@@ -2,12 +2,19 @@
 
 Each rank is a thread with its own ``StepMonitor`` (its own rank number and GPU) sending to
 the agent's real socket. The ranks follow one shared timeline, as synchronous data
-parallelism does: the gradient all-reduce starts when the slowest rank has finished its
+parallelism does: the gradient all-reduce ends once the slowest rank has finished its
 backward pass, so every rank's step lasts the same, and a faster rank spends the difference
-waiting in ``comm``. A rank sleeps through each phase of its step to the timeline's
-deadline, so the hook measures real durations; before each step it sets its GPU's simulated
-counters to what that step makes the GPU do (the time-weighted mix of data wait, kernels,
-waiting on peers and the all-reduce), so the agent sees consistent hardware and timings.
+waiting at the end of its ``backward`` phase — where DDP makes a real job wait. A rank sleeps
+through each phase of its step to the timeline's deadline, so the hook measures real
+durations; before each step it sets its GPU's simulated counters to what that step makes the
+GPU do (the time-weighted mix of data wait, kernels, waiting on peers and the all-reduce), so
+the agent sees consistent hardware and timings.
+
+The collectives are reported as a watched DDP job reports them: a step extension of the
+rank's monitor (``StepMonitor._add_extension``, the hook ``watch()`` uses) adds the step's
+``comm`` field — the time blocked on the all-reduce, the time buckets were in flight, and
+the all-reduce's count and bytes — to the record, through the same sender, wire format and
+agent as a real job's.
 
 What each phase kind changes is in ``PROFILES``; a straggler phase slows one rank's compute,
 a leak phase grows every rank's memory toward capacity.
@@ -15,6 +22,7 @@ a leak phase grows every rank's memory toward capacity.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +38,12 @@ TOKENS_PER_STEP = SAMPLES_PER_STEP * 2048
 FLOPS_PER_STEP = 6 * PARAMS * TOKENS_PER_STEP  # forward + backward, per rank
 """A 1.3B-parameter model on 8 sequences of 2048 tokens per rank and step: about 0.13 PFLOP,
 which makes a compute-bound step of ~0.25 s run at ~50 % MFU on an H100."""
+
+GRADIENT_BYTES = int(2 * PARAMS)
+"""bf16 gradients, all-reduced every step."""
+BUCKET_BYTES = 25 * 1024**2
+"""DDP's default bucket size (``bucket_cap_mb=25``): one all-reduce per bucket."""
+BUCKETS = math.ceil(GRADIENT_BYTES / BUCKET_BYTES)
 
 BASE_PEAK_RATIO = 0.60
 """Per-step allocator peak (weights, gradients, optimizer states and activations) ÷ capacity."""
@@ -85,6 +99,9 @@ class Profile:
     """NVLink use during that all-reduce, of the link's peak."""
     overlap_link_ratio: float = 0.15
     """NVLink use during backward, where bucketed all-reduces overlap it."""
+    overlapped_share: float = 0.8
+    """Share of backward during which a bucket's all-reduce is in flight (DDP launches the
+    first bucket soon after backward starts)."""
 
 
 _HEALTHY = Profile("compute-bound: tensor cores busy, MFU about 50 %")
@@ -94,7 +111,7 @@ PROFILES: dict[PhaseKind, Profile] = {
                              description="input-bound: the data loader cannot keep up, "
                                          "GPUs idle half of each step"),
     PhaseKind.COMMUNICATION: replace(_HEALTHY, allreduce_s=0.2, link_ratio=0.85,
-                                     overlap_link_ratio=0.0,
+                                     overlap_link_ratio=0.0, overlapped_share=0.0,
                                      description="communication-bound: the gradient all-reduce "
                                                  "is no longer overlapped, NVLink saturated"),
     PhaseKind.MEMORY_BANDWIDTH: replace(_HEALTHY, kernels=MEMORY_BOUND, forward_s=0.16,
@@ -205,6 +222,34 @@ def gpu_activity(cycle: Cycle, rank: int) -> Activity:
         pcie_ratio=mean("pcie_ratio"),
         memory_used_bytes=step.memory["reserved"] + CONTEXT_BYTES,
     )
+
+
+def comm_fields(cycle: Cycle, rank: int) -> dict[str, object]:
+    """The ``comm`` field of ``rank``'s step in ``cycle``, as the client's DDP watcher measures
+    it: blocked from the end of its own backward work until the all-reduce ends (waiting for
+    the slowest rank, then the last buckets), and in flight beside that while backward ran."""
+    step = cycle.steps[rank]
+    ready = cycle.starts[rank] + step.data_s + step.forward_s + step.backward_s
+    exposed = cycle.allreduce_end - ready
+    busy = exposed + PROFILES[cycle.phase.kind].overlapped_share * step.backward_s
+    return {"exposed": exposed, "busy": busy,
+            "ops": {"all_reduce": [BUCKETS, GRADIENT_BYTES, busy]}}
+
+
+class _MeasuredComm:
+    """A step extension of a rank's monitor that reports the timeline's all-reduce for the
+    step the rank is in (set in ``pending`` before the step ends)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, object] | None = None
+
+    def step_begin(self) -> None:
+        """Nothing to start: the timeline already knows the step's communication."""
+
+    def step_end(self, fields: dict[str, object]) -> None:
+        """Add the step's ``comm`` field."""
+        if self.pending is not None:
+            fields["comm"], self.pending = self.pending, None
 
 
 def idle_activity() -> Activity:
@@ -353,17 +398,17 @@ class SimulatedJob:
         monitor = StepMonitor(run=self.run, socket_path=self.socket_path, rank=rank,
                               world=self.world, local_rank=local_rank,
                               gpu=self._gpus[local_rank].uuid)
+        comm = _MeasuredComm()
+        monitor._add_extension(comm)
         try:
             for cycle in monitor.loader(self._batches(rank)):
                 step = cycle.steps[rank]
+                comm.pending = comm_fields(cycle, rank)
                 with monitor.step(samples=SAMPLES_PER_STEP, tokens=TOKENS_PER_STEP,
                                   flops=FLOPS_PER_STEP, memory=step.memory):
-                    t = cycle.starts[rank] + step.data_s
                     with monitor.phase("forward"):
-                        self._sleep_until(t := t + step.forward_s)
-                    with monitor.phase("backward"):
-                        self._sleep_until(t + step.backward_s)
-                    with monitor.phase("comm"):
+                        self._sleep_until(cycle.starts[rank] + step.data_s + step.forward_s)
+                    with monitor.phase("backward"):  # its own work, then waiting for the peers
                         self._sleep_until(cycle.allreduce_end)
                     with monitor.phase("optimizer"):
                         self._sleep_until(cycle.end(rank))
@@ -391,5 +436,6 @@ class SimulatedJob:
             raise _Stopped
 
 
-__all__ = ["FLOPS_PER_STEP", "PROFILES", "Cycle", "Kernels", "Profile", "RankStep",
-           "SimulatedJob", "Timeline", "check_job", "describe", "gpu_activity", "idle_activity", "plan_cycle"]
+__all__ = ["BUCKETS", "FLOPS_PER_STEP", "GRADIENT_BYTES", "PROFILES", "Cycle", "Kernels",
+           "Profile", "RankStep", "SimulatedJob", "Timeline", "check_job", "comm_fields",
+           "describe", "gpu_activity", "idle_activity", "plan_cycle"]

@@ -1,9 +1,18 @@
-"""The wire format between the training-job hook and the agent: record types, limits, encode, decode."""
+"""The wire format between the training-job hook and the agent (docs/architecture.md §6).
 
-from gpumon.wire.records import (
+``limits`` (sizes, ranges, labels: one table), ``records`` (the dataclasses), ``decode``
+(datagrams into records, never raising), ``encode`` (records into JSON and datagrams) and
+``step_encoder`` (the training process's fast formatter for its step records). Standard
+library only: both the client and the agent import it.
+"""
+
+from gpumon.wire.decode import decode_datagram, decode_record
+from gpumon.wire.encode import encode_datagrams, encode_measured_field, encode_record, pack_datagrams, to_wire
+from gpumon.wire.limits import (
     DROP_REASONS,
-    KINDS,
+    FIELD_LIMITS,
     KNOWN_PHASES,
+    LABEL_LIMITS,
     MAX_COLLECTIVE_CHARS,
     MAX_COLLECTIVE_KINDS,
     MAX_DATAGRAM_BYTES,
@@ -16,15 +25,19 @@ from gpumon.wire.records import (
     MAX_MESSAGE_CHARS,
     MAX_PHASES,
     MAX_PID,
-    MAX_RANKS,
     MAX_RECORDS_PER_DATAGRAM,
     MAX_RUN_CHARS,
     MAX_UNIX_TIME_S,
+    MAX_WORLD_SIZE,
     MEMORY_COMPONENTS,
     PHASE_SLACK_RATIO,
     PHASE_SLACK_S,
     PROTOCOL_VERSION,
     STEP_MEASURED_FIELDS,
+    Limit,
+    is_label,
+)
+from gpumon.wire.records import (
     CollectiveOp,
     CommStats,
     DecodeResult,
@@ -36,29 +49,20 @@ from gpumon.wire.records import (
     Record,
     StepRecord,
     WireRecord,
-    decode_datagram,
-    decode_record,
-    encode_datagrams,
-    encode_measured_field,
-    encode_record,
-    encode_records,
-    is_label,
-    pack_datagrams,
-    to_wire,
 )
+from gpumon.wire.step_encoder import StepEncoder
 
 __all__ = [
     "PROTOCOL_VERSION",
     "MAX_DATAGRAM_BYTES",
     "KNOWN_PHASES",
-    "KINDS",
     "MAX_RECORDS_PER_DATAGRAM",
     "MAX_RUN_CHARS",
     "MAX_LABEL_CHARS",
     "MAX_GPU_CHARS",
     "MAX_MESSAGE_CHARS",
     "MAX_PHASES",
-    "MAX_RANKS",
+    "MAX_WORLD_SIZE",
     "MAX_GPU_INDEX",
     "MAX_INT",
     "MAX_PID",
@@ -72,6 +76,9 @@ __all__ = [
     "MEMORY_COMPONENTS",
     "STEP_MEASURED_FIELDS",
     "DROP_REASONS",
+    "FIELD_LIMITS",
+    "LABEL_LIMITS",
+    "Limit",
     "MemoryStats",
     "CollectiveOp",
     "CommStats",
@@ -83,9 +90,9 @@ __all__ = [
     "WireRecord",
     "DecodeResult",
     "ProtocolError",
+    "StepEncoder",
     "to_wire",
     "encode_record",
-    "encode_records",
     "encode_datagrams",
     "encode_measured_field",
     "pack_datagrams",

@@ -1,4 +1,7 @@
-"""The bottleneck classifier: every rule, its boundaries, missing inputs, and straggler scores."""
+"""The bottleneck classifier: every rule, its boundaries, missing inputs and flags.
+
+Measured communication and the straggler comparison have their own tables
+(tests/analysis/test_comm.py, tests/analysis/test_straggler.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +20,10 @@ from gpumon.analysis.bottleneck import (
     Thresholds,
     Verdict,
     classify,
-    compute_time_s,
     phase_fractions,
-    straggler_scores,
 )
 from gpumon.analysis.window import GpuWindow
-from gpumon.wire import MemoryStats, StepRecord
+from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 
 PEAK = 989e12  # H100 SXM dense bf16
 HBM = 3.35e12
@@ -410,6 +411,11 @@ steps = st.builds(
         alloc_retries=st.none() | st.integers(0, 10**6),
         ooms=st.none() | st.integers(0, 100),
     ),
+    comm=st.none() | st.builds(
+        CommStats, exposed_s=seconds, busy_s=seconds,
+        ops=st.lists(st.builds(CollectiveOp, name=st.sampled_from(["all_reduce", "broadcast"]),
+                               count=st.integers(0, 1000), bytes=st.integers(0, 2**40),
+                               seconds=seconds), max_size=2).map(tuple)),
 )
 windows = st.none() | st.builds(
     GpuWindow,
@@ -443,48 +449,3 @@ def test_any_valid_input_gives_a_bounded_verdict(
     assert all(v >= 0.0 for v in verdict.fractions.values())
     assert sum(verdict.fractions.values()) <= 1.0 + 1e-9
     assert verdict.hint
-
-
-# ---------------------------------------------------------------- stragglers
-
-@pytest.mark.parametrize(
-    ("times", "flagged"),
-    [
-        ({r: 1.0 for r in range(8)}, set()),
-        ({**{r: 1.0 for r in range(7)}, 7: 1.4}, {7}),  # score 0.71
-        ({**{r: 1.0 for r in range(7)}, 7: 1.3}, set()),  # score 0.77: 0.75 ⇔ 1.33×
-        ({0: 1.0, 1: 1.02, 2: 0.98, 3: 2.0, 4: 1.01}, {3}),
-        ({0: 1.0, 1: 1.0, 2: 0.5}, set()),  # a fast rank is not a straggler
-    ],
-)
-def test_straggler_scores(times: dict[int, float], flagged: set[int]) -> None:
-    scores = straggler_scores(times)
-    assert set(scores) == set(times)
-    assert {r for r, s in scores.items() if s < DEFAULT.straggler_score_max} == flagged
-
-
-def test_straggler_score_is_median_over_own_time() -> None:
-    scores = straggler_scores({0: 1.0, 1: 1.0, 2: 2.0})
-    assert scores == pytest.approx({0: 1.0, 1: 1.0, 2: 0.5})
-
-
-@pytest.mark.parametrize(
-    "times",
-    [{}, {0: 1.0}, {0: 1.0, 1: 5.0}, {0: 1.0, 1: 1.0, 2: 0.0}, {0: 1.0, 1: float("nan"), 2: 1.0}],
-)
-def test_fewer_than_three_ranks_give_no_scores(times: dict[int, float]) -> None:
-    assert straggler_scores(times) == {}
-
-
-@pytest.mark.parametrize(
-    ("phases", "expected"),
-    [
-        ({"forward": 0.3, "backward": 0.5, "optimizer": 0.1, "data": 0.4, "comm": 0.2}, 0.9),
-        ({"forward": 0.3}, 0.3),
-        ({"data": 0.4, "comm": 0.2}, None),
-        ({}, None),
-    ],
-)
-def test_compute_time_excludes_waiting(phases: dict[str, float], expected: float | None) -> None:
-    result = compute_time_s(make_step(phases))
-    assert result == (pytest.approx(expected) if expected is not None else None)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from gpumon.analysis.bottleneck import Flag
 from gpumon.analysis.stream import (
     MAX_PENDING,
@@ -13,7 +15,7 @@ from gpumon.analysis.stream import (
     attribute_gpu,
 )
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.wire import StepRecord
+from gpumon.wire import CommStats, StepRecord
 
 H100 = GpuStatic(index=0, uuid="GPU-a", name="NVIDIA H100 80GB HBM3", pci_bus_id="",
                  memory_total_bytes=80 * 1024**3)
@@ -80,17 +82,19 @@ def test_gpu_attribution_prefers_uuid_then_process_list_then_index() -> None:
 
 
 def fleet_steps(runs: int, ranks: int, steps: range, slow_rank: int) -> list[StepRecord]:
-    """0.5 s steps of every rank of ``runs`` runs. From step 6 on, all but ``slow_rank``
-    compute twice as fast: it becomes a straggler as its run's median moves."""
+    """0.5 s synchronous steps of every rank of ``runs`` runs. From step 6 on, all but
+    ``slow_rank`` work twice as fast (0.225 s instead of 0.45 s) and wait the difference in
+    the all-reduce: it becomes the straggler."""
     out = []
     for n in steps:
         for run in range(runs):
             for rank in range(ranks):
-                compute = 0.2 if rank == slow_rank or n < 6 else 0.1
+                own = 0.45 if rank == slow_rank or n < 6 else 0.225
+                exposed = 0.5 - own
                 out.append(StepRecord(run=f"run{run}", rank=rank, step=n, duration_s=0.5,
                                       t_start=10.0 + n * 0.5, gpu="GPU-a",
-                                      phases_s={"forward": compute * 0.4,
-                                                "backward": compute * 0.6}))
+                                      phases_s={"forward": 0.15, "backward": 0.3},
+                                      comm=CommStats(exposed, exposed + 0.1)))
     return out
 
 
@@ -119,8 +123,9 @@ def test_a_pass_in_slices_reaches_the_verdicts_and_scores_of_one_pass() -> None:
     assert verdicts["sliced"] == verdicts["whole"]
     assert sliced.analyses() == whole.analyses()
     scores = {(a.run, a.rank): a.straggler_score for a in whole.analyses()}
-    assert scores[("run0", 31)] == scores[("run1", 31)] == 0.5  # against its own run's median
-    assert scores[("run0", 30)] == 1.0
+    # against its own run's other ranks
+    assert scores[("run0", 31)] == scores[("run1", 31)] == pytest.approx(0.5)
+    assert scores[("run0", 30)] == pytest.approx((30 * 0.225 + 0.45) / 31 / 0.225)
     assert any(Flag.STRAGGLER in v.verdict.flags for v in verdicts["sliced"])
 
 

@@ -8,9 +8,12 @@ Five demo nodes (agent + simulated GPUs + synthetic job through the real hook an
   capacity. GpumonOOMPredicted must reach the webhook while memory is still growing and below
   capacity.
 * ``input`` — one node, 2 ranks starved by their data loader: GpumonInputBound.
-* ``straggler`` — one run of 6 ranks over three nodes (ranks 0–1, 2–3, 4–5), rank 5 computing
-  1.6× slower: GpumonRankStraggler for rank 5 only. No node sees it on its own (each holds
-  two ranks; the agent's straggler flag needs three): only the run-wide recording rule can.
+* ``straggler`` — one run of 5 ranks over three nodes (ranks 0–1, 2–3, and 4 alone), rank 4
+  computing 1.6× slower while the others wait for it in the all-reduce (the simulated job
+  reports its collectives through the ``comm`` field, as a watched DDP job does):
+  GpumonRankStraggler for rank 4 only. No agent sees it: the two that compare ranks see
+  only ranks that wait alike, and rank 4's agent has no peer to compare it with. Only the
+  run-wide recording rules can.
 
 The rules are the shipped ones with every duration divided by ``TIME_SCALE`` (see
 ``compress_rules``); alerts/tests/ checks the real durations with promtool.
@@ -71,7 +74,8 @@ INPUT = """
 kind = "input"
 seconds = 300
 """
-STRAGGLER_RANK = 5
+STRAGGLER_RANK = 4
+STRAGGLER_WORLD = 5
 STRAGGLER = f"""
 [[phase]]
 kind = "straggler"
@@ -270,11 +274,11 @@ class DemoNode:
 
     @classmethod
     def start(cls, tmp_path: Path, name: str, schedule: str, run: str, *, rank_offset: int = 0,
-              world: int = 2) -> DemoNode:
+              world: int = 2, ranks: int = 2) -> DemoNode:
         source = SimulatedSource(2)
         agent = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=2, interval=INTERVAL_S,
                                   socket=str(tmp_path / f"{name}.sock")), gpu_source=source)
-        job = SimulatedJob(source, parse_schedule(schedule, name), ranks=2,
+        job = SimulatedJob(source, parse_schedule(schedule, name), ranks=ranks,
                            socket_path=agent.config.socket, run=run, loop=False,
                            rank_offset=rank_offset, world=world)
         agent.start()
@@ -353,7 +357,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         nodes["input"] = DemoNode.start(tmp, "input", INPUT, "input")
         for n, name in enumerate(("straggler-a", "straggler-b", "straggler-c")):
             nodes[name] = DemoNode.start(tmp, name, STRAGGLER, "straggler", rank_offset=2 * n,
-                                         world=6)
+                                         world=STRAGGLER_WORLD, ranks=1 if n == 2 else 2)
         leak_node = nodes["leak"]
         receiver = Receiver(lambda: _leak_state(leak_node))
         alertmanager = start_alertmanager(tmp, receiver.url)
@@ -438,13 +442,16 @@ def test_a_straggler_on_one_of_three_nodes_fires_for_that_rank_only(fleet: Fleet
     found = fleet.wait_firing("GpumonRankStraggler", lambda alerts: bool(_ranks(alerts, "straggler")))
     print(f"GpumonRankStraggler arrived for rank {STRAGGLER_RANK} after "
           f"{min(n.arrived for n, _ in found) - fleet.started:.1f} s")
-    slow_node = fleet.nodes["straggler-c"]  # ranks 4 and 5
-    # The run-wide score saw all six ranks, over the three nodes.
+    slow_node = fleet.nodes["straggler-c"]  # rank 4 alone
+    # The run-wide score saw all five ranks, over the three nodes.
     scores = {r["metric"]["rank"]: float(r["value"][1]) for r in
               fleet.prometheus.query('run_rank:gpumon_rank_straggler_score:ratio5m{run="straggler"}')}
-    assert set(scores) == {str(r) for r in range(6)}, scores
-    # No agent could score its two ranks on its own.
-    assert not fleet.prometheus.query('gpumon_rank_straggler_score{run="straggler"}')
+    assert set(scores) == {str(r) for r in range(STRAGGLER_WORLD)}, scores
+    # No agent found it: those that could compare saw ranks waiting alike; rank 4 had no peer.
+    local = {r["metric"]["rank"]: float(r["value"][1]) for r in
+             fleet.prometheus.query('gpumon_rank_straggler_score{run="straggler"}')}
+    assert set(local) == {"0", "1", "2", "3"} and min(local.values()) > 0.75, local
+    assert not fleet.prometheus.query('gpumon_step_flag{run="straggler",flag="straggler"} == 1')
     # Nothing else fired, and no other rank of any run is even pending.
     alerts = [a for _, a in fleet.receiver.firing("GpumonRankStraggler")]
     assert {(a["labels"]["run"], a["labels"]["rank"]) for a in alerts} == {

@@ -142,22 +142,28 @@ class Live:
 
 
 def _feed(agent: AgentProcess, gpus: list[str], stop: threading.Event) -> None:
-    """A 3-rank run on two GPUs: 0.3 s steps, a quarter waiting for data, rank 2 straggling,
-    per-step peaks growing towards capacity (so an OOM is predicted), a memory breakdown on
-    every fifth step whose ``other`` grows with the peak."""
+    """A synchronous 3-rank run on two GPUs, watched as DDP is: 0.3 s steps, a quarter waiting
+    for data, rank 2 computing 0.1 s more than its peers, who wait for it in the all-reduce
+    (inside their backward phase); per-step peaks growing towards capacity (so an OOM is
+    predicted), and a memory breakdown on every fifth step whose ``other`` grows with the
+    peak."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.sendto(b"this is not json", str(agent.socket_path))  # one counted drop
     step = 0
     while not stop.is_set():
         t_start = time.time() - 0.3
         for rank in range(3):
-            compute = 0.13 if rank == 2 else 0.08
+            forward, backward = (0.06, 0.13) if rank == 2 else (0.03, 0.06)
+            exposed = 0.3 - 0.07 - forward - backward - 0.02  # rank 2: 0.02 s, its peers 0.12 s
             peak = 30 * GIB + step * 64 * 1024**2
             record = {
                 "v": 1, "kind": "step", "run": "llm", "rank": rank, "world": 3,
                 "local_rank": rank, "step": step, "t_start": t_start, "duration": 0.3,
-                "phases": {"data": 0.07, "forward": compute * 0.4, "backward": compute * 0.5,
-                           "comm": 0.05, "optimizer": compute * 0.1},
+                "phases": {"data": 0.07, "forward": forward, "backward": backward + exposed,
+                           "optimizer": 0.02},
+                "comm": {"exposed": exposed, "busy": exposed + 0.04,
+                         "ops": {"all_reduce": [4, 64 * 1024**2, exposed + 0.04],
+                                 "broadcast": [1, 4096, 0.001]}},
                 "samples": 32, "tokens": 4096, "flops": 1e14, "gpu": gpus[rank % len(gpus)],
                 "mem": {"allocated": peak - 2 * GIB, "reserved": peak + GIB, "peak": peak,
                         "retries": step // 20, "ooms": 0},
@@ -287,7 +293,14 @@ def test_panel_queries_see_the_fed_run(live: Live) -> None:
                      timeout=30, what="straggler scores")
     scores = {r["metric"]["rank"]: float(r["value"][1]) for r in ranks}
     assert set(scores) == {"0", "1", "2"}
-    assert scores["2"] < 0.75 < scores["0"]  # rank 2 computes 0.13 s per step, the others 0.08
+    # own work (step less collective wait): rank 2 0.28 s, its peers 0.18 s
+    assert scores["2"] == pytest.approx(0.18 / 0.28, abs=0.05)
+    assert scores["0"] > 1 and scores["1"] > 1
+    causes = prometheus.query('gpumon_rank_straggler_cause{run="llm"} == 1')
+    assert [(r["metric"]["rank"], r["metric"]["cause"]) for r in causes] == [("2", "compute")]
+    exposed = prometheus.query('run_rank:gpumon_comm_exposed_seconds:ratio_rate5m{run="llm"}')
+    assert {r["metric"]["rank"]: round(float(r["value"][1]), 2) for r in exposed} == {
+        "0": 0.4, "1": 0.4, "2": 0.07}
     share = prometheus.query('run_rank_phase:gpumon_step_phase_share:ratio_rate5m{phase="data"}')
     assert all(0.2 <= float(r["value"][1]) <= 0.27 for r in share), share  # 0.07 / 0.3
     joined = prometheus.query('run_rank:gpumon_gpu_memory_total_bytes{run="llm"}')

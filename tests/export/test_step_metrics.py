@@ -1,8 +1,12 @@
-"""Step and verdict families: kept as text per run between scrapes, byte for byte a fresh render."""
+"""Step, communication and verdict families: their values, and kept as text per run between
+scrapes, byte for byte a fresh render."""
 
 from __future__ import annotations
 
+import json
 import random
+import socket
+from pathlib import Path
 
 import pytest
 
@@ -11,8 +15,25 @@ from gpumon.analysis.stream import StepAnalyzer
 from gpumon.collectors.samples import ProcessSample, SenderCredentials
 from gpumon.export.exposition import render
 from gpumon.export.step_metrics import StepFamilies
-from gpumon.wire import EventRecord, HelloRecord, MemoryStats, Record, StepRecord
-from tests.helpers import parse_metrics, value
+from gpumon.testing import Metrics
+from gpumon.wire import (
+    CollectiveOp,
+    CommStats,
+    EventRecord,
+    HelloRecord,
+    MemoryStats,
+    Record,
+    StepRecord,
+    decode_datagram,
+)
+from tests.helpers import (
+    library_agent,
+    parse_metrics,
+    scrape_metrics,
+    value,
+    values,
+    wait_for,
+)
 
 TTL_S = 60.0
 
@@ -52,10 +73,17 @@ def step(run: str, rank: int, n: int, t_end: float, rng: random.Random) -> StepR
         mem = MemoryStats(allocated_bytes=rng.randrange(2**30, 2**36),
                           peak_bytes=rng.choice([None, rng.randrange(2**30, 2**36)]),
                           reserved_bytes=2**36, alloc_retries=rng.randrange(3), ooms=0)
+    comm = None
+    if rng.random() < 0.4:
+        exposed = duration_s * rng.choice([0.0, 0.05, 0.3])
+        comm = CommStats(exposed, exposed + duration_s * 0.2, tuple(
+            CollectiveOp(name, rng.randrange(1, 9), rng.randrange(2**20, 2**30), duration_s * 0.1)
+            for name in rng.sample(["all_reduce", "all_gather", "broadcast"], rng.randrange(3))))
     return StepRecord(run=run, rank=rank, step=n, duration_s=duration_s,
                       t_start=t_end - duration_s, phases_s=phases, world=4,
                       samples=rng.choice([None, 32]), tokens=rng.choice([None, 65536]),
-                      flops=rng.choice([None, 3.1e15]), gpu=rank % 2, pid=100 + rank, mem=mem)
+                      flops=rng.choice([None, 3.1e15]), gpu=rank % 2, pid=100 + rank, mem=mem,
+                      comm=comm)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -136,3 +164,133 @@ def test_expired_ranks_disappear_and_their_text_is_dropped() -> None:
     metrics = parse_metrics(node.scrape(families).decode())
     assert value(metrics, "gpumon_steps_total", run="old", rank="2") == 1
     assert families.runs_held() == (2, 2)
+
+
+# --- communication and the straggler comparison ----------------------------------------------
+
+GRADIENTS = 64 * 2**20
+
+
+def ddp_step(rank: int, n: int, t_end: float, *, world: int = 4, exposed: float = 0.05,
+             busy: float = 0.08, comm_phase: float | None = None,
+             measured: bool = True) -> StepRecord:
+    phases = {"data": 0.002, "forward": 0.03, "backward": 0.06, "optimizer": 0.008}
+    if comm_phase is not None:
+        phases["comm"] = comm_phase
+    comm = CommStats(exposed, busy, (CollectiveOp("all_reduce", 4, GRADIENTS, 0.04),
+                                     CollectiveOp("broadcast", 1, 1024, 0.001))) \
+        if measured else None
+    return StepRecord(run="ddp", rank=rank, step=n, duration_s=0.12, world=world,
+                      t_start=t_end - 0.12, phases_s=phases, comm=comm)
+
+
+def test_communication_series_per_rank_and_collective_kind() -> None:
+    node = Node()
+    for n in range(20):
+        node.t += 0.12
+        node.ingest([ddp_step(0, n, node.t),  # measured
+                     ddp_step(1, n, node.t, comm_phase=0.02, exposed=0.03),  # both: not added
+                     ddp_step(2, n, node.t, comm_phase=0.01, measured=False),  # hand-timed only
+                     ddp_step(3, n, node.t, measured=False)])  # neither
+    metrics = parse_metrics(node.scrape(StepFamilies()).decode())
+
+    def get(name: str, rank: int, **labels: str) -> float | None:
+        found = values(metrics, name, run="ddp", rank=str(rank), **labels)
+        assert len(found) <= 1
+        return found[0] if found else None
+
+    assert get("gpumon_comm_exposed_seconds_total", 0) == pytest.approx(20 * 0.05)
+    assert get("gpumon_comm_exposed_seconds_total", 1) == pytest.approx(20 * 0.03)
+    assert get("gpumon_comm_exposed_seconds_total", 2) == pytest.approx(20 * 0.01)
+    assert get("gpumon_comm_exposed_seconds_total", 3) is None  # nothing known: absent
+    assert get("gpumon_comm_overlapped_seconds_total", 0) == pytest.approx(20 * 0.03)
+    assert get("gpumon_comm_overlapped_seconds_total", 2) is None
+    assert get("gpumon_collective_operations_total", 0, op="all_reduce") == 80
+    assert get("gpumon_collective_bytes_total", 0, op="all_reduce") == 20 * GRADIENTS
+    assert get("gpumon_collective_seconds_total", 0, op="all_reduce") == pytest.approx(0.8)
+    assert get("gpumon_collective_operations_total", 2, op="all_reduce") is None
+    # nccl-tests: all-reduce busbw = algbw x 2(n-1)/n (1.5 at 4 ranks); broadcast x 1
+    assert get("gpumon_collective_bus_bandwidth_bytes_per_second", 0, op="all_reduce") \
+        == pytest.approx(GRADIENTS / 0.04 * 1.5)
+    assert get("gpumon_collective_bus_bandwidth_bytes_per_second", 0, op="broadcast") \
+        == pytest.approx(1024 / 0.001)
+
+
+def test_bus_bandwidth_follows_the_latest_steps_and_needs_a_world_size() -> None:
+    node = Node()
+    for n in range(40):
+        node.t += 0.12
+        slow = n >= 20  # the link degrades: the same bytes take four times as long
+        record = ddp_step(0, n, node.t, world=2)
+        assert record.comm is not None
+        ops = (CollectiveOp("all_reduce", 4, GRADIENTS, 0.16 if slow else 0.04),)
+        node.ingest([StepRecord(**{**{f: getattr(record, f) for f in record.__slots__},
+                                   "comm": CommStats(0.05, 0.08, ops)}),
+                     StepRecord(run="ddp", rank=1, step=n, duration_s=0.12, t_start=node.t - 0.12,
+                                comm=CommStats(0.05, 0.08, ops))])  # no world reported
+    metrics = parse_metrics(node.scrape(StepFamilies()).decode())
+    assert value(metrics, "gpumon_collective_bus_bandwidth_bytes_per_second", run="ddp",
+                 rank="0", op="all_reduce") == pytest.approx(GRADIENTS / 0.16)
+    assert not values(metrics, "gpumon_collective_bus_bandwidth_bytes_per_second", run="ddp",
+                      rank="1", op="all_reduce")
+    assert value(metrics, "gpumon_collective_bytes_total", run="ddp", rank="1",
+                 op="all_reduce") == 40 * GRADIENTS
+
+
+def test_straggler_cause_and_world_changes() -> None:
+    node = Node()
+    for n in range(30):
+        node.t += 0.2
+        world = 4 if n < 20 else 3  # an elastic restart drops rank 3
+        records = []
+        for rank in range(world):
+            slow = rank == 1
+            records.append(ddp_step(rank, n, node.t, world=world, exposed=0.0 if slow else 0.06,
+                                    busy=0.05))
+        node.ingest(records)
+        node.housekeeping()
+    node.t += 10
+    node.housekeeping()
+    metrics = parse_metrics(node.scrape(StepFamilies()).decode())
+
+    def get(name: str, rank: int, **labels: str) -> float | None:
+        found = values(metrics, name, run="ddp", rank=str(rank), **labels)
+        assert len(found) <= 1
+        return found[0] if found else None
+
+    assert get("gpumon_rank_straggler_cause", 1, cause="compute") == 1
+    assert sum(get("gpumon_rank_straggler_cause", 0, cause=c) or 0
+               for c in ("input", "compute", "gpu", "unknown")) == 0
+    assert get("gpumon_rank_straggler_cause", 3, cause="compute") is None  # not compared
+    assert [get("gpumon_rank_world_changes_total", r) for r in range(4)] == [1, 1, 1, 0]
+    assert get("gpumon_step_flag", 1, flag="straggler") == 1
+    assert get("gpumon_step_flag", 0, flag="straggler") == 0
+
+
+def test_bad_comm_figures_are_dropped_and_counted_by_a_live_agent(tmp_path: Path) -> None:
+    """Over the real socket: comm figures beyond the step's duration, negative or NaN are
+    refused as bad_comm, the good records beside them kept, and the agent keeps serving."""
+    good = {"v": 1, "kind": "step", "run": "ddp", "rank": 0, "world": 2, "step": 1,
+            "duration": 0.1, "comm": {"exposed": 0.05, "busy": 0.07,
+                                      "ops": {"all_reduce": [2, 1024, 0.06]}}}
+    bad = [{**good, "step": 2, "comm": {"exposed": 0.5, "busy": 0.5}},
+           {**good, "step": 3, "comm": {"exposed": -0.01, "busy": 0.0}},
+           {**good, "step": 4, "comm": {"exposed": 0.01, "busy": 0.01,
+                                        "ops": {"all_reduce": [1, 8, -1.0]}}}]
+    nan = json.dumps({**good, "step": 5}).replace('"busy": 0.07', '"busy": NaN')
+    assert decode_datagram(nan.encode()).rejected == ["bad_comm"]
+    with library_agent(tmp_path / "ingest.sock", simulate=1, interval=0.25) as agent:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.sendto(json.dumps([good, *bad]).encode(), str(tmp_path / "ingest.sock"))
+        sock.sendto(nan.encode(), str(tmp_path / "ingest.sock"))
+        sock.close()
+
+        def dropped() -> Metrics | None:
+            metrics = scrape_metrics(agent)
+            counts = values(metrics, "gpumon_ingest_dropped_total", reason="bad_comm")
+            return metrics if counts == [4] else None
+
+        metrics = wait_for(dropped, timeout=10, what="four bad_comm drops")
+        assert value(metrics, "gpumon_steps_total", run="ddp", rank="0") == 1
+        assert value(metrics, "gpumon_comm_exposed_seconds_total", run="ddp",
+                     rank="0") == pytest.approx(0.05)

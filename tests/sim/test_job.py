@@ -12,20 +12,23 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.analysis.bottleneck import Bottleneck, Flag, classify, straggler_scores
+from gpumon.analysis.bottleneck import Bottleneck, Flag, classify
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
+from gpumon.analysis.straggler import RankWork, judge_run, own_work_s
 from gpumon.analysis.window import summarize_gpu_window
 from gpumon.sim.gpus import H100_SXM, H200_SXM, SimulatedSource, gpu_model
 from gpumon.sim.job import (
     FLOPS_PER_STEP,
+    GRADIENT_BYTES,
     Cycle,
     SimulatedJob,
     Timeline,
     check_job,
+    comm_fields,
     gpu_activity,
 )
 from gpumon.sim.schedule import PhaseKind, Schedule, parse_schedule
-from gpumon.wire import MemoryStats, StepRecord, decode_datagram
+from gpumon.wire import CommStats, MemoryStats, StepRecord, decode_datagram, decode_record
 
 WORLD = 4
 SLOW = WORLD - 1
@@ -42,10 +45,21 @@ def cycles(schedule: Schedule, count: int, world: int = WORLD) -> list[Cycle]:
 
 
 def phases_of(cycle: Cycle, rank: int) -> dict[str, float]:
+    """The phases a rank times: its wait for the all-reduce is inside backward, as under DDP."""
     step = cycle.steps[rank]
     ready = cycle.starts[rank] + step.data_s + step.forward_s + step.backward_s
-    return {"data": step.data_s, "forward": step.forward_s, "backward": step.backward_s,
-            "comm": cycle.allreduce_end - ready, "optimizer": step.optimizer_s}
+    return {"data": step.data_s, "forward": step.forward_s,
+            "backward": step.backward_s + cycle.allreduce_end - ready,
+            "optimizer": step.optimizer_s}
+
+
+def comm_of(cycle: Cycle, rank: int) -> CommStats:
+    """The ``comm`` field the rank reports, decoded as the agent decodes it."""
+    wire = comm_fields(cycle, rank)
+    record = decode_record({"v": 1, "kind": "step", "run": "t", "rank": rank, "step": 0,
+                            "duration": cycle.end(rank) - cycle.starts[rank], "comm": wire})
+    assert isinstance(record, StepRecord) and record.comm is not None
+    return record.comm
 
 
 def test_straggler_steps_last_as_long_as_its_peers_but_compute_more_and_wait_less() -> None:
@@ -53,11 +67,16 @@ def test_straggler_steps_last_as_long_as_its_peers_but_compute_more_and_wait_les
     durations = {cycle.end(r) - cycle.starts[r] for r in range(WORLD)}
     assert max(durations) - min(durations) < 1e-9  # synchronous data parallelism
     slow, peer = phases_of(cycle, SLOW), phases_of(cycle, 0)
-    compute = {name: p["forward"] + p["backward"] + p["optimizer"] for name, p in
-               (("slow", slow), ("peer", peer))}
-    assert compute["slow"] == pytest.approx(1.6 * compute["peer"])
-    assert slow["comm"] < 0.05 * (cycle.end(SLOW) - cycle.starts[SLOW])
-    assert peer["comm"] > slow["comm"] + 0.1
+    # What a hook sees in the phases: the same on every rank (the wait is inside backward)...
+    hooked = [p["forward"] + p["backward"] + p["optimizer"] for p in (slow, peer)]
+    assert hooked[0] == pytest.approx(hooked[1])
+    # ...what the comm field says: the slow rank hardly waits, its peers wait for it.
+    waits = {name: comm_of(cycle, rank).exposed_s for name, rank in (("slow", SLOW), ("peer", 0))}
+    assert waits["slow"] < 0.05 * (cycle.end(SLOW) - cycle.starts[SLOW])
+    own = {name: p["forward"] + p["backward"] + p["optimizer"] - waits[name]
+           for name, p in (("slow", slow), ("peer", peer))}
+    assert own["slow"] == pytest.approx(1.6 * own["peer"])  # slowdown 1.6
+    assert waits["peer"] > waits["slow"] + 0.1
 
 
 def test_straggler_rank_and_slowdown_come_from_the_phase() -> None:
@@ -120,25 +139,27 @@ def test_each_phase_kind_classifies_as_intended(kind: PhaseKind, model: str) -> 
     timeline = Timeline(one_phase(kind.value, 10), WORLD, gpu.memory_total_bytes, 100.0, False)
     cycle = [c for c in (timeline.cycle(n, 100.0) for n in range(60)) if c is not None][-1]
     source = SimulatedSource(WORLD, gpu, seed=7)
-    compute = {r: cycle.steps[r].forward_s + cycle.steps[r].backward_s
-               + cycle.steps[r].optimizer_s for r in range(WORLD)}
-    scores = straggler_scores(compute)
     for rank in range(WORLD):
         source.set_activity(rank, gpu_activity(cycle, rank))
     samples = [source.sample(1000.0 + 0.2 * i, 10.0 + 0.2 * i) for i in range(4)]
+    records = []
     for rank in range(WORLD):
-        step = cycle.steps[rank]
-        m = step.memory
-        record = StepRecord(
+        m = cycle.steps[rank].memory
+        records.append(StepRecord(
             run="sim", rank=rank, step=1, duration_s=cycle.end(rank) - cycle.starts[rank],
             t_start=1000.1, phases_s=phases_of(cycle, rank), flops=FLOPS_PER_STEP,
-            mem=MemoryStats(m["allocated"], m["reserved"], m["peak"], m["retries"], m["ooms"]))
+            mem=MemoryStats(m["allocated"], m["reserved"], m["peak"], m["retries"], m["ooms"]),
+            comm=comm_of(cycle, rank)))
+    standings = judge_run({r.rank: RankWork(own_work_s(r), r.phases_s["data"]) for r in records})
+    for rank, record in enumerate(records):
+        standing = standings[rank]
         window = summarize_gpu_window([s[rank] for s in samples[1:]], 1000.1, 1000.7)
         verdict = classify(record, window, peak_flops=resolve_peak_flops(gpu.name),
                            memory_total_bytes=gpu.memory_total_bytes,
                            peak_dram_bytes_per_second=resolve_peak_dram(gpu.name),
                            peak_nvlink_bytes_per_second=resolve_peak_nvlink(gpu.name),
-                           straggler_score=scores[rank])
+                           straggler_score=standing.score,
+                           straggler_cause=standing.cause, slower_rank=standing.slower_rank)
         expected = EXPECTED[kind]
         if kind is PhaseKind.STRAGGLER and rank == SLOW:
             expected = Bottleneck.COMPUTE
@@ -212,7 +233,9 @@ def test_ranks_report_through_the_real_hook_and_socket(receiver_path: Path) -> N
     for rank in (0, 1):
         mine = sorted((s for s in steps if s.rank == rank), key=lambda s: s.step)
         assert len(mine) >= 5
-        assert set(mine[0].phases_s) == {"data", "forward", "backward", "comm", "optimizer"}
+        assert set(mine[0].phases_s) == {"data", "forward", "backward", "optimizer"}
+        assert all(s.comm is not None and s.comm.ops[0].name == "all_reduce"
+                   and s.comm.ops[0].bytes == GRADIENT_BYTES for s in mine)
         assert all(s.flops == FLOPS_PER_STEP and s.tokens == 16384 for s in mine)
         peaks = [s.mem.peak_bytes for s in mine if s.mem is not None]
         assert len(peaks) == len(mine) and peaks[-1] > peaks[0]
@@ -238,4 +261,5 @@ def test_a_node_of_a_multi_node_run_reports_its_ranks_and_waits_for_the_others(
     straggler_extra_s = 0.6 * (healthy.forward_s + healthy.backward_s)  # slowdown 1.6
     assert len(steps) >= 6
     for step in steps:
-        assert step.phases_s["comm"] > 0.8 * straggler_extra_s, step.phases_s
+        assert step.comm is not None
+        assert step.comm.exposed_s > 0.8 * straggler_extra_s, step.comm

@@ -48,6 +48,8 @@ class Observation:
     risk: dict[int, float] = field(default_factory=dict)
     predicted_s: dict[int, float] = field(default_factory=dict)
     peak_bytes: dict[int, float] = field(default_factory=dict)
+    causes: dict[int, str] = field(default_factory=dict)
+    exposed_s: dict[int, float] = field(default_factory=dict)
 
 
 def observe(metrics_text: str, t: float) -> Observation:
@@ -67,6 +69,10 @@ def observe(metrics_text: str, t: float) -> Observation:
             seen.predicted_s[rank] = value
         elif name == "gpumon_torch_memory_peak_bytes":
             seen.peak_bytes[rank] = value
+        elif name == "gpumon_rank_straggler_cause" and value == 1:
+            seen.causes[rank] = tags["cause"]
+        elif name == "gpumon_comm_exposed_seconds_total":
+            seen.exposed_s[rank] = value
     return seen
 
 
@@ -133,8 +139,21 @@ def test_the_straggler_is_flagged_and_its_peers_are_not(observations: list[Obser
     flagged = Counter(r for o in during for r, flags in o.flags.items() if "straggler" in flags)
     assert flagged[SLOW] >= 3, flagged
     assert set(flagged) == {SLOW}, flagged
+    assert {r: c for o in during for r, c in o.causes.items()} == {SLOW: "compute"}
     before = [o for o in observations if o.t < start]
     assert not any("straggler" in f for o in before for f in o.flags.values())
+
+
+def test_the_job_reports_its_collectives_through_the_comm_field(
+        observations: list[Observation]) -> None:
+    """No rank times a comm phase: what the agent counts as time blocked on collectives came
+    in the records' measured comm field, as from a watched DDP job; during the straggler
+    phase the peers' wait grows, the straggler's does not."""
+    _, start, end = next(w for w in phase_windows() if w[0] is PhaseKind.STRAGGLER)
+    first = next(o for o in observations if o.t >= start + SETTLE_S and len(o.exposed_s) == RANKS)
+    last = [o for o in observations if o.t <= end and len(o.exposed_s) == RANKS][-1]
+    waited = {r: last.exposed_s[r] - first.exposed_s[r] for r in range(RANKS)}
+    assert all(waited[r] > 5 * waited[SLOW] for r in range(RANKS) if r != SLOW), waited
 
 
 def test_the_leak_warns_before_memory_runs_out(observations: list[Observation]) -> None:

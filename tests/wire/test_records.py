@@ -20,7 +20,6 @@ from gpumon.wire import (
     decode_datagram,
     encode_datagrams,
     encode_record,
-    encode_records,
     to_wire,
 )
 
@@ -87,9 +86,9 @@ def test_encode_datagrams_splits_batches_under_the_limit_and_keeps_order() -> No
     assert [r.step for r in decoded] == list(range(200))
 
 
-def test_encode_records_accepts_dataclasses_and_mappings() -> None:
+def test_encoding_accepts_dataclasses_and_mappings() -> None:
     record = StepRecord(run="r", rank=0, step=5, duration_s=1.0)
-    data = encode_records([record, to_wire(record)])
+    [data] = encode_datagrams([record, to_wire(record)])
     assert json.loads(data) == [to_wire(record)] * 2
     assert encode_record(record) == encode_record(to_wire(record))
 

@@ -1,0 +1,161 @@
+"""The slow rank of a synchronous run: found from who waits for whom, and why it is slow.
+
+In synchronous data parallelism every rank's step lasts the same: the collectives end only
+when the last rank joins them, so a slow rank's extra work shows up as its peers' *wait*
+(under DDP, FSDP and ZeRO inside their backward pass). Summing forward + backward +
+optimizer cannot find it — that sum is the same on every rank. What differs is each rank's
+**own work**, its step time minus the time it was blocked on collectives (``comm.wait_s``):
+the slow rank waits least, its peers wait for it.
+
+A rank's score is its peers' mean own work ÷ its own (1 = like its peers; below
+``Thresholds.straggler_score_max``, 0.75, it is the straggler). Peers, not the whole run: with
+two ranks the run's median is their mean, which halves every difference. The same ratio is
+computed across nodes by the recording rule ``run_rank:gpumon_rank_straggler_score:ratio5m``.
+(TraceML blames the rank with the least visible backward; nvidia-resiliency-ext leaves NCCL
+kernels out of its scores because their time is waiting, and flags below 0.75 of the
+reference.)
+
+Only the straggler is flagged. Its cause is named where the evidence names it: most of its
+extra time spent waiting for data → ``input``; its GPU throttled, clocked lower than its
+peers' or reporting XID errors → ``gpu``; else its own forward/backward work → ``compute``.
+Each peer is told which rank it waits on. Ranks that stopped reporting while their run kept
+stepping, and ranks of an earlier world size, are left out of the comparison: their last
+figures describe a run that no longer exists.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from gpumon.analysis.comm import wait_s
+from gpumon.analysis.thresholds import DEFAULT, Thresholds
+from gpumon.wire import StepRecord
+
+__all__ = [
+    "RankWork",
+    "SlowerRank",
+    "Standing",
+    "StragglerCause",
+    "judge_run",
+    "own_work_s",
+    "straggler_scores",
+]
+
+INPUT_SHARE_MIN = 0.5
+"""Share of a straggler's extra time per step that must be extra data wait for its cause to
+be ``input`` (then the data pipeline, not the rank's compute, is what its peers wait for)."""
+
+
+class StragglerCause(str, Enum):
+    """Why a straggler is slow, as far as the evidence says."""
+
+    INPUT = "input"
+    COMPUTE = "compute"
+    GPU = "gpu"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True, slots=True)
+class RankWork:
+    """One rank's recent steps, per step, as the comparison reads them."""
+
+    own_s: float
+    """Median own work: step time minus the time blocked on collectives."""
+    data_s: float | None = None
+    """Median data wait (0 for steps without a ``data`` phase); ``None`` when the rank
+    reported no phases, so its own work cannot be split."""
+    sm_clock_hz: float | None = None
+    """Mean SM clock of its GPU over its latest analysed step."""
+    gpu_trouble: bool = False
+    """Its GPU was throttled during its latest analysed step, or has reported XID errors."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlowerRank:
+    """The rank of the run whose peers wait for it in the collectives."""
+
+    rank: int
+    silent: bool = False
+    """It stopped reporting while the rest of the run kept stepping."""
+
+
+@dataclass(frozen=True, slots=True)
+class Standing:
+    """What comparing a rank with its peers says about it."""
+
+    score: float | None = None
+    """Peers' mean own work ÷ its own; ``None`` without peers to compare with."""
+    cause: StragglerCause | None = None
+    """Set when this rank is a straggler."""
+    slower_rank: SlowerRank | None = None
+    """Set on the other ranks of a run that has a straggler (or a rank that went silent)."""
+
+
+def own_work_s(step: StepRecord) -> float:
+    """Seconds of ``step`` the rank spent on its own work: its duration less its collective
+    wait (``comm.wait_s``), never below zero."""
+    return max(0.0, step.duration_s - (wait_s(step) or 0.0))
+
+
+def straggler_scores(own_s_by_rank: Mapping[int, float]) -> dict[int, float]:
+    """Per rank, the mean own work of the *other* ranks ÷ its own (1 = like its peers).
+
+    Needs at least two ranks with a positive, finite own work, else returns ``{}``; ranks
+    without one get no score.
+    """
+    valid = {r: t for r, t in own_s_by_rank.items() if math.isfinite(t) and t > 0}
+    if len(valid) < 2:
+        return {}
+    total = sum(valid.values())
+    peers = len(valid) - 1
+    return {rank: (total - own) / peers / own for rank, own in valid.items()}
+
+
+def judge_run(works: Mapping[int, RankWork], silent: frozenset[int] = frozenset(),
+              thresholds: Thresholds = DEFAULT) -> dict[int, Standing]:
+    """Every compared rank's standing among the ranks of one run (``works``, by rank).
+
+    ``silent`` ranks stopped reporting while the others kept stepping: they are not in
+    ``works``; the lowest of them is named as the rank the others wait on when no reporting
+    rank is a straggler (its peers' long waits have no other explanation in view).
+    """
+    scores = straggler_scores({rank: work.own_s for rank, work in works.items()})
+    stragglers = sorted((s, r) for r, s in scores.items() if s < thresholds.straggler_score_max)
+    slower: SlowerRank | None = None
+    if stragglers:
+        slower = SlowerRank(stragglers[0][1])
+    elif silent:
+        slower = SlowerRank(min(silent), silent=True)
+    standings = {}
+    for rank in works:
+        score = scores.get(rank)
+        if score is not None and score < thresholds.straggler_score_max:
+            cause = _cause(rank, works, thresholds)
+            standings[rank] = Standing(score, cause, None)
+        else:
+            standings[rank] = Standing(score, None, slower)
+    return standings
+
+
+def _cause(rank: int, works: Mapping[int, RankWork], th: Thresholds) -> StragglerCause:
+    culprit = works[rank]
+    peers = [w for r, w in works.items() if r != rank]
+    extra = culprit.own_s - statistics.fmean(w.own_s for w in peers)
+    if culprit.data_s is not None and extra > 0:
+        peer_data = statistics.fmean(w.data_s or 0.0 for w in peers)
+        if culprit.data_s - peer_data >= INPUT_SHARE_MIN * extra:
+            return StragglerCause.INPUT
+    clocks = [w.sm_clock_hz for w in peers if w.sm_clock_hz]
+    slow_clock = (culprit.sm_clock_hz is not None and bool(clocks)
+                  and culprit.sm_clock_hz < th.straggler_clock_ratio_max
+                  * statistics.median(clocks))
+    # Trouble every GPU of the run shares (a hot room, a power cap) does not make one slow.
+    if (culprit.gpu_trouble and not all(w.gpu_trouble for w in peers)) or slow_clock:
+        return StragglerCause.GPU
+    if culprit.data_s is not None:
+        return StragglerCause.COMPUTE
+    return StragglerCause.UNKNOWN

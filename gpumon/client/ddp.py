@@ -1,0 +1,168 @@
+"""DDP's gradient all-reduce, timed through a comm hook that wraps the real one.
+
+DDP launches one all-reduce per gradient bucket from inside backward and, once the last
+bucket is launched, waits for all of them before backward returns (its "finalize"); that
+wait, the hook's own work on the training thread (dividing, compressing) and DDP's copies of
+the gradients into and out of the buckets (``comm.Tail``) are the exposed communication.
+Measured against ``1 - t(no_sync) / t(sync)`` in the same job (tests/e2e), on CPU it reads
+lower by the slowdown the all-reduce threads cause the backward they overlap, competing for
+the same cores. The all-reduces themselves are measured where they are called
+(``comm``'s wrapped ``torch.distributed`` functions), so a user's hook is measured by what
+it actually sends.
+
+The hook registered is a thin wrapper: it calls the default all-reduce hook, or the user's
+own hook when one is registered later through ``register_comm_hook`` (or a built-in one
+through ``_register_builtin_comm_hook``, replaced by its Python twin): the user's hook runs
+unchanged, with its own state, and its future is returned as it is, so gradients are
+identical. A hook registered before ``watch()`` cannot be wrapped (DDP takes one hook, once):
+a Python hook is still measured through the collectives it calls, with the wait taken as
+lasting from the last launch to the last completion; a built-in C++ hook calls no Python, so
+the step's communication is reported as not measured.
+"""
+
+from __future__ import annotations
+
+import logging
+from time import perf_counter
+from typing import Any
+
+from gpumon.client.comm import CommLedger, Tail, tap_into
+
+log = logging.getLogger("gpumon.client")
+
+HOOKED = "hook"
+INFERRED = "collectives"
+NOT_MEASURED = "not measured"
+
+
+class _Hooks:
+    """The hook the wrapper calls, and its state; swapped when the user registers one."""
+
+    def __init__(self, hook: Any, state: Any) -> None:
+        self.hook = hook
+        self.state = state
+        self.user_registered = False
+
+
+def watch_ddp(ledger: CommLedger, ddp: Any) -> str:
+    """Measure ``ddp``'s communication into ``ledger``; returns how (``HOOKED``,
+    ``INFERRED`` or ``NOT_MEASURED``). Idempotent per module."""
+    done = getattr(ddp, "_gpumon_comm", None)
+    if done is not None:
+        return str(done)
+    mode, why = _watch(ledger, ddp)
+    try:
+        ddp._gpumon_comm = mode
+    except AttributeError:
+        pass
+    if mode != HOOKED:
+        log.warning("gpumon: DDP communication %s: %s", mode, why)
+    return mode
+
+
+def _watch(ledger: CommLedger, ddp: Any) -> tuple[str, str]:
+    try:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    except ImportError:
+        return NOT_MEASURED, "this torch has no DDP comm hooks"
+    if not tap_into(ledger):
+        return NOT_MEASURED, "torch.distributed is not available"
+    try:
+        registered = ddp._get_ddp_logging_data().get("comm_hook")
+        hooks_list = ddp._comm_hooks
+        reducer_register = ddp.register_comm_hook
+    except (AttributeError, RuntimeError) as exc:
+        ledger.blind = True
+        return NOT_MEASURED, f"this torch's DDP differs ({exc})"
+    if registered:
+        if hooks_list:  # a Python hook: its collectives are seen
+            ledger.infer_tail = True
+            return INFERRED, (f"its comm hook {registered} was registered before watch(), so the wait "
+                              "at the end of backward is taken from the last launch to the last completion")
+        ledger.blind = True
+        return NOT_MEASURED, f"the built-in comm hook {registered} was registered before watch()"
+    hooks = _Hooks(default_hooks.allreduce_hook, ddp.process_group)
+    wrapper = _wrapper(ledger, hooks)
+    try:
+        reducer_register(None, wrapper)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        ledger.blind = True
+        return NOT_MEASURED, f"DDP refused the timing hook ({exc})"
+    # The compiled-autograd path calls _comm_hooks per parameter: it must not see the
+    # wrapper (which expects buckets), only a hook the user registered.
+    hooks_list[:] = [entry for entry in hooks_list if entry[0] is not wrapper]
+    _take_over_registration(ddp, hooks, default_hooks)
+    return HOOKED, ""
+
+
+def _wrapper(ledger: CommLedger, hooks: _Hooks) -> Any:
+    def gpumon_timed_comm_hook(state: object, bucket: Any) -> Any:
+        t0 = perf_counter()
+        future = hooks.hook(hooks.state, bucket)
+        t1 = perf_counter()
+        ledger.blocked(t0, t1)
+        is_last = getattr(bucket, "is_last", None)
+        if is_last is not None and is_last():
+            tail = ledger.wait_from(t1, mirrored=True)
+            if tail is not None:
+                _stamp_after_backward(tail)
+        return future
+
+    # DDP checks a hook's annotations against its own types; postponed ones are strings.
+    gpumon_timed_comm_hook.__annotations__ = {}
+    return gpumon_timed_comm_hook
+
+
+def _stamp_after_backward(tail: Tail) -> None:
+    """Stamp ``tail``'s end when backward resumes after DDP's finalize.
+
+    DDP queues its finalize (the wait for every bucket, then copying them back into the
+    gradients) as an autograd-engine callback when the last bucket is ready, after this
+    hook returns; a callback queued now runs before it, and one queued by that callback
+    runs after it (the engine runs callbacks added while running callbacks, in order).
+    Outside backward (DDP's join hooks) or on an engine without this, the completion of
+    the step's collectives ends the wait instead.
+    """
+    try:
+        import torch
+
+        engine = torch.autograd.Variable._execution_engine
+
+        def after_finalize_is_queued() -> None:
+            engine.queue_callback(tail.resumed)
+
+        engine.queue_callback(after_finalize_is_queued)
+    except (AttributeError, RuntimeError):
+        return
+
+
+def _take_over_registration(ddp: Any, hooks: _Hooks, default_hooks: Any) -> None:
+    """Route ``register_comm_hook`` and ``_register_builtin_comm_hook`` on this module into
+    the wrapper, with DDP's own checks and errors."""
+
+    def register_comm_hook(state: object, hook: Any) -> None:
+        ddp._check_comm_hook(hook)
+        _register(state, hook, hook.__qualname__)
+        ddp._comm_hooks.append((hook, state))
+
+    def _register_builtin_comm_hook(comm_hook_type: Any) -> None:
+        import torch.distributed as dist
+
+        kinds = dist.BuiltinCommHookType  # type: ignore[attr-defined]
+        builtin = {kinds.ALLREDUCE: default_hooks.allreduce_hook,
+                   kinds.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        hook = builtin.get(comm_hook_type)
+        if hook is None:
+            raise ValueError(f"unknown built-in comm hook {comm_hook_type!r}")
+        _register(ddp.process_group, hook, str(comm_hook_type))
+
+    def _register(state: object, hook: Any, name: str) -> None:
+        if hooks.user_registered:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        hooks.hook, hooks.state, hooks.user_registered = hook, state, True
+        logger = getattr(ddp, "logger", None)
+        if logger is not None:
+            logger._set_comm_hook_name(name)
+
+    ddp.register_comm_hook = register_comm_hook
+    ddp._register_builtin_comm_hook = _register_builtin_comm_hook

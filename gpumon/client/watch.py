@@ -1,0 +1,81 @@
+"""``StepMonitor.watch(model, optimizer)``: hand the monitor what it cannot see from the loop.
+
+Dispatches on what ``model`` is, by type name (nothing is imported for a plain module):
+``DistributedDataParallel`` → its gradient all-reduces (``ddp``); an FSDP module (``fully_shard``
+or ``FullyShardedDataParallel``, at the root or inside) → its all-gathers and reduce-scatters
+(``comm``'s wrapped collectives); a DeepSpeed engine → listed, not measured yet. Anything it
+cannot measure it leaves alone and says so once in the log; it never raises into the
+training code. Calling it again with the same model does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from gpumon.client.comm import CommLedger, tap_into
+
+if TYPE_CHECKING:
+    from gpumon.client.monitor import StepMonitor
+
+log = logging.getLogger("gpumon.client")
+
+M = TypeVar("M")
+
+DDP_TYPES = frozenset({"torch.nn.parallel.distributed.DistributedDataParallel"})
+FSDP_TYPES = frozenset({
+    "torch.distributed.fsdp._fully_shard._fully_shard.FSDPModule",
+    "torch.distributed._composable.fsdp.fully_shard.FSDPModule",
+    "torch.distributed.fsdp.fully_sharded_data_parallel.FullyShardedDataParallel",
+})
+DEEPSPEED_TYPES = frozenset({"deepspeed.runtime.engine.DeepSpeedEngine"})
+
+
+def watch(monitor: StepMonitor, model: M, optimizer: Any = None) -> M:
+    """Measure what ``model`` (and ``optimizer``) do in each of ``monitor``'s steps; returns
+    ``model``."""
+    try:
+        _watch_communication(monitor, model)
+    except Exception:  # a torch we did not expect: not measured, never a crash
+        log.warning("gpumon: could not watch %s's communication", type(model).__name__, exc_info=True)
+    return model
+
+
+def kind_of(model: object) -> str | None:
+    """``"ddp"``, ``"fsdp"``, ``"deepspeed"``, or None for anything else."""
+    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(model).__mro__}
+    if names & DDP_TYPES:
+        return "ddp"
+    if names & DEEPSPEED_TYPES:
+        return "deepspeed"
+    if names & FSDP_TYPES:
+        return "fsdp"
+    modules = getattr(model, "modules", None)
+    if callable(modules) and "torch.nn.modules.module.Module" in names:
+        for sub in modules():
+            if {f"{c.__module__}.{c.__qualname__}" for c in type(sub).__mro__} & FSDP_TYPES:
+                return "fsdp"
+    return None
+
+
+def comm_ledger(monitor: StepMonitor) -> CommLedger:
+    """The monitor's communication ledger, registered as a step extension on first use."""
+    ledger: CommLedger | None = getattr(monitor, "_comm_ledger", None)
+    if ledger is None:
+        ledger = CommLedger()
+        monitor._comm_ledger = ledger  # type: ignore[attr-defined]
+        monitor._add_extension(ledger)
+    return ledger
+
+
+def _watch_communication(monitor: StepMonitor, model: object) -> None:
+    kind = kind_of(model)
+    if kind == "ddp":
+        from gpumon.client.ddp import watch_ddp
+
+        watch_ddp(comm_ledger(monitor), model)
+    elif kind == "fsdp":
+        if not tap_into(comm_ledger(monitor)):
+            log.warning("gpumon: torch.distributed is not available: FSDP communication not measured")
+    elif kind == "deepspeed":
+        log.warning("gpumon: DeepSpeed engines are not measured yet")

@@ -1,0 +1,423 @@
+"""Decoding: datagrams into records, every limit of ``limits.FIELD_LIMITS`` applied.
+
+``decode_datagram`` never raises. It returns the valid records and one reason from
+``DROP_REASONS`` for every object (or whole datagram) it rejected; a batch with some bad
+elements keeps the good ones.
+
+A step record takes one of two paths. The fast path (``_fast_step``) accepts a record whose
+every field has its usual form (a float or int within the table's bounds, a label seen
+before) and builds it without a call per field; it never rejects. Anything else goes through
+the full check (``_check_step``), field by field in a fixed order, which names the reason.
+So the reason for a rejection always comes from one place, and the fast path only has to
+agree with the full check on what it accepts: ``tests/wire/test_limits.py`` checks that on
+generated records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+from gpumon.wire.limits import (
+    FIELD_LIMITS,
+    LABEL_LIMITS,
+    MAX_COLLECTIVE_CHARS,
+    MAX_COLLECTIVE_KINDS,
+    MAX_DATAGRAM_BYTES,
+    MAX_LABEL_CHARS,
+    MAX_MESSAGE_CHARS,
+    MAX_PHASES,
+    MAX_RECORDS_PER_DATAGRAM,
+    MEMORY_COMPONENTS,
+    PROTOCOL_VERSION,
+    is_label,
+    step_slack,
+)
+from gpumon.wire.records import (
+    MEM_WIRE_NAMES,
+    CollectiveOp,
+    CommStats,
+    DecodeResult,
+    EventRecord,
+    HelloRecord,
+    MemoryBreakdown,
+    MemoryStats,
+    ProtocolError,
+    Record,
+    StepRecord,
+)
+
+
+def decode_datagram(data: bytes) -> DecodeResult:
+    """Parse and validate one datagram; never raises, whatever ``data`` holds."""
+    if len(data) > MAX_DATAGRAM_BYTES:
+        return DecodeResult([], ["too_large"])
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        return DecodeResult([], ["not_utf8"])
+    try:
+        value: object = json.loads(text)
+    except (ValueError, RecursionError):
+        # ValueError covers malformed JSON and integers beyond the int-string limit;
+        # RecursionError covers absurd nesting.
+        return DecodeResult([], ["not_json"])
+    if isinstance(value, list):
+        if len(value) > MAX_RECORDS_PER_DATAGRAM:
+            return DecodeResult([], ["too_many_records"])
+        items: list[object] = value
+    else:
+        items = [value]
+    records: list[Record] = []
+    rejected: list[str] = []
+    for item in items:
+        try:
+            records.append(decode_record(item))
+        except ProtocolError as err:
+            rejected.append(err.reason)
+    return DecodeResult(records, rejected)
+
+
+def decode_record(obj: object) -> Record:
+    """Validate one decoded JSON value as a record; raises ``ProtocolError`` if invalid."""
+    if not isinstance(obj, dict):
+        raise ProtocolError("not_object", type(obj).__name__)
+    if "v" not in obj:
+        raise ProtocolError("missing_field", "v")
+    if type(obj["v"]) is not int or obj["v"] != PROTOCOL_VERSION:
+        raise ProtocolError("bad_version", repr(obj["v"])[:32])
+    kind = obj.get("kind")
+    if kind == "step":
+        return _fast_step(obj) or _check_step(obj)
+    if kind == "event":
+        return _check_event(obj)
+    if kind == "hello":
+        return _check_hello(obj)
+    if kind is None:
+        raise ProtocolError("missing_field", "kind")
+    raise ProtocolError("bad_kind", repr(kind)[:32])
+
+
+# --- the fast path ------------------------------------------------------------------------
+# Bounds from the table, bound to names once: the fast path compares against these.
+
+_RANK_HIGH = FIELD_LIMITS["rank"].high
+_WORLD_LOW, _WORLD_HIGH = FIELD_LIMITS["world"].low, FIELD_LIMITS["world"].high
+_DURATION_HIGH = FIELD_LIMITS["duration"].high  # excluded (``below``)
+_STEP_HIGH = FIELD_LIMITS["step"].high
+_T_START_HIGH = FIELD_LIMITS["t_start"].high
+_SAMPLES_HIGH = FIELD_LIMITS["samples"].high
+_TOKENS_HIGH = FIELD_LIMITS["tokens"].high
+_FLOPS_HIGH = FIELD_LIMITS["flops"].high
+_PID_LOW, _PID_HIGH = FIELD_LIMITS["pid"].low, FIELD_LIMITS["pid"].high
+_GPU_HIGH = FIELD_LIMITS["gpu"].high
+_MEM_HIGH = FIELD_LIMITS["mem"].high
+_COUNT_HIGH = FIELD_LIMITS["comm.count"].high
+_BYTES_HIGH = FIELD_LIMITS["comm.bytes"].high
+_OP_SECONDS_HIGH = FIELD_LIMITS["comm.seconds"].high
+_MEMB_HIGH = FIELD_LIMITS["memb"].high
+assert FIELD_LIMITS["duration"].below and all(
+    FIELD_LIMITS[k].low == 0 for k in FIELD_LIMITS if k not in ("world", "pid")
+), "the fast path below assumes these bounds"
+
+
+def _fast_step(obj: dict[str, object]) -> StepRecord | None:
+    """The record, if every field has its usual form; ``None`` sends it to the full check."""
+    run = obj.get("run")
+    rank = obj.get("rank")
+    world = obj.get("world")
+    local_rank = obj.get("local_rank")
+    duration = obj.get("duration")
+    step = obj.get("step")
+    if not (
+        type(run) is str and run in _KNOWN_LABELS
+        and type(rank) is int and 0 <= rank <= _RANK_HIGH
+        and type(duration) is float and 0.0 <= duration < _DURATION_HIGH
+        and type(step) is int and 0 <= step <= _STEP_HIGH
+    ):
+        return None
+    if world is not None:
+        if not (type(world) is int and _WORLD_LOW <= world <= _WORLD_HIGH and rank < world):
+            return None
+    if local_rank is not None:
+        if not (type(local_rank) is int and 0 <= local_rank <= _RANK_HIGH
+                and (world is None or local_rank < world)):
+            return None
+    t_start = obj.get("t_start")
+    if t_start is not None and not (type(t_start) is float and 0.0 <= t_start <= _T_START_HIGH):
+        return None
+    samples = obj.get("samples")
+    if samples is not None and not (type(samples) is int and 0 <= samples <= _SAMPLES_HIGH):
+        return None
+    tokens = obj.get("tokens")
+    if tokens is not None and not (type(tokens) is int and 0 <= tokens <= _TOKENS_HIGH):
+        return None
+    flops = obj.get("flops")
+    if flops is not None and not (type(flops) is float and 0.0 <= flops <= _FLOPS_HIGH):
+        return None
+    gpu = obj.get("gpu")
+    if gpu is not None and not (type(gpu) is int and 0 <= gpu <= _GPU_HIGH) and not (
+            type(gpu) is str and gpu in _KNOWN_LABELS):
+        return None
+    pid = obj.get("pid")
+    if pid is not None and not (type(pid) is int and _PID_LOW <= pid <= _PID_HIGH):
+        return None
+    slack = step_slack(duration)
+    phases = obj.get("phases")
+    phases_s: dict[str, float] = {}
+    if phases is not None:
+        if type(phases) is not dict or len(phases) > MAX_PHASES:
+            return None
+        for name, seconds in phases.items():
+            if not (name in _KNOWN_LABELS and type(seconds) is float and 0.0 <= seconds <= slack):
+                return None
+            phases_s[name] = seconds
+    mem = obj.get("mem")
+    mem_stats = None
+    if mem is not None:
+        if type(mem) is not dict:
+            return None
+        counts = [mem.get(key) for key in MEM_WIRE_NAMES]
+        for count in counts:
+            if count is not None and not (type(count) is int and 0 <= count <= _MEM_HIGH):
+                return None
+        mem_stats = MemoryStats(*counts)
+    comm = obj.get("comm")
+    comm_stats = None if comm is None else _fast_comm(comm, slack)
+    if comm is not None and comm_stats is None:
+        return None
+    memb = obj.get("memb")
+    breakdown = None
+    if memb is not None:
+        if type(memb) is not dict:
+            return None
+        parts = [memb.get(key) for key in MEMORY_COMPONENTS]
+        for part in parts:
+            if part is not None and not (type(part) is int and 0 <= part <= _MEMB_HIGH):
+                return None
+        breakdown = MemoryBreakdown(*parts)
+    return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
+                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown)
+
+
+def _fast_comm(comm: object, slack: float) -> CommStats | None:
+    if type(comm) is not dict:
+        return None
+    exposed, busy, ops = comm.get("exposed"), comm.get("busy"), comm.get("ops")
+    if not (type(exposed) is float and 0.0 <= exposed <= slack
+            and type(busy) is float and 0.0 <= busy <= slack):
+        return None
+    if ops is None:
+        return CommStats(exposed, busy, ())
+    if type(ops) is not dict or len(ops) > MAX_COLLECTIVE_KINDS:
+        return None
+    parsed = []
+    for name, figures in ops.items():
+        if not (name in _KNOWN_LABELS and len(name) <= MAX_COLLECTIVE_CHARS
+                and type(figures) is list and len(figures) == 3):
+            return None
+        count, size, seconds = figures
+        if not (type(count) is int and 0 <= count <= _COUNT_HIGH
+                and type(size) is int and 0 <= size <= _BYTES_HIGH
+                and type(seconds) is float and 0.0 <= seconds <= _OP_SECONDS_HIGH):
+            return None
+        parsed.append(CollectiveOp(name, count, size, seconds))
+    return CommStats(exposed, busy, tuple(parsed))
+
+
+# --- the full check -------------------------------------------------------------------
+
+
+def _check_step(obj: Mapping[str, object]) -> StepRecord:
+    run, rank, world, local_rank = _check_identity(obj)
+    duration = check_number(_required(obj, "duration"), "duration")
+    phases = obj.get("phases")
+    phases_s: dict[str, float] = {}
+    if phases is not None:
+        if not isinstance(phases, dict):
+            raise ProtocolError("bad_type", "phases")
+        if len(phases) > MAX_PHASES:
+            raise ProtocolError("bad_value", "too many phases")
+        for name, seconds in phases.items():
+            _check_label(name, "phase")
+            phases_s[name] = check_number(seconds, "phase", duration)
+    mem = obj.get("mem")
+    mem_stats = None
+    if mem is not None:
+        if not isinstance(mem, dict):
+            raise ProtocolError("bad_type", "mem")
+        mem_stats = MemoryStats(*[_opt_int(mem, key, "mem") for key in MEM_WIRE_NAMES])
+    step = check_int(_required(obj, "step"), "step")
+    t_start = _opt_number(obj, "t_start")
+    samples = _opt_int(obj, "samples")
+    tokens = _opt_int(obj, "tokens")
+    flops = _opt_number(obj, "flops")
+    gpu = _check_gpu(obj)
+    pid = _opt_int(obj, "pid")
+    comm = obj.get("comm")
+    comm_stats = None if comm is None else check_comm(comm, duration)
+    memb = obj.get("memb")
+    breakdown = None if memb is None else check_memory_breakdown(memb)
+    return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
+                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown)
+
+
+def _check_event(obj: Mapping[str, object]) -> EventRecord:
+    run, rank, _, _ = _check_identity(obj)
+    return EventRecord(
+        run=run,
+        rank=rank,
+        event=_check_label(_required(obj, "event"), "event"),
+        t=_opt_number(obj, "t"),
+        step=_opt_int(obj, "step"),
+        pid=_opt_int(obj, "pid"),
+        gpu=_check_gpu(obj),
+        message=_opt_text(obj, "message", MAX_MESSAGE_CHARS),
+    )
+
+
+def _check_hello(obj: Mapping[str, object]) -> HelloRecord:
+    run, rank, world, local_rank = _check_identity(obj)
+    version = obj.get("client_version")
+    return HelloRecord(
+        run=run,
+        rank=rank,
+        world=world,
+        local_rank=local_rank,
+        pid=_opt_int(obj, "pid"),
+        gpu=_check_gpu(obj),
+        client_version=None if version is None else _check_label(version, "client_version"),
+    )
+
+
+def check_comm(value: object, duration_s: float) -> CommStats:
+    """A step's ``comm`` field for a step of ``duration_s``; anything wrong in it is ``bad_comm``."""
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_comm", "not an object")
+    exposed = check_number(value.get("exposed"), "comm.exposed", duration_s)
+    busy = check_number(value.get("busy"), "comm.busy", duration_s)
+    ops_value = value.get("ops")
+    ops: list[CollectiveOp] = []
+    if ops_value is not None:
+        if not isinstance(ops_value, dict):
+            raise ProtocolError("bad_comm", "ops")
+        if len(ops_value) > MAX_COLLECTIVE_KINDS:
+            raise ProtocolError("bad_comm", "too many collective kinds")
+        for name, figures in ops_value.items():
+            if not (isinstance(name, str) and is_label(name, LABEL_LIMITS["collective"])):
+                raise ProtocolError("bad_comm", "collective name")
+            if not isinstance(figures, list) or len(figures) != 3:
+                raise ProtocolError("bad_comm", f"{name}: expected [count, bytes, seconds]")
+            count = check_int(figures[0], "comm.count")
+            size = check_int(figures[1], "comm.bytes")
+            ops.append(CollectiveOp(name, count, size, check_number(figures[2], "comm.seconds")))
+            _remember(name)
+    return CommStats(exposed, busy, tuple(ops))
+
+
+def check_memory_breakdown(value: object) -> MemoryBreakdown:
+    """A step's ``memb`` field; anything wrong in it is ``bad_memory_breakdown``."""
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_memory_breakdown", "not an object")
+    return MemoryBreakdown(*[_opt_int(value, name, "memb") for name in MEMORY_COMPONENTS])
+
+
+def check_int(value: object, key: str) -> int:
+    """``value`` as the integer field ``key`` of ``FIELD_LIMITS``, else ``ProtocolError``."""
+    limit = FIELD_LIMITS[key]
+    if type(value) is not int:  # bool is an int subclass: not accepted
+        raise ProtocolError(limit.type_reason, key)
+    if not limit.low <= value <= limit.high:
+        raise ProtocolError(limit.value_reason, key)
+    return value
+
+
+def check_number(value: object, key: str, duration_s: float = 0.0) -> float:
+    """``value`` as the number field ``key`` of ``FIELD_LIMITS`` (in a step of ``duration_s``
+    when its bound is the step's), else ``ProtocolError``."""
+    limit = FIELD_LIMITS[key]
+    if type(value) is not int and type(value) is not float:
+        raise ProtocolError(limit.type_reason, key)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        raise ProtocolError(limit.value_reason, key) from None
+    high = limit.high_for(duration_s)
+    if not (math.isfinite(number) and limit.low <= number <= high) or (limit.below and number == high):
+        raise ProtocolError(limit.value_reason, key)
+    return number
+
+
+def _check_identity(obj: Mapping[str, object]) -> tuple[str, int, int | None, int | None]:
+    run = _check_label(_required(obj, "run"), "run")
+    rank = check_int(_required(obj, "rank"), "rank")
+    world = _opt_int(obj, "world")
+    local_rank = _opt_int(obj, "local_rank")
+    if world is not None and (rank >= world or (local_rank is not None and local_rank >= world)):
+        raise ProtocolError("bad_value", "rank not below world")
+    return run, rank, world, local_rank
+
+
+def _required(obj: Mapping[str, object], key: str) -> object:
+    value = obj.get(key)
+    if value is None:
+        raise ProtocolError("missing_field", key)
+    return value
+
+
+def _opt_int(obj: Mapping[str, object], key: str, limit: str | None = None) -> int | None:
+    value = obj.get(key)
+    return None if value is None else check_int(value, limit or key)
+
+
+def _opt_number(obj: Mapping[str, object], key: str) -> float | None:
+    value = obj.get(key)
+    return None if value is None else check_number(value, key)
+
+
+def _opt_text(obj: Mapping[str, object], key: str, max_chars: int) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError("bad_type", key)
+    if len(value) > max_chars:
+        raise ProtocolError("bad_value", key)
+    try:
+        value.encode("utf-8")  # lone surrogates from "\ud800" escapes
+    except UnicodeEncodeError:
+        raise ProtocolError("bad_value", key) from None
+    return value
+
+
+def _check_gpu(obj: Mapping[str, object]) -> str | int | None:
+    value = obj.get("gpu")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return _check_label(value, "gpu")
+    return check_int(value, "gpu")
+
+
+_KNOWN_LABELS: set[str] = set()
+"""Labels of at most ``MAX_LABEL_CHARS`` already validated (run, phase and collective names
+and GPU UUIDs repeat in every record), for the fast path; bounded."""
+_KNOWN_LABELS_MAX = 4096
+
+
+def _check_label(value: object, key: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError("bad_type", key)
+    max_chars = LABEL_LIMITS[key]
+    if value in _KNOWN_LABELS and len(value) <= max_chars:
+        return value
+    if not is_label(value, max_chars):
+        raise ProtocolError("bad_label", key)
+    _remember(value)
+    return value
+
+
+def _remember(label: str) -> None:
+    if len(label) <= MAX_LABEL_CHARS and len(_KNOWN_LABELS) < _KNOWN_LABELS_MAX:
+        _KNOWN_LABELS.add(label)

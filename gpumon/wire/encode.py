@@ -1,0 +1,148 @@
+"""Encoding: records into their wire mappings, compact JSON and datagrams that fit.
+
+``to_wire`` turns a record into its wire mapping (absent fields omitted); ``encode_record``
+writes one as compact JSON (also the line format of recordings); ``pack_datagrams`` packs
+encoded records into JSON-array datagrams that each fit ``MAX_DATAGRAM_BYTES``. The training
+process formats its step records with ``step_encoder.StepEncoder`` instead, which writes the
+same JSON faster.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+
+from gpumon.wire.decode import check_comm, check_memory_breakdown
+from gpumon.wire.limits import MAX_DATAGRAM_BYTES, MEMORY_COMPONENTS, PROTOCOL_VERSION
+from gpumon.wire.records import (
+    MEM_WIRE_NAMES,
+    CommStats,
+    EventRecord,
+    MemoryBreakdown,
+    ProtocolError,
+    Record,
+    StepRecord,
+    WireRecord,
+)
+
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_MEM_ATTRIBUTES = ("allocated_bytes", "reserved_bytes", "peak_bytes", "alloc_retries", "ooms")
+
+
+def to_wire(record: Record) -> dict[str, object]:
+    """The wire mapping of a record (docs/architecture.md §6), absent fields omitted."""
+    out: dict[str, object] = {"v": PROTOCOL_VERSION}
+    if isinstance(record, StepRecord):
+        out["kind"] = "step"
+        fields: dict[str, object] = {
+            "run": record.run,
+            "rank": record.rank,
+            "world": record.world,
+            "local_rank": record.local_rank,
+            "step": record.step,
+            "t_start": record.t_start,
+            "duration": record.duration_s,
+            "phases": dict(record.phases_s) if record.phases_s else None,
+            "samples": record.samples,
+            "tokens": record.tokens,
+            "flops": record.flops,
+            "gpu": record.gpu,
+            "pid": record.pid,
+        }
+        if record.mem is not None:
+            mem = {w: getattr(record.mem, a) for w, a in zip(MEM_WIRE_NAMES, _MEM_ATTRIBUTES, strict=True)}
+            fields["mem"] = {k: v for k, v in mem.items() if v is not None}
+        if record.comm is not None:
+            fields["comm"] = _comm_wire(record.comm)
+        if record.memory_breakdown is not None:
+            fields["memb"] = _breakdown_wire(record.memory_breakdown)
+    elif isinstance(record, EventRecord):
+        out["kind"] = "event"
+        fields = {
+            "run": record.run,
+            "rank": record.rank,
+            "event": record.event,
+            "t": record.t,
+            "step": record.step,
+            "pid": record.pid,
+            "gpu": record.gpu,
+            "message": record.message,
+        }
+    else:
+        out["kind"] = "hello"
+        fields = {
+            "run": record.run,
+            "rank": record.rank,
+            "world": record.world,
+            "local_rank": record.local_rank,
+            "pid": record.pid,
+            "gpu": record.gpu,
+            "client_version": record.client_version,
+        }
+    out.update((k, v) for k, v in fields.items() if v is not None)
+    return out
+
+
+def encode_record(record: WireRecord | Record) -> bytes:
+    """One record as a compact JSON object (also the line format of recordings).
+
+    Raises ``ValueError`` for values JSON cannot carry (NaN, infinity)."""
+    wire = record if isinstance(record, Mapping) else to_wire(record)
+    return _ENCODER.encode(wire).encode("ascii")
+
+
+def encode_measured_field(name: str, value: object, duration_s: float) -> str:
+    """``,"name":{...}`` for a measured step field (``comm`` or ``memb``) given in its wire
+    shape, written from what the decoder makes of it: what is sent is exactly what the agent
+    will accept. Raises ``ProtocolError`` for an unknown name or a value the agent would drop
+    (which would cost the whole step record)."""
+    wire: dict[str, object]
+    if name == "comm":
+        wire = _comm_wire(check_comm(value, duration_s))
+    elif name == "memb":
+        wire = _breakdown_wire(check_memory_breakdown(value))
+    else:
+        raise ProtocolError("bad_type", f"{name!r} is not a measured step field")
+    return f',"{name}":{_ENCODER.encode(wire)}'
+
+
+def encode_datagrams(
+    records: Iterable[WireRecord | Record], max_bytes: int = MAX_DATAGRAM_BYTES
+) -> list[bytes]:
+    """Pack records into JSON-array datagrams of at most ``max_bytes`` each, in order.
+
+    Raises ``ValueError`` for values JSON cannot carry (NaN, infinity).
+    """
+    return [data for data, _ in pack_datagrams((encode_record(r) for r in records), max_bytes)]
+
+
+def pack_datagrams(encoded: Iterable[bytes], max_bytes: int = MAX_DATAGRAM_BYTES) -> list[tuple[bytes, int]]:
+    """Pack encoded records into JSON arrays of at most ``max_bytes``: (datagram, count) pairs.
+
+    A single record too large for any datagram still gets one of its own (the receiver
+    rejects it as ``too_large``); records built from valid fields are far below the limit.
+    """
+    datagrams: list[tuple[bytes, int]] = []
+    batch: list[bytes] = []
+    size = 2  # the brackets
+    for item in encoded:
+        if batch and size + 1 + len(item) > max_bytes:
+            datagrams.append((b"[" + b",".join(batch) + b"]", len(batch)))
+            batch, size = [], 2
+        size += len(item) + (1 if batch else 0)
+        batch.append(item)
+    if batch:
+        datagrams.append((b"[" + b",".join(batch) + b"]", len(batch)))
+    return datagrams
+
+
+def _comm_wire(comm: CommStats) -> dict[str, object]:
+    out: dict[str, object] = {"exposed": comm.exposed_s, "busy": comm.busy_s}
+    if comm.ops:
+        out["ops"] = {op.name: [op.count, op.bytes, op.seconds] for op in comm.ops}
+    return out
+
+
+def _breakdown_wire(breakdown: MemoryBreakdown) -> dict[str, object]:
+    parts = {name: getattr(breakdown, name) for name in MEMORY_COMPONENTS}
+    return {k: v for k, v in parts.items() if v is not None}

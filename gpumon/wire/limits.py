@@ -1,0 +1,140 @@
+"""What a record may hold: sizes, ranges and label rules, in one table.
+
+``FIELD_LIMITS`` is the only statement of each numeric field's type and range: the decoder's
+fast path takes its bounds from it, its full check applies it, and the client's encoder
+checks what it sends against the same rows. ``tests/wire/test_limits.py`` holds the two
+decoder paths to the same verdict on any input.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+PROTOCOL_VERSION = 1
+MAX_DATAGRAM_BYTES = 8192
+MAX_RECORDS_PER_DATAGRAM = 256
+
+KNOWN_PHASES = ("data", "forward", "backward", "comm", "optimizer")
+"""Phases the agent attributes to a wall; any other label counts as ``other``."""
+MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "other")
+"""The parts of a rank's memory the sampled breakdown (``memb``) names, in wire and field order."""
+STEP_MEASURED_FIELDS = ("comm", "memb")
+"""Optional step fields a watcher on the training thread may add (``encode_measured_field``)."""
+
+MAX_RUN_CHARS = 128
+MAX_LABEL_CHARS = 64
+"""Longest phase or event name, and the client version."""
+MAX_GPU_CHARS = 128
+MAX_COLLECTIVE_CHARS = 32
+"""Longest collective kind name (``all_reduce``, ``reduce_scatter``, ...)."""
+MAX_MESSAGE_CHARS = 1024
+MAX_PHASES = 32
+MAX_COLLECTIVE_KINDS = 16
+"""Most kinds of collective one step's ``comm`` may list."""
+
+MAX_WORLD_SIZE = 1 << 20
+"""Largest accepted world size; rank and local_rank must be below it."""
+MAX_GPU_INDEX = 4096
+MAX_INT = (1 << 63) - 1
+MAX_PID = (1 << 32) - 1
+MAX_DURATION_S = 86_400.0
+"""A step (or phase) must last less than a day."""
+PHASE_SLACK_RATIO = 0.01
+PHASE_SLACK_S = 0.001
+"""A phase (or a comm figure) may exceed its step's duration by this much (rounding by clients)."""
+MAX_UNIX_TIME_S = 1e10
+MAX_FLOPS = 1e30
+
+DROP_REASONS = (
+    "too_large",
+    "not_utf8",
+    "not_json",
+    "not_object",
+    "too_many_records",
+    "bad_version",
+    "bad_kind",
+    "missing_field",
+    "bad_type",
+    "bad_value",
+    "bad_label",
+    "bad_comm",
+    "bad_memory_breakdown",
+)
+"""Every reason ``decode_datagram`` can give for a rejected object or datagram."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limit:
+    """One numeric field: an ``int`` (bool refused), or a number (an int or a finite float),
+    from ``low`` to ``high`` (``high`` itself excluded when ``below``); ``within_step``: up to
+    the step's duration plus the phase slack instead of ``high``. A wrong type is refused with
+    ``type_reason``, a value out of range with ``value_reason``."""
+
+    integer: bool
+    high: float
+    low: int = 0
+    below: bool = False
+    within_step: bool = False
+    type_reason: str = "bad_type"
+    value_reason: str = "bad_value"
+
+    def high_for(self, duration_s: float) -> float:
+        """The upper bound in a step lasting ``duration_s``."""
+        return step_slack(duration_s) if self.within_step else self.high
+
+
+def step_slack(duration_s: float) -> float:
+    """The longest a phase or comm figure may be in a step of ``duration_s``."""
+    return duration_s * (1 + PHASE_SLACK_RATIO) + PHASE_SLACK_S
+
+
+_COUNT = Limit(integer=True, high=MAX_INT)
+
+
+def _in_comm(integer: bool, high: float, within_step: bool = False) -> Limit:
+    return Limit(integer, high, within_step=within_step, type_reason="bad_comm", value_reason="bad_comm")
+
+
+FIELD_LIMITS: dict[str, Limit] = {
+    "rank": Limit(integer=True, high=MAX_WORLD_SIZE - 1),
+    "world": Limit(integer=True, high=MAX_WORLD_SIZE, low=1),
+    "local_rank": Limit(integer=True, high=MAX_WORLD_SIZE - 1),
+    "step": _COUNT,
+    "duration": Limit(integer=False, high=MAX_DURATION_S, below=True),
+    "t_start": Limit(integer=False, high=MAX_UNIX_TIME_S),
+    "t": Limit(integer=False, high=MAX_UNIX_TIME_S),
+    "samples": _COUNT,
+    "tokens": _COUNT,
+    "flops": Limit(integer=False, high=MAX_FLOPS),
+    "pid": Limit(integer=True, high=MAX_PID, low=1),
+    "gpu": Limit(integer=True, high=MAX_GPU_INDEX - 1),
+    "phase": Limit(integer=False, high=MAX_DURATION_S, within_step=True),
+    "mem": _COUNT,
+    "comm.exposed": _in_comm(integer=False, high=MAX_DURATION_S, within_step=True),
+    "comm.busy": _in_comm(integer=False, high=MAX_DURATION_S, within_step=True),
+    "comm.count": _in_comm(integer=True, high=MAX_INT),
+    "comm.bytes": _in_comm(integer=True, high=MAX_INT),
+    "comm.seconds": _in_comm(integer=False, high=MAX_DURATION_S),
+    "memb": Limit(integer=True, high=MAX_INT, type_reason="bad_memory_breakdown",
+                  value_reason="bad_memory_breakdown"),
+}
+"""Every numeric field by name (``mem``, ``memb``: each of their counts; ``phase``: each phase;
+``comm.*``: the figures inside ``comm``)."""
+
+LABEL_LIMITS: dict[str, int] = {
+    "run": MAX_RUN_CHARS,
+    "phase": MAX_LABEL_CHARS,
+    "event": MAX_LABEL_CHARS,
+    "client_version": MAX_LABEL_CHARS,
+    "gpu": MAX_GPU_CHARS,
+    "collective": MAX_COLLECTIVE_CHARS,
+}
+"""Longest value of each label field; every label is ``[A-Za-z0-9_.:/-]+``."""
+
+_LABEL = re.compile(r"[A-Za-z0-9_.:/-]+")
+
+
+def is_label(value: str, max_chars: int = MAX_LABEL_CHARS) -> bool:
+    """Whether ``value`` may be a run or phase name: 1..max_chars of ``[A-Za-z0-9_.:/-]``."""
+    return 0 < len(value) <= max_chars and _LABEL.fullmatch(value) is not None

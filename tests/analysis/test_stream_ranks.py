@@ -1,0 +1,181 @@
+"""The straggler comparison in the streaming analyzer: steps of a synchronous run in, the slow
+rank flagged with its cause, its peers told whom they wait on; a rank that goes silent, a
+world size that changes mid-run and impossible comm figures handled without a crash."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+
+from gpumon.analysis.bottleneck import Bottleneck, Flag
+from gpumon.analysis.straggler import SlowerRank, StragglerCause
+from gpumon.analysis.stream import StepAnalyzer, StepVerdict
+from gpumon.collectors.samples import GpuSample, GpuStatic
+from gpumon.wire import CollectiveOp, CommStats, StepRecord
+
+T0 = 1000.0
+STEP_S = 0.25
+GPUS = [GpuStatic(index=i, uuid=f"GPU-{i}", name="NVIDIA H100 80GB HBM3", pci_bus_id="",
+                  memory_total_bytes=80 * 1024**3) for i in range(4)]
+
+
+def make_history(clock_hz: Mapping[int, float] | None = None,
+                 throttled: frozenset[int] = frozenset()):  # type: ignore[no-untyped-def]
+    """Every GPU busy (GPM present) over the whole test, sampled every 0.1 s."""
+    clocks = clock_hz or {}
+
+    def history(index: int, t0: float, t1: float) -> list[GpuSample]:
+        k0, k1 = int(t0 * 10) + 1, int(t1 * 10)
+        return [GpuSample(index=index, t=k / 10, utilization_ratio=1.0, sm_active_ratio=0.9,
+                          tensor_active_ratio=0.6, dram_active_ratio=0.3,
+                          sm_clock_hz=clocks.get(index, 1.98e9),
+                          clock_event_reasons={"hw_thermal_slowdown": index in throttled})
+                for k in range(k0, k1 + 1)]
+    return history
+
+
+def sync_run(world: int, steps: range, *, extra_forward: Mapping[int, float] | None = None,
+             extra_data: Mapping[int, float] | None = None, ranks: range | None = None,
+             run: str = "ddp", t0: float = T0) -> list[StepRecord]:
+    """Synchronous DDP steps: a rank's wait for the slowest sits inside its backward phase and
+    in its measured ``comm``; every rank's step lasts the same."""
+    extra_forward, extra_data = extra_forward or {}, extra_data or {}
+    base = {"data": 0.005, "forward": 0.06, "backward": 0.1}
+    tail, optimizer = 0.02, 0.01
+    ready = {r: sum(base.values()) + extra_forward.get(r, 0.0) + extra_data.get(r, 0.0)
+             for r in range(world)}
+    duration = max(ready.values()) + tail + optimizer
+    out = []
+    for n in steps:
+        start = t0 + n * duration
+        for rank in ranks if ranks is not None else range(world):
+            exposed = max(ready.values()) + tail - ready[rank]
+            out.append(StepRecord(
+                run=run, rank=rank, step=n, duration_s=duration, world=world, t_start=start,
+                gpu=f"GPU-{rank % 4}",
+                phases_s={"data": base["data"] + extra_data.get(rank, 0.0),
+                          "forward": base["forward"] + extra_forward.get(rank, 0.0),
+                          "backward": base["backward"] + exposed, "optimizer": optimizer},
+                comm=CommStats(exposed, exposed + 0.05,
+                               (CollectiveOp("all_reduce", 4, 64 * 2**20, exposed + 0.05),))))
+    return out
+
+
+def feed(analyzer: StepAnalyzer, steps: list[StepRecord], history=None,  # type: ignore[no-untyped-def]
+         xid_gpus: frozenset[int] = frozenset()) -> list[StepVerdict]:
+    """Hand the analyzer every step as a live agent would (in order, a pass per second)."""
+    history = history or make_history()
+    verdicts: list[StepVerdict] = []
+    by_end = sorted(steps, key=lambda s: s.t_end or 0.0)
+    now = by_end[0].t_end or 0.0
+    i = 0
+    while i < len(by_end):
+        now += 1.0
+        batch = [s for s in by_end[i:] if (s.t_end or 0.0) <= now]
+        i += len(batch)
+        analyzer.add(batch, received_t=now)
+        for part in analyzer.process_in_slices(now, history, GPUS, {}, xid_gpus=xid_gpus):
+            verdicts += part
+    for part in analyzer.process_in_slices(now + 60, history, GPUS, {}, xid_gpus=xid_gpus):
+        verdicts += part
+    return verdicts
+
+
+def flagged_share(verdicts: list[StepVerdict], rank: int) -> float:
+    mine = [v for v in verdicts if v.rank == rank][3:]  # the first passes have no comparison
+    return sum(Flag.STRAGGLER in v.verdict.flags for v in mine) / len(mine)
+
+
+def test_four_ranks_one_with_more_forward_work() -> None:
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    verdicts = feed(analyzer, sync_run(4, range(120), extra_forward={3: 0.06}))
+    assert flagged_share(verdicts, 3) >= 0.95
+    assert all(flagged_share(verdicts, r) == 0.0 for r in range(3))
+    analyses = {a.rank: a for a in analyzer.analyses()}
+    assert analyses[3].straggler_cause is StragglerCause.COMPUTE
+    for rank in range(3):
+        assert analyses[rank].slower_rank == SlowerRank(3)
+        latest = analyses[rank].verdict
+        assert latest is not None and latest.primary is Bottleneck.COMMUNICATION
+        assert "waiting on a slower rank (rank 3)" in latest.hint
+
+
+def test_two_ranks_one_starved_by_its_input() -> None:
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    verdicts = feed(analyzer, sync_run(2, range(80), extra_data={1: 0.06}))
+    assert flagged_share(verdicts, 1) >= 0.95 and flagged_share(verdicts, 0) == 0.0
+    late = Counter((v.rank, v.verdict.primary) for v in verdicts[10:])
+    assert late[(1, Bottleneck.INPUT)] == sum(n for (r, _), n in late.items() if r == 1)
+    assert late[(0, Bottleneck.COMMUNICATION)] == sum(n for (r, _), n in late.items() if r == 0)
+    assert {a.rank: a.straggler_cause for a in analyzer.analyses()} == {
+        0: None, 1: StragglerCause.INPUT}
+
+
+def test_a_straggler_on_a_throttled_or_erroring_gpu_has_its_gpu_as_cause() -> None:
+    for history, xid in ((make_history(throttled=frozenset({2})), frozenset()),
+                         (make_history(clock_hz={2: 1.4e9}), frozenset()),
+                         (make_history(), frozenset({2}))):
+        analyzer = StepAnalyzer(resolution_s=0.5)
+        feed(analyzer, sync_run(4, range(40), extra_forward={2: 0.06}), history, xid)
+        causes = {a.rank: a.straggler_cause for a in analyzer.analyses()}
+        assert causes == {0: None, 1: None, 2: StragglerCause.GPU, 3: None}
+
+
+def test_balanced_ranks_are_never_flagged() -> None:
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    verdicts = feed(analyzer, sync_run(8, range(40)))
+    assert not any(Flag.STRAGGLER in v.verdict.flags for v in verdicts)
+    assert {a.slower_rank for a in analyzer.analyses()} == {None}
+
+
+def test_a_rank_that_stops_reporting_is_left_out_and_named() -> None:
+    """Rank 3's records stop (its client lost its socket) while ranks 0-2 keep stepping and
+    waiting: its last figures must not be compared, and its peers hear that it went quiet."""
+    steps = [s for s in sync_run(4, range(120), extra_forward={3: 0.06})
+             if s.rank != 3 or s.step < 40]
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    feed(analyzer, steps)
+    analyses = {a.rank: a for a in analyzer.analyses()}
+    assert analyses[3].straggler_score is None and analyses[3].straggler_cause is None
+    for rank in range(3):
+        assert analyses[rank].slower_rank == SlowerRank(3, silent=True)
+        latest = analyses[rank].verdict
+        assert latest is not None
+        assert "rank 3, which stopped reporting" in latest.hint
+        assert Flag.STRAGGLER not in latest.flags
+
+
+def test_a_world_size_change_restarts_the_comparison() -> None:
+    """An elastic job restarts from 4 ranks to 2: ranks 2-3 of the old world are not compared
+    (nor called silent), ranks 0-1 count one change each and start afresh."""
+    before = sync_run(4, range(30), extra_forward={3: 0.06})
+    t_restart = max(s.t_end or 0.0 for s in before) + 2.0
+    after = sync_run(2, range(30), extra_forward={1: 0.06}, t0=t_restart)
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    verdicts = feed(analyzer, before + after)
+    analyses = {a.rank: a for a in analyzer.analyses()}
+    assert {r: a.world_changes for r, a in analyses.items()} == {0: 1, 1: 1, 2: 0, 3: 0}
+    assert analyses[1].straggler_cause is StragglerCause.COMPUTE
+    assert analyses[0].slower_rank == SlowerRank(1)
+    assert analyses[2].straggler_score is None and analyses[3].straggler_score is None
+    assert len(verdicts) > 0
+
+
+def test_impossible_comm_figures_give_verdicts_not_errors() -> None:
+    """Records built in-process (not decoded, so unchecked): a wait longer than the step, a
+    negative one, NaN. The wire decoder drops these as ``bad_comm``; the analysis must still
+    not raise on them."""
+    steps = sync_run(2, range(12))
+    odd = [
+        StepRecord(run="ddp", rank=0, step=20, duration_s=0.1, world=2, t_start=T0 + 10,
+                   comm=CommStats(5.0, 5.0)),
+        StepRecord(run="ddp", rank=0, step=21, duration_s=0.1, world=2, t_start=T0 + 10.1,
+                   phases_s={"forward": 0.05}, comm=CommStats(-1.0, float("nan"))),
+        StepRecord(run="ddp", rank=0, step=22, duration_s=0.1, world=2, t_start=T0 + 10.2,
+                   phases_s={"comm": float("nan")}, comm=CommStats(float("nan"), 0.0)),
+    ]
+    verdicts = feed(StepAnalyzer(resolution_s=0.5), steps + odd)
+    assert {n for v in verdicts for n in v.steps if v.rank == 0} >= {20, 21, 22}
+    for v in verdicts:
+        assert 0.0 <= v.verdict.confidence <= 1.0
+        assert all(0.0 <= share <= 1.0 for share in v.verdict.fractions.values())

@@ -1,0 +1,188 @@
+"""The per-step communication ledger: intervals, attribution to steps, what is not measured."""
+
+from __future__ import annotations
+
+import time
+from time import perf_counter
+
+import pytest
+
+from gpumon.client.comm import MAX_PENDING_OPS, CommLedger, union_seconds
+
+
+@pytest.mark.parametrize(
+    ("intervals", "lo", "hi", "expected"),
+    [
+        ([], 0.0, 10.0, 0.0),
+        ([(1.0, 2.0)], 0.0, 10.0, 1.0),
+        ([(1.0, 3.0), (2.0, 4.0)], 0.0, 10.0, 3.0),  # overlapping: counted once
+        ([(2.0, 4.0), (1.0, 3.0), (6.0, 7.0)], 0.0, 10.0, 4.0),  # any order
+        ([(1.0, 5.0), (2.0, 3.0)], 0.0, 10.0, 4.0),  # nested
+        ([(-5.0, 2.0), (9.0, 20.0)], 0.0, 10.0, 3.0),  # clipped to the window
+        ([(11.0, 12.0), (-3.0, -1.0)], 0.0, 10.0, 0.0),  # outside it
+        ([(3.0, 2.0)], 0.0, 10.0, 0.0),  # backwards: nothing
+    ],
+)
+def test_union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float, expected: float) -> None:
+    assert union_seconds(intervals, lo, hi) == pytest.approx(expected)
+
+
+def _past_step(ledger: CommLedger, seconds: float = 0.02) -> float:
+    """Begin a step and let ``seconds`` pass, so intervals can be placed inside it; its start."""
+    ledger.step_begin()
+    t_begin = perf_counter()
+    time.sleep(seconds)
+    return t_begin
+
+
+def test_a_step_reports_its_collectives_by_kind() -> None:
+    ledger = CommLedger()
+    t = _past_step(ledger)
+    a = ledger.launched("all_reduce", 1000, t + 0.001, t + 0.002, True)
+    b = ledger.launched("all_reduce", 500, t + 0.003, t + 0.004, True)
+    c = ledger.launched("broadcast", 8, t + 0.010, t + 0.011, True)
+    assert a is not None and b is not None and c is not None
+    a.t_done, b.t_done, c.t_done = t + 0.006, t + 0.008, t + 0.011
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    comm = fields["comm"]
+    assert isinstance(comm, dict)
+    assert comm["ops"] == {
+        "all_reduce": [2, 1500, pytest.approx(0.005 + 0.005)],
+        "broadcast": [1, 8, pytest.approx(0.001)],
+    }
+    assert comm["busy"] == pytest.approx(0.007 + 0.001)  # [1, 8] ms and [10, 11] ms
+    # Launching on the training thread held it for 1 ms each (the broadcast returned done).
+    assert comm["exposed"] == pytest.approx(0.003)
+    assert comm["exposed"] <= comm["busy"]
+
+
+def test_a_wait_ends_at_the_last_completion_or_when_resumed() -> None:
+    ledger = CommLedger()
+    t = _past_step(ledger)
+    op = ledger.launched("all_reduce", 4, t + 0.001, t + 0.002, True)
+    assert op is not None
+    op.t_done = t + 0.009
+    assert ledger.wait_from(t + 0.002) is not None  # nobody stamped its end: the completion does
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    assert fields["comm"]["exposed"] == pytest.approx(0.008)  # type: ignore[index]
+
+    t = _past_step(ledger)
+    op = ledger.launched("all_reduce", 4, t + 0.001, t + 0.002, True)
+    assert op is not None
+    op.t_done = t + 0.009
+    tail = ledger.wait_from(t + 0.002)
+    assert tail is not None
+    tail.resumed()  # the waiter resumed after the completion (copying buckets back, say)
+    fields = {}
+    ledger.step_end(fields)
+    comm = fields["comm"]
+    assert comm["exposed"] > 0.015  # type: ignore[index]  # up to the stamp, ~20 ms in
+    # the wait after the completion is communication's too: busy covers it
+    assert comm["busy"] == pytest.approx(comm["exposed"])  # type: ignore[index]
+
+
+def test_an_operation_across_a_step_end_is_counted_once() -> None:
+    ledger = CommLedger()
+    t = _past_step(ledger)
+    op = ledger.launched("all_gather", 64, t + 0.005, t + 0.006, True)
+    assert op is not None
+    first: dict[str, object] = {}
+    ledger.step_end(first)
+    t_end = perf_counter()
+    # Still in flight: its time so far is this step's, its count waits for its completion.
+    assert first["comm"]["ops"] == {}  # type: ignore[index]
+    assert first["comm"]["busy"] == pytest.approx(t_end - (t + 0.005), abs=0.002)  # type: ignore[index]
+
+    ledger.step_begin()
+    t2 = perf_counter()
+    time.sleep(0.02)
+    op.t_done = t2 + 0.004
+    second: dict[str, object] = {}
+    ledger.step_end(second)
+    assert second["comm"]["ops"] == {"all_gather": [1, 64, pytest.approx(op.t_done - op.t0)]}  # type: ignore[index]
+    assert second["comm"]["busy"] == pytest.approx(0.004, abs=0.001)  # type: ignore[index]
+
+    third: dict[str, object] = {}
+    _past_step(ledger, 0.001)
+    ledger.step_end(third)
+    assert third["comm"] == {"exposed": 0.0, "busy": 0.0, "ops": {}}
+
+
+def test_collectives_outside_steps_are_not_counted() -> None:
+    ledger = CommLedger()
+    t = perf_counter()
+    assert ledger.launched("barrier", 0, t, t + 0.001, True) is None
+    assert ledger.outside_steps == 1
+    _past_step(ledger, 0.001)
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    assert fields["comm"] == {"exposed": 0.0, "busy": 0.0, "ops": {}}
+
+
+def test_a_step_with_an_untimed_collective_reports_no_comm() -> None:
+    ledger = CommLedger()
+    t = _past_step(ledger)
+    op = ledger.launched("all_reduce", 4, t, t + 0.001, host_timed=False)
+    assert op is not None
+    op.t_done = t + 0.001
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    assert "comm" not in fields and ledger.steps_not_timed == 1
+    _past_step(ledger, 0.001)
+    ledger.step_end(fields)  # the next step, with nothing untimed, is measured again
+    assert "comm" in fields and ledger.steps_measured == 1
+
+
+def test_a_blind_ledger_reports_nothing() -> None:
+    ledger = CommLedger()
+    ledger.blind = True  # e.g. DDP with a built-in C++ comm hook: its all-reduces are invisible
+    _past_step(ledger, 0.001)
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    assert fields == {}
+
+
+def test_operations_that_never_complete_are_bounded() -> None:
+    ledger = CommLedger()
+    t = _past_step(ledger, 0.001)
+    for _ in range(MAX_PENDING_OPS + 10):
+        ledger.launched("all_reduce", 4, t, t, True)  # a dead peer: nothing ever completes
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    assert ledger.dropped_ops == 10
+    assert fields["comm"]["ops"] == {}  # type: ignore[index]
+
+
+def test_the_inferred_wait_runs_from_the_last_launch_to_the_last_completion() -> None:
+    ledger = CommLedger()
+    ledger.infer_tail = True
+    t = _past_step(ledger)
+    first = ledger.launched("all_reduce", 4, t + 0.001, t + 0.002, True)
+    last = ledger.launched("all_reduce", 4, t + 0.003, t + 0.004, True)
+    assert first is not None and last is not None
+    first.t_done, last.t_done = t + 0.005, t + 0.010
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    # launches [1, 2] and [3, 4] ms, then the wait [4, 10] ms
+    assert fields["comm"]["exposed"] == pytest.approx(0.001 + 0.007)  # type: ignore[index]
+
+
+def test_a_mirrored_wait_counts_the_copy_after_the_last_completion_twice() -> None:
+    ledger = CommLedger()
+    t = _past_step(ledger, 0.03)
+    op = ledger.launched("all_reduce", 4, t + 0.001, t + 0.002, True)
+    assert op is not None
+    tail = ledger.wait_from(t + 0.002, mirrored=True)
+    assert tail is not None
+    op.t_done = perf_counter() - 0.01  # copying the buckets back took the last 10 ms
+    tail.resumed()
+    time.sleep(0.02)  # the rest of the step (the optimizer, say)
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    waited = tail.end - (t + 0.001)  # type: ignore[operator]
+    copied = tail.end - op.t_done  # type: ignore[operator]
+    comm = fields["comm"]
+    assert comm["exposed"] == pytest.approx(waited + copied)  # type: ignore[index]
+    assert comm["busy"] == pytest.approx(comm["exposed"])  # type: ignore[index]

@@ -1,0 +1,242 @@
+"""Measuring real torch.distributed collectives and DDP buckets, in-process (gloo, world size 1).
+
+A world of one runs the same code paths (the wrapped functions, DDP's reducer and comm hook,
+the autograd engine's callbacks) without peers; multi-rank jobs are in tests/e2e.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpumon.client import StepMonitor, comm
+from gpumon.client.comm import CommLedger, tap_into, untap
+from gpumon.client.ddp import HOOKED, INFERRED, NOT_MEASURED, watch_ddp
+from gpumon.client.transport import MemoryTransport
+from gpumon.wire import StepRecord
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one() -> Iterator[None]:
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def ledger() -> Iterator[CommLedger]:
+    led = CommLedger()
+    assert tap_into(led)
+    yield led
+    untap(led)
+
+
+def _step(ledger: CommLedger, body: Any) -> dict[str, Any]:
+    fields: dict[str, object] = {}
+    ledger.step_begin()
+    body()
+    ledger.step_end(fields)
+    comm_field = fields.get("comm")
+    assert comm_field is None or isinstance(comm_field, dict)
+    return comm_field or {}
+
+
+def test_blocking_and_async_collectives_are_counted_with_their_payload(ledger: CommLedger) -> None:
+    tensor = torch.ones(1000)  # 4,000 bytes
+    gathered = [torch.zeros(10)]
+
+    def body() -> None:
+        dist.all_reduce(tensor)
+        work = dist.all_reduce(tensor, async_op=True)
+        assert work is not None
+        work.wait()
+        dist.all_gather(gathered, torch.ones(10))
+        dist.broadcast(tensor, src=0)
+        dist.barrier()
+
+    stats = _step(ledger, body)
+    assert stats["ops"]["all_reduce"][:2] == [2, 8000]
+    assert stats["ops"]["all_gather"][:2] == [1, 40]
+    assert stats["ops"]["broadcast"][:2] == [1, 4000]
+    assert stats["ops"]["barrier"][:2] == [1, 0]
+    assert all(seconds >= 0 for _, _, seconds in stats["ops"].values())
+    assert 0 < stats["exposed"] <= stats["busy"]
+
+
+def test_the_wrapped_functions_return_what_torch_returns(ledger: CommLedger) -> None:
+    tensor = torch.arange(4.0)
+    assert dist.all_reduce(tensor) is None
+    work = dist.all_reduce(tensor, async_op=True)
+    assert isinstance(work, dist.Work)
+    work.wait()
+    assert torch.equal(tensor, torch.arange(4.0))  # a world of one: the sum is itself
+    assert dist.all_reduce.__name__ == "all_reduce"
+    assert "Reduces the tensor" in (dist.all_reduce.__doc__ or "")
+
+
+def test_without_a_watching_ledger_nothing_is_recorded() -> None:
+    led = CommLedger()
+    led.step_begin()
+    dist.all_reduce(torch.ones(4))
+    fields: dict[str, object] = {}
+    led.step_end(fields)
+    assert fields["comm"] == {"exposed": 0.0, "busy": 0.0, "ops": {}}
+    assert comm._ledgers == []
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def _train_step(ddp: nn.Module) -> None:
+    ddp(torch.randn(4, 64, generator=torch.Generator().manual_seed(1))).sum().backward()
+
+
+def _grad_bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def test_ddp_buckets_are_measured_with_their_wait(ledger: CommLedger) -> None:
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]), bucket_cap_mb=0.5)
+    assert watch_ddp(ledger, ddp) == HOOKED
+    assert watch_ddp(ledger, ddp) == HOOKED  # again: nothing changes
+
+    def train() -> None:
+        ddp(torch.randn(4, 256)).sum().backward()
+
+    for buckets in (1, 3):  # DDP sizes its buckets after the first step
+        stats = _step(ledger, train)
+        assert stats["ops"]["all_reduce"][:2] == [buckets, _grad_bytes(ddp)]
+    assert 0 < stats["busy"] and 0 < stats["exposed"]
+
+    def no_sync() -> None:
+        with ddp.no_sync():
+            train()
+
+    skipped = _step(ledger, no_sync)
+    assert skipped == {"exposed": 0.0, "busy": 0.0, "ops": {}}
+
+
+def test_ddp_gradients_are_the_same_watched_or_not(ledger: CommLedger) -> None:
+    plain, watched = DDP(_model()), DDP(_model())
+    watch_ddp(ledger, watched)
+    _train_step(plain)
+    _step(ledger, lambda: _train_step(watched))
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
+def test_a_hook_registered_after_watch_runs_with_its_state_and_is_measured(ledger: CommLedger) -> None:
+    ddp = DDP(_model())
+    watch_ddp(ledger, ddp)
+    calls: list[Any] = []
+
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        calls.append(state)
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+    ddp.register_comm_hook("my-state", counting_hook)
+    stats = _step(ledger, lambda: _train_step(ddp))
+    assert calls == ["my-state"]
+    assert stats["ops"]["all_reduce"][:2] == [1, _grad_bytes(ddp)]
+    assert ddp._get_ddp_logging_data()["comm_hook"].endswith("counting_hook")
+    with pytest.raises(RuntimeError, match="only be called once"):
+        ddp.register_comm_hook(None, counting_hook)  # as DDP itself says
+    watched = DDP(_model())
+    watch_ddp(ledger, watched)
+
+    def wrong(state: Any, bucket: int) -> Any:
+        return None
+
+    with pytest.raises(ValueError, match="bucket annotation"):  # the same checks when watched
+        watched.register_comm_hook(None, wrong)
+
+
+def test_a_builtin_hook_registered_after_watch_runs_as_its_python_twin(ledger: CommLedger) -> None:
+    ddp, reference = DDP(_model()), DDP(_model())
+    watch_ddp(ledger, ddp)
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    reference._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
+    stats = _step(ledger, lambda: _train_step(ddp))
+    _train_step(reference)
+    assert stats["ops"]["all_reduce"][:2] == [1, _grad_bytes(ddp) // 2]  # what fp16 sends
+    for a, b in zip(reference.parameters(), ddp.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
+def test_a_python_hook_registered_before_watch_is_measured_by_its_collectives(
+    ledger: CommLedger, caplog: pytest.LogCaptureFixture
+) -> None:
+    ddp = DDP(_model())
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    with caplog.at_level(logging.WARNING, logger="gpumon.client"):
+        assert watch_ddp(ledger, ddp) == INFERRED
+    assert "registered before watch()" in caplog.text
+    stats = _step(ledger, lambda: _train_step(ddp))
+    assert stats["ops"]["all_reduce"][:2] == [1, _grad_bytes(ddp) // 2]
+    assert stats["exposed"] > 0
+
+
+def test_a_builtin_hook_registered_before_watch_is_not_measured(
+    ledger: CommLedger, caplog: pytest.LogCaptureFixture
+) -> None:
+    ddp = DDP(_model())
+    ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    with caplog.at_level(logging.WARNING, logger="gpumon.client"):
+        assert watch_ddp(ledger, ddp) == NOT_MEASURED
+    assert "built-in comm hook" in caplog.text
+    fields: dict[str, object] = {}
+    ledger.step_begin()
+    _train_step(ddp)
+    ledger.step_end(fields)
+    assert "comm" not in fields  # absent, not a zero that was never measured
+
+
+def test_a_ddp_without_the_expected_internals_is_not_measured(ledger: CommLedger) -> None:
+    class OldDdp:  # stands in for a torch whose DDP lacks what the watcher uses
+        process_group = None
+
+    assert watch_ddp(ledger, OldDdp()) == NOT_MEASURED
+
+
+def test_a_watched_ddp_reports_comm_on_every_step_record() -> None:
+    transport = MemoryTransport()
+    mon = StepMonitor("comm-test", transport=transport, rank=0, world=1)
+    ddp = DDP(_model())
+    assert mon.watch(ddp) is ddp
+    assert mon.watch(ddp) is ddp  # idempotent
+    assert mon.watch(nn.Linear(2, 2)) is not None  # a plain module: nothing to do, no error
+    for _ in range(3):
+        with mon.step():
+            with mon.phase("forward"):
+                loss = ddp(torch.randn(4, 64)).sum()
+            with mon.phase("backward"):
+                loss.backward()
+    with mon.step():  # no collective in this step: a measured zero
+        pass
+    mon.close()
+    steps = [r for r in transport.records() if isinstance(r, StepRecord)]
+    assert len(steps) == 4
+    for record in steps[:3]:
+        assert record.comm is not None
+        (op,) = record.comm.ops
+        assert (op.name, op.count, op.bytes) == ("all_reduce", 1, _grad_bytes(ddp))
+        assert 0 < record.comm.exposed_s <= record.comm.busy_s <= record.duration_s
+        assert record.comm.exposed_s <= record.phases_s["backward"]
+    assert steps[3].comm is not None and steps[3].comm.ops == () and steps[3].comm.busy_s == 0.0
+    assert mon.stats.extension_errors == 0

@@ -1,0 +1,87 @@
+"""Running small multi-process training jobs under ``torch.distributed.run`` against a real
+agent, and reading back what the agent recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpumon.testing import AgentProcess, free_port, start_agent
+
+ROOT = Path(__file__).resolve().parents[2]
+JOBS = Path(__file__).resolve().parent / "jobs"
+JOB_TIMEOUT_S = 240
+
+
+@dataclass
+class Job:
+    """What a finished job left: each rank's own summary, and the agent's recording."""
+
+    out: Path
+    recording: Path
+    run: str
+
+    def summary(self, rank: int) -> dict[str, Any]:
+        summary: dict[str, Any] = json.loads((self.out / f"rank{rank}.json").read_text())
+        return summary
+
+    def steps(self, rank: int | None = None) -> list[dict[str, Any]]:
+        """The recorded step lines of this job (of one rank), in step order."""
+        lines = [json.loads(line) for line in self.recording.read_text().splitlines() if line.strip()]
+        steps = [s for s in lines if s.get("kind") == "step" and s.get("run") == self.run
+                 and (rank is None or s.get("rank") == rank)]
+        return sorted(steps, key=lambda s: (s["rank"], s["step"]))
+
+
+@contextmanager
+def recording_agent(tmp_path: Path) -> Iterator[tuple[AgentProcess, Path]]:
+    """A real agent subprocess recording every step to a JSONL file."""
+    recording = tmp_path / "recording.jsonl"
+    agent = start_agent(tmp_path, "--record", str(recording), "--interval", "0.5")
+    try:
+        yield agent, recording
+    finally:
+        agent.stop()
+
+
+def run_job(agent: AgentProcess, recording: Path, tmp_path: Path, script: str, nproc: int,
+            args: Sequence[str], run: str, expect_steps: int) -> Job:
+    """Launch ``jobs/<script>`` on ``nproc`` ranks reporting to ``agent`` as run ``run``;
+    return once it exited 0 and the agent recorded ``expect_steps`` steps of it."""
+    out = tmp_path / run
+    env = {**os.environ, "GPUMON_SOCKET": str(agent.socket_path), "GPUMON_RUN": run,
+           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("GPUMON_PURE_PYTHON", None)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-port", str(free_port()), str(JOBS / script), "--out", str(out), *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, f"job failed:\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+    job = Job(out, recording, run)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the agent writes its recording every second
+        if recording.exists() and len(job.steps()) >= expect_steps:
+            break
+        time.sleep(0.2)
+    assert len(job.steps()) == expect_steps, (len(job.steps()), agent.log()[-3000:])
+    return job
+
+
+def exposed_share(steps: list[dict[str, Any]]) -> float:
+    """Exposed communication seconds over step seconds."""
+    return sum(s["comm"]["exposed"] for s in steps) / sum(s["duration"] for s in steps)
+
+
+def truth_share(summary: dict[str, Any]) -> float:
+    """1 - t(no_sync) / t(sync), as the job measured itself (medians, against noise)."""
+    synced = sorted(summary["synced_s"])[len(summary["synced_s"]) // 2]
+    unsynced = sorted(summary["unsynced_s"])[len(summary["unsynced_s"]) // 2]
+    return 1.0 - unsynced / synced

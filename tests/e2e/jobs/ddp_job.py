@@ -1,0 +1,141 @@
+"""A DDP training job on CPU (gloo) for the distributed tests, launched by ``torch.distributed.run``.
+
+Each rank reports its steps through ``StepMonitor`` with ``watch(ddp)`` and writes what it
+measured itself, independently of gpumon, to ``OUT/rank<R>.json``: with ``--truth``, every
+reported (synchronising) step is followed by the same step under ``ddp.no_sync()``, timed here
+and not reported, so ``1 - t(no_sync) / t(sync)`` is the share of the step communication cost.
+
+Knobs make the cases the tests need: a communication-heavy model (4 x Linear(2048, 2048),
+batch 2: 64 MiB of gradients per step) or a compute-heavy one (an MLP, batch 512); one
+rank doing extra forward work or waiting longer for its batches (on a small model, so that
+is what stands out); a user comm hook; no watch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import nullcontext
+from pathlib import Path
+from time import perf_counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gpumon.client import StepMonitor
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--model", choices=("comm", "compute", "small"), default="comm")
+    parser.add_argument("--truth", action="store_true", help="time a no_sync twin of every step")
+    parser.add_argument("--slow-rank", type=int, default=-1)
+    parser.add_argument("--slow-forward-ms", type=float, default=0.0)
+    parser.add_argument("--slow-input-ms", type=float, default=0.0)
+    parser.add_argument("--comm-hook", choices=("none", "fp16"), default="none")
+    parser.add_argument("--hook-before-watch", action="store_true")
+    parser.add_argument("--no-watch", action="store_true")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    if args.model == "comm":
+        model: nn.Module = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
+        batch, width = 2, 2048
+    elif args.model == "small":  # little of either: what a rank does on top stands out
+        model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+        batch, width = 64, 128
+    else:
+        model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
+                              nn.Linear(1024, 1024))  # 12 MiB of gradients, 10 GFLOP a step
+        batch, width = 512, 1024
+    ddp = DDP(model)
+    mon = StepMonitor()
+    hook = default_hooks.fp16_compress_hook if args.comm_hook == "fp16" else None
+    if hook is not None and args.hook_before_watch:
+        ddp.register_comm_hook(None, hook)
+    if not args.no_watch:
+        mon.watch(ddp)
+    if hook is not None and not args.hook_before_watch:
+        ddp.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
+    slow = rank == args.slow_rank
+
+    def batches() -> Iterator[torch.Tensor]:
+        generator = torch.Generator().manual_seed(rank)
+        while True:
+            if slow and args.slow_input_ms:
+                time.sleep(args.slow_input_ms / 1e3)
+            yield torch.randn(batch, width, generator=generator)
+
+    def train(x: torch.Tensor, monitored: bool) -> None:
+        with mon.phase("forward") if monitored else nullcontext():
+            loss = ddp(x).square().mean()
+            if slow and args.slow_forward_ms:
+                time.sleep(args.slow_forward_ms / 1e3)
+        with mon.phase("backward") if monitored else nullcontext():
+            loss.backward()
+        with mon.phase("optimizer") if monitored else nullcontext():
+            opt.step()
+            opt.zero_grad()
+
+    def unsynced(x: torch.Tensor) -> float:
+        t0 = perf_counter()
+        with ddp.no_sync():
+            train(x, monitored=False)
+        return perf_counter() - t0
+
+    data = batches()
+    for _ in range(args.warmup):  # DDP sizes its buckets after the first step; not reported
+        train(next(data), monitored=False)
+        if args.truth:
+            unsynced(next(data))
+    synced_s, unsynced_s = [], []
+    grads: list[torch.Tensor] = []
+    for i, x in enumerate(mon.loader(data)):
+        t0 = perf_counter()
+        with mon.step(samples=batch):
+            train(x, monitored=True)
+        synced_s.append(perf_counter() - t0)
+        if i == args.steps - 1:
+            break
+        if args.truth:
+            unsynced_s.append(unsynced(x))
+    # The gradients of one more synchronised step, kept for comparing runs.
+    ddp(next(data)).square().mean().backward()
+    grads = [p.grad.detach().clone() for p in ddp.parameters() if p.grad is not None]
+    mon.close()
+    summary = {
+        "rank": rank, "world": world, "synced_s": synced_s, "unsynced_s": unsynced_s,
+        "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
+        "grads_sha": _digest(grads), "stats": mon.stats.dropped,
+        "comm_hook": ddp._get_ddp_logging_data().get("comm_hook", ""),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
+    dist.destroy_process_group()
+
+
+def _digest(tensors: list[torch.Tensor]) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("GPUMON_RUN", "ddp-job")
+    main()

@@ -1,0 +1,110 @@
+"""Real DDP jobs (gloo, CPU, ``torch.distributed.run``) reporting to a real agent: what the
+client measures of their communication, against what each job measures itself."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpumon.testing import AgentProcess
+from tests.e2e.distributed import exposed_share, recording_agent, run_job, truth_share
+
+STEPS = 14
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[AgentProcess, Path]]:
+    with recording_agent(tmp_path) as running:
+        yield running
+
+
+def _share(step: dict[str, Any]) -> float:
+    return float(step["comm"]["exposed"]) / float(step["duration"])
+
+
+def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
+    agent: tuple[AgentProcess, Path], tmp_path: Path
+) -> None:
+    job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--truth", "--steps", str(STEPS)],
+                  run="ddp-comm", expect_steps=2 * STEPS)
+    for rank in (0, 1):
+        steps, summary = job.steps(rank), job.summary(rank)
+        truth, measured = truth_share(summary), exposed_share(steps)
+        assert truth > 0.3, summary  # the job is communication-heavy, as built
+        assert abs(measured - truth) <= 0.15, (rank, measured, truth)
+        counts = set()
+        for step in steps:
+            comm = step["comm"]
+            count, size, seconds = comm["ops"]["all_reduce"]
+            assert size == summary["grad_bytes"]  # every gradient byte, once per step
+            counts.add(count)
+            assert 0 < comm["exposed"] <= comm["busy"] <= step["duration"]
+            assert seconds > 0
+        assert counts == {3}  # 64 MiB in DDP's 25 MiB buckets
+
+
+def test_compute_heavy_ddp_shows_little_exposed_communication(
+    agent: tuple[AgentProcess, Path], tmp_path: Path
+) -> None:
+    job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--truth", "--steps", "10"],
+                  run="ddp-compute", expect_steps=2 * 10)
+    for rank in (0, 1):
+        steps, summary = job.steps(rank), job.summary(rank)
+        truth, measured = truth_share(summary), exposed_share(steps)
+        assert truth < 0.25, summary  # compute-heavy, as built (on a machine not overloaded)
+        assert abs(measured - truth) <= 0.15, (rank, measured, truth)
+        assert measured < 0.3
+        assert all(s["comm"]["ops"]["all_reduce"][1] == summary["grad_bytes"] for s in steps)
+
+
+@pytest.mark.parametrize("order", ["hook-after-watch", "hook-before-watch"])
+def test_a_user_comm_hook_keeps_its_gradients_and_is_measured(
+    agent: tuple[AgentProcess, Path], tmp_path: Path, order: str
+) -> None:
+    args = ["--steps", "4", "--warmup", "1", "--comm-hook", "fp16"]
+    if order == "hook-before-watch":
+        args.append("--hook-before-watch")
+    watched = run_job(*agent, tmp_path, "ddp_job.py", 2, args, run=f"fp16-{order}", expect_steps=8)
+    plain = run_job(*agent, tmp_path, "ddp_job.py", 2, [*args, "--no-watch"],
+                    run=f"fp16-plain-{order}", expect_steps=8)
+    for rank in (0, 1):
+        summary = watched.summary(rank)
+        assert summary["comm_hook"] == "fp16_compress_hook"
+        assert summary["grads_sha"] == plain.summary(rank)["grads_sha"]  # bit for bit
+        for step in watched.steps(rank):
+            count, size, _ = step["comm"]["ops"]["all_reduce"]
+            assert size == summary["grad_bytes"] // 2  # what fp16 compression sends
+            assert step["comm"]["exposed"] > 0
+        assert all("comm" not in step for step in plain.steps(rank))
+
+
+def test_a_rank_with_more_forward_work_waits_least(
+    agent: tuple[AgentProcess, Path], tmp_path: Path
+) -> None:
+    job = run_job(*agent, tmp_path, "ddp_job.py", 4,
+                  ["--model", "small", "--steps", str(STEPS), "--slow-rank", "3",
+                   "--slow-forward-ms", "60"], run="ddp-slow-forward", expect_steps=4 * STEPS)
+    by_step: dict[int, dict[int, dict[str, Any]]] = {}
+    for step in job.steps():
+        by_step.setdefault(step["step"], {})[step["rank"]] = step
+    least_waiting = [min(ranks, key=lambda r: ranks[r]["comm"]["exposed"]) for ranks in by_step.values()]
+    assert least_waiting.count(3) >= 0.8 * len(least_waiting), least_waiting
+    # Its peers wait for its extra 60 ms inside backward.
+    for rank in (0, 1, 2):
+        waits = sorted(s["comm"]["exposed"] for s in job.steps(rank))
+        assert waits[len(waits) // 2] >= 0.03, waits
+
+
+def test_a_rank_with_a_slow_input_pipeline_makes_its_peer_wait(
+    agent: tuple[AgentProcess, Path], tmp_path: Path
+) -> None:
+    job = run_job(*agent, tmp_path, "ddp_job.py", 2,
+                  ["--model", "small", "--steps", str(STEPS), "--slow-rank", "1",
+                   "--slow-input-ms", "60"], run="ddp-slow-input", expect_steps=2 * STEPS)
+    slow, peer = job.steps(1), job.steps(0)
+    slow_data = sorted(s["phases"]["data"] for s in slow)
+    assert slow_data[len(slow_data) // 2] >= 0.05
+    assert exposed_share(peer) > exposed_share(slow) + 0.15
