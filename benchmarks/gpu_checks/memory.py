@@ -51,7 +51,7 @@ def memory_breakdown_check(out_dir: Path | str, steps: int = 6) -> dict[str, Any
     os.environ["GPUMON_MEMORY_SAMPLE_S"] = "0"  # every step: the check compares each one
     try:
         mon = StepMonitor(run="gpu-node-check-memory", transport=transport, rank=0, world=1)
-        _watch(mon, model, opt)
+        mon.watch(model, opt)
     finally:
         os.environ.pop("GPUMON_MEMORY_SAMPLE_S", None)
 
@@ -105,16 +105,6 @@ def memory_breakdown_check(out_dir: Path | str, steps: int = 6) -> dict[str, Any
     out = Path(out_dir) / "memory_breakdown.json"
     out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     return result
-
-
-def _watch(mon: Any, model: Any, opt: Any) -> None:
-    watcher = getattr(mon, "watch", None)
-    if watcher is not None:
-        watcher(model, opt)
-    else:
-        from gpumon.client.memory import watch_memory
-
-        watch_memory(mon, model, opt)
 
 
 def _profiler_categories(torch: Any, step: Any, device: str) -> dict[str, int] | None:

@@ -9,17 +9,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpumon.client import StepMonitor
-from gpumon.client.memory import INTERVAL_ENV, watch_memory
+from gpumon.client.memory import INTERVAL_ENV
 from gpumon.client.transport import MemoryTransport
 from gpumon.wire import MemoryBreakdown, StepRecord
-
-
-def watch(mon: StepMonitor, model: nn.Module, opt: torch.optim.Optimizer) -> nn.Module:
-    watcher = getattr(mon, "watch", None)
-    if watcher is not None:
-        return watcher(model, opt)  # type: ignore[no-any-return]
-    watch_memory(mon, model, opt)
-    return model
 
 
 def saved_by_autograd(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
@@ -50,7 +42,8 @@ def run_job(batch: int, steps: int) -> tuple[list[MemoryBreakdown], dict[str, in
     data = TensorDataset(torch.randn(batch * steps, 64), torch.randint(0, 8, (batch * steps,)))
     transport = MemoryTransport()
     mon = StepMonitor(run="mlp", transport=transport, rank=0, world=1)
-    model = watch(mon, model, opt)
+    model = mon.watch(model, opt)
+    assert mon.watch(model, opt) is model  # idempotent: still one sampler, one breakdown
     losses = []
     for x, y in mon.loader(DataLoader(data, batch_size=batch)):
         with mon.step(samples=len(x)):
@@ -125,3 +118,29 @@ def test_a_bad_interval_falls_back_to_the_default(monkeypatch: pytest.MonkeyPatc
     breakdowns, _, _ = run_job(batch=16, steps=3)
     assert len(breakdowns) == 1
     assert INTERVAL_ENV in caplog.text
+
+
+def test_watch_on_anything_else_is_harmless_and_an_optimizer_given_later_is_added(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(INTERVAL_ENV, "0")
+    transport = MemoryTransport()
+    mon = StepMonitor(run="w", transport=transport, rank=0, world=1)
+    thing = object()
+    assert mon.watch(thing) is thing  # not a module: nothing registered
+    assert getattr(mon, "_memory_sampler", None) is None
+    model = nn.Linear(8, 8)
+    mon.watch(model)  # no optimizer yet (a framework hands it over later)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for with_optimizer in (False, True):
+        if with_optimizer:
+            mon.watch(model, opt)
+        with mon.step():
+            model(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    mon.close()
+    first, second = [r.memory_breakdown for r in transport.records()
+                     if isinstance(r, StepRecord) and r.memory_breakdown]
+    assert first.optimizer_states is None
+    assert second.optimizer_states == (8 * 8 + 8) * 4  # the momentum buffers
+    assert mon.stats.extension_errors == 0

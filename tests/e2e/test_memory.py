@@ -12,18 +12,10 @@ from torch import nn
 
 from gpumon.analysis.memory import REMEDIES, activation_bytes
 from gpumon.client import StepMonitor
-from gpumon.client.memory import INTERVAL_ENV, MemoryBreakdownSampler, watch_memory
+from gpumon.client.memory import INTERVAL_ENV, MemoryBreakdownSampler
 from tests.helpers import AgentProcess, start_agent, wait_for
 
 HIDDEN = 256
-
-
-def watch(mon: StepMonitor, model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    watcher = getattr(mon, "watch", None)
-    if watcher is not None:
-        watcher(model, opt)
-    else:
-        watch_memory(mon, model, opt)
 
 
 @pytest.fixture
@@ -42,7 +34,7 @@ def job(agent: AgentProcess, run: str, *, leak: bool, steps: int = 24) -> None:
     model = nn.ModuleDict({"embed": embed, "body": body, "head": head})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = StepMonitor(run=run, socket_path=str(agent.socket_path), rank=0, world=1)
-    watch(mon, model, opt)
+    mon.watch(model, opt)
     kept: list[torch.Tensor] = []
     for n in range(steps):
         seq = 32 if leak else 32 + 16 * n
