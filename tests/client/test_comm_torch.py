@@ -23,6 +23,7 @@ from gpumon.client import StepMonitor, comm
 from gpumon.client.comm import CommLedger, tap_into, untap
 from gpumon.client.ddp import HOOKED, INFERRED, NOT_MEASURED, watch_ddp
 from gpumon.client.transport import MemoryTransport
+from gpumon.client.watch import find_wrapper, kind_of
 from gpumon.wire import StepRecord
 
 
@@ -240,3 +241,11 @@ def test_a_watched_ddp_reports_comm_on_every_step_record() -> None:
         assert record.comm.exposed_s <= record.phases_s["backward"]
     assert steps[3].comm is not None and steps[3].comm.ops == () and steps[3].comm.busy_s == 0.0
     assert mon.stats.extension_errors == 0
+
+
+def test_the_wrapper_of_a_bare_model_is_found() -> None:
+    model = _model()
+    ddp = DDP(model)
+    assert find_wrapper(model) is ddp  # what the Hugging Face callback watches
+    assert find_wrapper(_model()) is None
+    assert kind_of(ddp) == "ddp" and kind_of(model) is None and kind_of(object()) is None

@@ -4,6 +4,8 @@ Each optimizer step is one step (all its gradient-accumulation micro-batches). `
 the wait before the step (the Trainer fetches the step's batches then); ``forward`` is timed
 by hooks on the model's forward; ``backward`` runs from the end of a forward to the next
 forward or the optimizer; ``optimizer`` covers the optimizer step, the scheduler and zeroing.
+Under torchrun or accelerate the model as Accelerate wrapped it (DDP, FSDP) is watched
+(``StepMonitor.watch``), so each step also carries its collective communication.
 Samples and tokens are counted from the model's main input (tokens only for integer ids),
 flops estimated as 6 · non-embedding parameters · tokens, as the Trainer itself does.
 
@@ -20,6 +22,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from gpumon.client._phases import PhaseSequence
 from gpumon.client.monitor import StepMonitor
+from gpumon.client.watch import find_wrapper
 
 
 class GpumonTrainerCallback(TrainerCallback):
@@ -73,6 +76,7 @@ class GpumonTrainerCallback(TrainerCallback):
                 model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                 model.register_forward_hook(self._after_forward),
             ]
+            self.monitor.watch(find_wrapper(model) or model, kwargs.get("optimizer"))
         self._wait_start = perf_counter()
 
     def on_step_begin(

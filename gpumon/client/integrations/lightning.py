@@ -2,8 +2,10 @@
 
 Each training batch is one step: ``data`` is the wait between batches (fetching and moving
 the batch), ``forward`` runs to the loss, ``backward`` is the backward pass, ``optimizer``
-covers clipping, the optimizer step and zeroing. Imports ``lightning.pytorch``, falling back
-to the older ``pytorch_lightning`` package.
+covers clipping, the optimizer step and zeroing. Under the ``ddp`` and ``fsdp`` strategies
+the wrapped model is watched (``StepMonitor.watch``), so each step also carries the
+collective communication inside it. Imports ``lightning.pytorch``, falling back to the older
+``pytorch_lightning`` package.
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ class GpumonCallback(pl.Callback):
             **self._monitor_kwargs,
         )
         self._phases = PhaseSequence(self.monitor)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Watch the model as the strategy wrapped it (DDP, FSDP) and its optimizer."""
+        if self.monitor is not None:
+            optimizers = trainer.optimizers
+            self.monitor.watch(trainer.strategy.model or pl_module, optimizers[0] if optimizers else None)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The first batch's wait starts here."""

@@ -1,0 +1,129 @@
+"""Training through a framework under ``torch.distributed.run`` (gloo, CPU), for the
+distributed tests: Lightning's ``ddp`` strategy, a Hugging Face ``Trainer``, or FSDP's
+``fully_shard`` through the plain hook. Each rank writes ``OUT/rank<R>.json`` with what the
+tests compare the records against (its gradient bytes, as the model holds them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def comm_heavy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
+
+
+def lightning(steps: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gpumon.client.integrations.lightning import GpumonCallback
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = comm_heavy()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            loss: torch.Tensor = self.net(x).square().mean()
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-6)
+
+    module = Module()
+    data = DataLoader(TensorDataset(torch.randn(64, 2048)), batch_size=2)
+    callback = GpumonCallback()
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    trainer.fit(module, data)
+    return {"grad_bytes": _bytes(module.net), "strategy": type(trainer.strategy).__name__}
+
+
+def hf(steps: int, out: Path) -> dict[str, Any]:
+    import transformers
+
+    from gpumon.client.integrations.hf import GpumonTrainerCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=512, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 512, (128, 32), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "hf"), max_steps=steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, use_cpu=True, ddp_backend="gloo", report_to=[],
+        save_strategy="no", logging_steps=1000, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset,
+                                   callbacks=[GpumonTrainerCallback()])
+    trainer.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {"grad_bytes": sum(p.numel() * p.element_size() for p in trainable),
+            "wrapped": type(trainer.model_wrapped).__name__}
+
+
+def fsdp(steps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from gpumon.client import StepMonitor
+
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    full_bytes = _bytes(model)
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    mon = StepMonitor()
+    mon.watch(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    x = torch.randn(8, 512)
+    for _ in range(steps):
+        with mon.step(samples=8):
+            with mon.phase("forward"):
+                loss = model(x).square().mean()
+            with mon.phase("backward"):
+                loss.backward()
+            with mon.phase("optimizer"):
+                opt.step()
+                opt.zero_grad()
+    mon.close()
+    dist.destroy_process_group()
+    return {"grad_bytes": full_bytes}
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("framework", choices=("lightning", "hf", "fsdp"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.framework == "lightning":
+        summary = lightning(args.steps)
+    elif args.framework == "hf":
+        summary = hf(args.steps, args.out)
+    else:
+        summary = fsdp(args.steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ["RANK"])
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **summary}))
+
+
+if __name__ == "__main__":
+    main()

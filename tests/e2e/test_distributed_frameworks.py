@@ -1,0 +1,70 @@
+"""Communication measured through the frameworks, with no code of the user's but the
+callback: Lightning's ``ddp`` strategy and a Hugging Face ``Trainer`` under
+``torch.distributed.run``; and FSDP (``fully_shard``) through the plain hook. CPU, gloo.
+
+FSDP's older wrapper, ``FullyShardedDataParallel``, does not run on CPU: its constructor
+refuses ("FSDP needs a non-CPU accelerator device, but no accelerator device is detected"),
+and so does Lightning's ``fsdp`` strategy, which uses it; ``fully_shard`` does run on gloo.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gpumon.testing import AgentProcess
+from tests.e2e.distributed import exposed_share, recording_agent, run_job
+
+STEPS = 8
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[tuple[AgentProcess, Path]]:
+    with recording_agent(tmp_path) as running:
+        yield running
+
+
+def test_lightning_ddp_steps_carry_their_all_reduce(agent: tuple[AgentProcess, Path], tmp_path: Path) -> None:
+    job = run_job(*agent, tmp_path, "framework_job.py", 2, ["lightning", "--steps", str(STEPS)],
+                  run="lightning-ddp", expect_steps=2 * STEPS)
+    for rank in (0, 1):
+        summary, steps = job.summary(rank), job.steps(rank)
+        assert summary["strategy"] == "DDPStrategy"
+        for step in steps:
+            count, size, _ = step["comm"]["ops"]["all_reduce"]
+            assert size == summary["grad_bytes"] and count >= 1
+        assert exposed_share(steps[1:]) > 0.2  # 64 MiB all-reduced for every 2-sample batch
+
+
+def test_hf_trainer_under_torchrun_steps_carry_their_all_reduce(
+    agent: tuple[AgentProcess, Path], tmp_path: Path
+) -> None:
+    job = run_job(*agent, tmp_path, "framework_job.py", 2, ["hf", "--steps", str(STEPS)],
+                  run="hf-ddp", expect_steps=2 * STEPS)
+    for rank in (0, 1):
+        summary, steps = job.summary(rank), job.steps(rank)
+        assert summary["wrapped"] == "DistributedDataParallel"
+        for step in steps:
+            # Two micro-batches a step: Accelerate skips the first one's all-reduce (no_sync).
+            count, size, _ = step["comm"]["ops"]["all_reduce"]
+            assert size == summary["grad_bytes"] and count >= 1
+            assert 0 < step["comm"]["exposed"] <= step["comm"]["busy"] <= step["duration"]
+
+
+def test_fully_shard_steps_carry_their_all_gathers_and_reduce_scatters(
+    agent: tuple[AgentProcess, Path], tmp_path: Path
+) -> None:
+    job = run_job(*agent, tmp_path, "framework_job.py", 2, ["fsdp", "--steps", str(STEPS)],
+                  run="fsdp2", expect_steps=2 * STEPS)
+    for rank in (0, 1):
+        summary, steps = job.summary(rank), job.steps(rank)
+        for step in steps:
+            ops = step["comm"]["ops"]
+            # Each layer's gradients reduce-scattered once, whole (the input is unsharded).
+            assert ops["reduce_scatter"][1] == summary["grad_bytes"]
+            # Parameters gathered before forward and again before backward (resharded between).
+            assert ops["all_gather"][1] in (summary["grad_bytes"], 2 * summary["grad_bytes"])
+            # Blocking collectives on gloo: all of their time held the training thread.
+            assert step["comm"]["exposed"] == pytest.approx(step["comm"]["busy"], rel=0.05)
