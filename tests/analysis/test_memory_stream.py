@@ -1,17 +1,13 @@
-"""The analyzer names the memory component: in the OOM reasons, in the memory-pressure hint, and
-for the export; a leak and growing sequences blame different parts."""
+"""The analyzer names the memory component: in the OOM reasons and in the memory-pressure hint;
+a leak and growing sequences blame different parts."""
 
 from __future__ import annotations
 
-from gpumon.agent.ranks import RankTotals
 from gpumon.analysis.bottleneck import Flag
 from gpumon.analysis.memory import REMEDIES
 from gpumon.analysis.stream import StepAnalyzer
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.export.exposition import render
-from gpumon.export.memory_metrics import MemoryFamilies
 from gpumon.wire import MemoryBreakdown, MemoryStats, StepRecord
-from tests.helpers import parse_metrics
 
 GIB = 1024**3
 H100 = GpuStatic(index=0, uuid="GPU-a", name="NVIDIA H100 80GB HBM3", pci_bus_id="",
@@ -70,35 +66,3 @@ def test_without_a_breakdown_the_generic_hint_stays() -> None:
     assert analysis.memory is None
     assert analysis.verdict is not None
     assert "ZeRO/FSDP sharding, activation checkpointing" in analysis.verdict.hint
-
-
-def test_export_of_breakdown_projection_and_named_component() -> None:
-    analyzer = run("leak")
-    (analysis,) = analyzer.analyses()
-    breakdown = MemoryBreakdown(parameters=4 * GIB, gradients=4 * GIB, optimizer_states=8 * GIB,
-                                activations=10 * GIB, other=3 * GIB)
-    state = RankTotals(run="r", rank=0, last_seen_monotonic=0.0, world=4,
-                      memory_breakdown=breakdown)
-    quiet = RankTotals(run="r", rank=1, last_seen_monotonic=0.0, world=4)  # sent no breakdown
-    families = MemoryFamilies()
-    text = render(list(families.families([state, quiet], [analysis]))).decode()
-    assert text == render(list(families.families([state, quiet], [analysis]))).decode()
-    metrics = parse_metrics(text)
-
-    def value(name: str, labels: dict[str, str]) -> float | None:
-        return metrics.get((name, frozenset(labels.items())))
-
-    labels = {"run": "r", "rank": "0"}
-    assert value("gpumon_memory_bytes", {**labels, "component": "optimizer_states"}) == 8 * GIB
-    assert value("gpumon_memory_bytes", {**labels, "component": "other"}) == 3 * GIB
-    assert value("gpumon_memory_bytes", {"run": "r", "rank": "1", "component": "other"}) is None
-    # ZeRO-1 on the run's 4 GPUs: 4 + 4 + 8/4 + 10 + 3; ZeRO-3 on 16: (4 + 4 + 8)/16 + 13.
-    assert value("gpumon_memory_zero_projected_bytes",
-                 {**labels, "stage": "1", "gpus": "4"}) == 23 * GIB
-    assert value("gpumon_memory_zero_projected_bytes",
-                 {**labels, "stage": "3", "gpus": "16"}) == 14 * GIB
-    named = analysis.memory
-    assert named is not None
-    assert value("gpumon_oom_component_bytes",
-                 {**labels, "component": "other", "cause": "growing",
-                  "remedy": REMEDIES["other"]}) == float(named.bytes)
