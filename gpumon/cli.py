@@ -2,31 +2,39 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 
 from gpumon.commands.agent import SignalInbox
 
 _signals = SignalInbox()
 if sys.argv[1:2] == ["agent"]:
-    _signals.catch(signal.SIGHUP)
+    _signals.catch()
 
+from enum import Enum  # noqa: E402
 from pathlib import Path  # noqa: E402 (after the signal handlers, on purpose)
-from typing import Annotated, Any, NoReturn  # noqa: E402
+from typing import Annotated, Any, Literal, NoReturn  # noqa: E402
 
 import typer  # noqa: E402
 
 from gpumon import __version__  # noqa: E402
-from gpumon.agent.config import DEFAULT_PORT  # noqa: E402
+from gpumon.agent.config import COLLECTORS, DEFAULT_PORT  # noqa: E402
 
 app = typer.Typer(
     name="gpumon",
     help="GPU training monitor: NVML and training-step telemetry for Prometheus.",
     no_args_is_help=True,
-    add_completion=False,
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+# The choices, here so that help can list them without importing the modules that use them
+# (tests/test_cli.py checks that they match).
+Precision = Literal["fp16", "bf16", "fp32"]
+Optimizer = Literal["adam", "adamw", "sgd", "sgd_momentum"]
+Recompute = Literal["none", "selective", "full"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+Collector = Enum("Collector", {name: name for name in COLLECTORS}, type=str)  # type: ignore[misc]
 
 
 def _fail(message: str, code: int = 1) -> NoReturn:
@@ -50,24 +58,27 @@ def _main(
 
 @app.command()
 def agent(
-    address: Annotated[str | None, typer.Option(help="Address to serve HTTP on [default: 0.0.0.0; env GPUMON_ADDRESS].")] = None,
-    port: Annotated[int | None, typer.Option(help=f"HTTP port [default: {DEFAULT_PORT}; env GPUMON_PORT].")] = None,
-    socket: Annotated[str | None, typer.Option(help="Unix datagram socket for training-step records [default: /run/gpumon/ingest.sock; env GPUMON_SOCKET].")] = None,
-    interval: Annotated[float | None, typer.Option(help="GPU polling interval in seconds [default: 1.0; env GPUMON_INTERVAL].")] = None,
-    simulate: Annotated[int | None, typer.Option(help="Simulate N GPUs instead of using NVML [env GPUMON_SIMULATE].")] = None,
-    record: Annotated[str | None, typer.Option(help="Append every step record and GPU sample to this JSONL file [env GPUMON_RECORD].")] = None,
-    config: Annotated[str | None, typer.Option(help="TOML config file ([agent] table) [env GPUMON_CONFIG].")] = None,
-    collector: Annotated[list[str] | None, typer.Option(help="Enable only these collectors (repeatable): nvml, host, ingest [env GPUMON_COLLECTORS].")] = None,
-    log_level: Annotated[str | None, typer.Option(help="debug, info, warning or error [env GPUMON_LOG_LEVEL].")] = None,
-    web_config: Annotated[str | None, typer.Option(help="TLS and basic-auth file in the Prometheus exporters' web config format [env GPUMON_WEB_CONFIG].")] = None,
+    address: Annotated[str | None, typer.Option(metavar="ADDRESS", help="IPv4 or IPv6 address to serve HTTP on; :: serves both [default: 0.0.0.0; env GPUMON_ADDRESS].")] = None,
+    port: Annotated[int | None, typer.Option(metavar="PORT", help=f"HTTP port [default: {DEFAULT_PORT}; env GPUMON_PORT].")] = None,
+    socket: Annotated[str | None, typer.Option(metavar="PATH", help="Unix socket the training jobs send their steps to [default: /run/gpumon/ingest.sock; env GPUMON_SOCKET].")] = None,
+    socket_group: Annotated[str | None, typer.Option(metavar="GROUP", help="Group allowed to send to the socket (mode 0660), by name or gid [default: gpumon, when that group exists; env GPUMON_SOCKET_GROUP].")] = None,
+    interval: Annotated[float | None, typer.Option(metavar="SECONDS", help="GPU polling interval [default: 1.0; env GPUMON_INTERVAL].")] = None,
+    simulate: Annotated[int | None, typer.Option(metavar="N", help="Simulate N GPUs instead of using NVML [env GPUMON_SIMULATE].")] = None,
+    record: Annotated[str | None, typer.Option(metavar="PATH", help="Append every step and GPU sample to this JSONL file [env GPUMON_RECORD].")] = None,
+    config: Annotated[str | None, typer.Option(metavar="PATH", help="TOML config file ([agent] and [thresholds] tables) [env GPUMON_CONFIG].")] = None,
+    collector: Annotated[list[Collector] | None, typer.Option(metavar="|".join(COLLECTORS), help="Collect only from these (repeatable): nvml (GPUs), host (CPU and memory), ingest (training steps) [env GPUMON_COLLECTORS].")] = None,
+    log_level: Annotated[LogLevel | None, typer.Option(help="How much to log [default: info; env GPUMON_LOG_LEVEL].")] = None,
+    web_config: Annotated[str | None, typer.Option(metavar="PATH", help="TLS and basic-auth file in the Prometheus exporters' web config format [env GPUMON_WEB_CONFIG].")] = None,
 ) -> None:
     """Run the node agent: collect, classify and serve /metrics until SIGTERM/SIGINT."""
     from gpumon.commands.agent import AgentCommandError, run_agent
 
     flags: dict[str, Any] = {
-        "address": address, "port": port, "socket": socket, "interval": interval,
+        "address": address, "port": port, "socket": socket, "socket_group": socket_group,
+        "interval": interval,
         "simulate": simulate, "record": record, "config": config,
-        "collectors": collector or None, "log_level": log_level, "web_config": web_config,
+        "collectors": [c.value for c in collector] if collector else None,
+        "log_level": log_level, "web_config": web_config,
     }
     try:
         run_agent(flags, _signals)
@@ -77,8 +88,8 @@ def agent(
 
 @app.command()
 def doctor(
-    port: Annotated[int, typer.Option(help="Port the agent would serve on.")] = DEFAULT_PORT,
-    socket: Annotated[str, typer.Option(help="Ingest socket path the agent would use.")] = "/run/gpumon/ingest.sock",
+    port: Annotated[int, typer.Option(metavar="PORT", help="Port the agent would serve on.")] = DEFAULT_PORT,
+    socket: Annotated[str, typer.Option(metavar="PATH", help="Socket path the agent would receive training steps on.")] = "/run/gpumon/ingest.sock",
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """Report what this node supports: driver, NVML, per-GPU metric groups, socket, port."""
@@ -89,27 +100,31 @@ def doctor(
 
 @app.command()
 def estimate(
-    params: Annotated[str | None, typer.Option(help="Parameter count, e.g. 7B, 175M, 1.3e9 (or --from-run).")] = None,
-    precision: Annotated[str, typer.Option(help="fp16, bf16 or fp32.")] = "bf16",
-    optimizer: Annotated[str, typer.Option(help="adam, adamw, sgd or sgd_momentum.")] = "adamw",
+    params: Annotated[str | None, typer.Option(metavar="COUNT", help="Parameter count, e.g. 7B, 175M, 1.3e9 (or --from-run).")] = None,
+    precision: Annotated[Precision, typer.Option(help="Training precision (fp16 and bf16: mixed precision).")] = "bf16",
+    optimizer: Annotated[Optimizer, typer.Option(help="Optimizer, for its state per parameter.")] = "adamw",
     master_weights: Annotated[bool, typer.Option("--master-weights/--no-master-weights", help="Count the fp32 master copy of mixed precision (the ZeRO paper's K=12 counts it; the common 8 B/param Adam figure does not).")] = True,
-    zero_stage: Annotated[int, typer.Option(min=0, max=3, help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters.")] = 0,
-    gpus: Annotated[int, typer.Option(min=1, help="Data-parallel GPUs the states are sharded over.")] = 1,
-    layers: Annotated[int | None, typer.Option(help="Transformer layers (for activations).")] = None,
-    hidden: Annotated[int | None, typer.Option(help="Hidden size.")] = None,
-    heads: Annotated[int | None, typer.Option(help="Attention heads.")] = None,
-    seq: Annotated[int | None, typer.Option(help="Sequence length.")] = None,
-    batch: Annotated[int | None, typer.Option(help="Micro-batch per GPU.")] = None,
-    flash_attention: Annotated[bool, typer.Option("--flash-attention", help="Attention scores are not stored (drops the 5as/h term).")] = False,
-    recompute: Annotated[str, typer.Option(help="none, selective or full activation recomputation.")] = "none",
-    tensor_parallel: Annotated[int, typer.Option(min=1, help="Tensor-parallel degree.")] = 1,
-    buffers: Annotated[str | None, typer.Option(help="Temporary buffers per GPU, e.g. 3GB [default: 2GB].")] = None,
-    gpu_memory: Annotated[str | None, typer.Option(help="Device memory to check against, e.g. 80GB or 141GiB.")] = None,
+    zero_stage: Annotated[int, typer.Option(min=0, max=3, metavar="STAGE", help="ZeRO stage: 1 shards optimizer states, 2 also gradients, 3 also parameters.")] = 0,
+    gpus: Annotated[int, typer.Option(min=1, metavar="N", help="Data-parallel GPUs the states are sharded over.")] = 1,
+    layers: Annotated[int | None, typer.Option(metavar="N", help="Transformer layers (for activations).")] = None,
+    hidden: Annotated[int | None, typer.Option(metavar="N", help="Hidden size.")] = None,
+    heads: Annotated[int | None, typer.Option(metavar="N", help="Attention heads.")] = None,
+    seq: Annotated[int | None, typer.Option(metavar="TOKENS", help="Sequence length.")] = None,
+    batch: Annotated[int | None, typer.Option(metavar="N", help="Micro-batch per GPU.")] = None,
+    flash_attention: Annotated[bool, typer.Option("--flash-attention", help="FlashAttention: the attention scores are not kept for the backward pass.")] = False,
+    recompute: Annotated[Recompute, typer.Option(help="Activation recomputation (checkpointing).")] = "none",
+    tensor_parallel: Annotated[int, typer.Option(min=1, metavar="N", help="Tensor-parallel degree.")] = 1,
+    buffers: Annotated[str | None, typer.Option(metavar="SIZE", help="Temporary buffers per GPU, e.g. 3GB [default: 2GB].")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="Device memory to check against, with its unit: 80GB, 141GiB. Exit status 3 when it does not fit.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON (bytes per GPU).")] = False,
     from_run: Annotated[str | None, typer.Option("--from-run", metavar="RUN", help="Measure instead: the memory breakdown a running job's ranks report to the agent at --url, beside its ZeRO projections.")] = None,
-    url: Annotated[str, typer.Option(help="The agent's base URL, for --from-run.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
+    url: Annotated[str, typer.Option(metavar="URL", help="The agent's base URL, for --from-run.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
 ) -> None:
-    """Estimate per-GPU training memory: params, grads, optimizer states, activations, buffers."""
+    """Estimate per-GPU training memory: params, grads, optimizer states, activations, buffers.
+
+    Exit status: 0 when it fits (or no --gpu-memory is given), 3 when it does not fit,
+    2 for bad input.
+    """
     from gpumon.commands.estimate import estimate_command
 
     if from_run is not None:
@@ -118,7 +133,7 @@ def estimate(
     if params is None:
         _fail("give --params (e.g. --params 7B), or --from-run RUN to measure a running job", 2)
     try:
-        text = estimate_command(
+        text, code = estimate_command(
             params, precision=precision, optimizer=optimizer, master_weights=master_weights,
             zero_stage=zero_stage, gpus=gpus, layers=layers, hidden=hidden, heads=heads,
             seq=seq, batch=batch, flash_attention=flash_attention, recompute=recompute,
@@ -127,6 +142,7 @@ def estimate(
     except ValueError as exc:
         _fail(str(exc), 2)
     typer.echo(text)
+    raise typer.Exit(code)
 
 
 def _estimate_from_run(run: str, url: str, params: str | None, gpu_memory: str | None,
@@ -148,14 +164,15 @@ def _estimate_from_run(run: str, url: str, params: str | None, gpu_memory: str |
 
 @app.command()
 def classify(
-    recording: Annotated[Path, typer.Argument(help="A JSONL recording made with `gpumon agent --record`.")],
+    recording: Annotated[Path, typer.Argument(metavar="RECORDING", help="A JSONL recording made with `gpumon agent --record`.")],
     json_output: Annotated[bool, typer.Option("--json", help="One JSON line per step, then a summary line.")] = False,
 ) -> None:
     """Replay a recording through the bottleneck classifier and explain each step."""
     from gpumon.commands.classify import output_lines
 
     try:
-        lines = output_lines(recording, json_output=json_output)
+        lines = output_lines(recording, json_output=json_output,
+                             warn=lambda message: typer.echo(message, err=True))
     except OSError as exc:
         _fail(f"cannot read {recording}: {exc.strerror or exc}", 2)
     for line in lines:
@@ -164,15 +181,15 @@ def classify(
 
 @app.command()
 def demo(
-    gpus: Annotated[int, typer.Option(min=1, max=64, help="Simulated GPUs.")] = 8,
-    ranks: Annotated[int, typer.Option(min=1, max=64, help="Ranks of the synthetic data-parallel job, one per GPU.")] = 8,
-    port: Annotated[int, typer.Option(min=0, max=65535, help="HTTP port of the agent (0: any free port), on 127.0.0.1.")] = DEFAULT_PORT,
-    socket: Annotated[str | None, typer.Option(help="Ingest socket [default: demo-<pid>.sock in $XDG_RUNTIME_DIR/gpumon, else in the temp directory].")] = None,
-    schedule: Annotated[str, typer.Option(help="Phases to run: a TOML schedule file, or the built-in 'default' or 'short'.")] = "default",
-    duration: Annotated[float | None, typer.Option(min=0.1, help="Stop after this many seconds [default: run until Ctrl-C].")] = None,
+    gpus: Annotated[int, typer.Option(min=1, max=64, metavar="N", help="Simulated GPUs.")] = 8,
+    ranks: Annotated[int, typer.Option(min=1, max=64, metavar="N", help="Ranks of the simulated data-parallel job, one per GPU.")] = 8,
+    port: Annotated[int, typer.Option(min=0, max=65535, metavar="PORT", help="HTTP port of the agent (0: any free port), on 127.0.0.1.")] = DEFAULT_PORT,
+    socket: Annotated[str | None, typer.Option(metavar="PATH", help="Socket the simulated job sends its steps to [default: demo-<pid>.sock in $XDG_RUNTIME_DIR/gpumon, else in the temp directory].")] = None,
+    schedule: Annotated[str, typer.Option(metavar="SCHEDULE", help="Phases to run: a TOML schedule file, or the built-in 'default' or 'short'.")] = "default",
+    duration: Annotated[float | None, typer.Option(min=0.1, metavar="SECONDS", help="Stop after this long [default: run until Ctrl-C].")] = None,
     ui: Annotated[bool, typer.Option("--ui/--no-ui", help="Live view; without it (or when stdout is not a terminal) one line per phase change.")] = True,
-    interval: Annotated[float, typer.Option(min=0.05, max=60.0, help="Agent polling interval in seconds.")] = 1.0,
-    gpu_model: Annotated[str, typer.Option(help="Simulated GPU model: h100-sxm or h200-sxm.")] = "h100-sxm",
+    interval: Annotated[float, typer.Option(min=0.05, max=60.0, metavar="SECONDS", help="Agent polling interval.")] = 1.0,
+    gpu_model: Annotated[str, typer.Option(metavar="MODEL", help="Simulated GPU model: h100-sxm or h200-sxm.")] = "h100-sxm",
 ) -> None:
     """Run an agent, a simulated GPU node and a synthetic multi-rank training job, with a live view."""
     from gpumon.commands.demo import DemoError, DemoOptions, run_demo
@@ -193,11 +210,12 @@ def demo(
 
 @app.command()
 def top(
-    url: Annotated[str, typer.Option(help="The agent's base URL.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
-    interval: Annotated[float, typer.Option(min=0.1, max=60.0, help="Seconds between redraws.")] = 1.0,
-    rank: Annotated[str | None, typer.Option(help="Show this rank's memory breakdown: RUN:RANK or RANK [default: the one with the highest OOM risk].")] = None,
+    url: Annotated[str, typer.Option(metavar="URL", help="The agent's base URL.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
+    interval: Annotated[float, typer.Option(min=0.1, max=60.0, metavar="SECONDS", help="Time between redraws.")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame and exit: status 0 when the agent answered, 1 when not (for scripts).")] = False,
+    rank: Annotated[str | None, typer.Option(metavar="RUN:RANK", help="Show this rank's memory breakdown: RUN:RANK or RANK [default: the one with the highest OOM risk].")] = None,
 ) -> None:
-    """Live terminal view of a running agent: GPUs, ranks, verdicts and OOM risk."""
+    """Live terminal view of a running agent: GPUs, ranks, verdicts and OOM risk; q quits."""
     from gpumon.commands.memory_view import parse_rank
     from gpumon.commands.top import run_top, snapshot_url
 
@@ -207,12 +225,12 @@ def top(
             parse_rank(rank)
     except ValueError as exc:
         _fail(str(exc), 2)
-    raise typer.Exit(run_top(url, interval, rank=rank))
+    raise typer.Exit(run_top(url, interval, once=once, rank=rank))
 
 
 def main() -> None:
     """Console-script entry point."""
-    app()
+    app(prog_name="gpumon")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Bad input on the command line gets one clear error line and a non-zero exit."""
+"""The command line: bad input gets one clear error line and a non-zero exit; help, choices
+and completion read as a user expects."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import get_args
 
 from tests.helpers import ROOT, agent_env, free_port
 
@@ -46,7 +48,8 @@ def test_bad_config_file(tmp_path: Path) -> None:
     result = run_cli("agent", "--config", str(config))
     assert result.returncode == 2
     assert error_lines(result.stderr) == [
-        "gpumon: error: interval=-1: must be between 0.05 and 86400 seconds"]
+        f"gpumon: error: config file {config}: interval=-1: must be between 0.05 and 86400 "
+        "seconds"]
 
 
 def test_port_in_use(tmp_path: Path) -> None:
@@ -72,3 +75,53 @@ def test_config_file_that_is_not_utf8(tmp_path: Path) -> None:
         f"gpumon: error: config file {config} is not valid UTF-8 (byte 11: invalid "
         "continuation byte)"]
     assert "Traceback" not in result.stderr
+
+
+COMMANDS = ("agent", "doctor", "estimate", "classify", "demo", "top")
+
+
+def test_short_help_and_readable_metavars() -> None:
+    for command in ("", *COMMANDS):
+        result = run_cli(*([command] if command else []), "-h")
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.startswith(f"Usage: gpumon {command}".rstrip())
+        for typed in ("<str>", "<int>", "<float>", "<list", "range>", "<text>"):
+            assert typed not in result.stdout, (command, typed)
+
+
+def test_choices_are_real_choices_shown_in_help() -> None:
+    estimate_help = run_cli("estimate", "-h").stdout
+    for shown in ("<fp16|bf16|fp32>", "<adam|adamw|sgd|sgd_momentum>", "<none|selective|full>"):
+        assert shown in estimate_help
+    assert "<debug|info|warning|error>" in run_cli("agent", "-h").stdout
+    result = run_cli("estimate", "--params", "7B", "--recompute", "some")
+    assert result.returncode == 2
+    assert "'some' is not one of 'none', 'selective', 'full'" in result.stderr
+
+
+def test_the_listed_choices_are_the_ones_the_code_takes() -> None:
+    from gpumon import cli
+    from gpumon.agent.config import COLLECTORS, LOG_LEVELS
+    from gpumon.analysis import estimate, memory
+
+    assert get_args(cli.Precision) == get_args(memory.Precision)
+    assert get_args(cli.Recompute) == get_args(memory.Recompute)
+    assert get_args(cli.Optimizer) == get_args(estimate.OptimizerName)
+    assert get_args(cli.LogLevel) == LOG_LEVELS
+    assert tuple(c.value for c in cli.Collector) == COLLECTORS
+
+
+def complete(words: str) -> list[str]:
+    env = {**agent_env(), "_GPUMON_COMPLETE": "complete_bash", "COMP_WORDS": words,
+           "COMP_CWORD": str(len(words.split(" ")) - 1)}
+    result = subprocess.run([sys.executable, "-m", "gpumon.cli"], capture_output=True,
+                            text=True, timeout=30, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_shell_completion() -> None:
+    assert complete("gpumon ag") == ["agent"]
+    assert complete("gpumon estimate --precision ") == ["fp16", "bf16", "fp32"]
+    script = run_cli("--show-completion", "bash")
+    assert script.returncode == 0 and "_gpumon_completion" in script.stdout

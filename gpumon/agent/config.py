@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import grp
 import ipaddress
 import os
 from collections.abc import Mapping
@@ -30,6 +31,8 @@ class AgentConfig:
     address: str = "0.0.0.0"
     port: int = DEFAULT_PORT
     socket: str = DEFAULT_SOCKET
+    socket_group: str | None = None
+    """Group the ingest socket is given (name or gid); unset: ``gpumon`` if it exists."""
     interval: float = 1.0
     simulate: int = 0
     record: str | None = None
@@ -48,7 +51,8 @@ class AgentConfig:
 
 
 _ENV_PREFIX = "GPUMON_"
-_LOG_LEVELS = ("debug", "info", "warning", "error")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_TABLES = ("agent", "thresholds")
 
 
 def _env_name(name: str) -> str:
@@ -56,20 +60,32 @@ def _env_name(name: str) -> str:
 
 
 def load_config(flags: Mapping[str, Any], env: Mapping[str, str] | None = None) -> AgentConfig:
-    """Merge the layers and validate; raises ConfigError with a one-line reason."""
+    """Merge the layers and validate; raises ConfigError with a one-line reason that says
+    where a bad value came from (the file, the environment variable or the flag).
+
+    Unknown keys and tables in the file are errors; unknown ``GPUMON_*`` variables are not,
+    since the training-side client reads some of its own (``GPUMON_RUN``, ...).
+    """
     env = os.environ if env is None else env
     values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
     config_path = flags.get("config") or env.get(_env_name("config"))
     if config_path:
-        values.update(_read_file(Path(config_path)))
+        from_file = _read_file(Path(config_path))
+        values.update(from_file)
+        origins.update(dict.fromkeys(from_file, f"config file {config_path}: "))
         values["config"] = str(config_path)
     known = {f.name for f in fields(AgentConfig)}
     for name in known - {"config", "thresholds"}:
         raw = env.get(_env_name(name))
         if raw is not None and raw != "":
             values[name] = _from_env(name, raw)
-    values.update({k: v for k, v in flags.items() if v is not None and k in known})
-    return _validate(values)
+            origins[name] = f"environment {_env_name(name)}: "
+    for name, value in flags.items():
+        if value is not None and name in known:
+            values[name] = value
+            origins[name] = ""  # a flag: the command line the user just typed
+    return _validate(values, origins)
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -84,7 +100,20 @@ def _read_file(path: Path) -> dict[str, Any]:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
-    section = data.get("agent", {k: v for k, v in data.items() if k != "thresholds"})
+    tables = sorted(k for k, v in data.items() if isinstance(v, dict))
+    unknown_tables = [t for t in tables if t not in _TABLES]
+    if unknown_tables:
+        raise ConfigError(f"config file {path}: unknown table(s) "
+                          f"{', '.join(f'[{t}]' for t in unknown_tables)}; "
+                          f"known tables are {', '.join(f'[{t}]' for t in _TABLES)}")
+    if "agent" in data:
+        stray = sorted(set(data) - set(_TABLES))
+        if stray:  # a key above [agent] is not read as the agent's: say so
+            raise ConfigError(f"config file {path}: key(s) {', '.join(stray)} outside any "
+                              "table; agent settings go in the [agent] table")
+        section = data["agent"]
+    else:  # a file of agent settings alone may leave out the [agent] header
+        section = {k: v for k, v in data.items() if k != "thresholds"}
     if not isinstance(section, dict):
         raise ConfigError(f"config file {path}: [agent] must be a table")
     known = {f.name for f in fields(AgentConfig)} - {"config", "thresholds"}
@@ -120,13 +149,13 @@ def _from_env(name: str, raw: str) -> Any:
     return raw
 
 
-def _validate(values: dict[str, Any]) -> AgentConfig:
+def _validate(values: dict[str, Any], origins: Mapping[str, str]) -> AgentConfig:
     out: dict[str, Any] = {}
     for f in fields(AgentConfig):
         if f.name not in values:
             continue
         value = values[f.name]
-        where = f"{f.name}={value!r}"
+        where = f"{origins.get(f.name, '')}{f.name}={value!r}"
         if f.name == "port":
             out[f.name] = _int(value, where, 0, 65535)
         elif f.name in ("interval", "rank_ttl_seconds"):
@@ -137,6 +166,8 @@ def _validate(values: dict[str, Any]) -> AgentConfig:
             out[f.name] = _int(value, where, 1, 1_000_000)
         elif f.name == "address":
             out[f.name] = _address(value, where)
+        elif f.name == "socket_group":
+            out[f.name] = _group(value, where)
         elif f.name == "collectors":
             names = _list(value, where)
             bad = [n for n in names if n not in COLLECTORS]
@@ -147,8 +178,8 @@ def _validate(values: dict[str, Any]) -> AgentConfig:
         elif f.name == "allowed_uids":
             out[f.name] = tuple(_int(v, where, 0, 2**32 - 1) for v in _list(value, where))
         elif f.name == "log_level":
-            if str(value).lower() not in _LOG_LEVELS:
-                raise ConfigError(f"{where}: choose one of {', '.join(_LOG_LEVELS)}")
+            if str(value).lower() not in LOG_LEVELS:
+                raise ConfigError(f"{where}: choose one of {', '.join(LOG_LEVELS)}")
             out[f.name] = str(value).lower()
         elif f.name == "thresholds":
             out[f.name] = value
@@ -194,6 +225,19 @@ def _address(value: Any, where: str) -> str:
     except ValueError:
         raise ConfigError(f"{where}: expected an IP address such as 0.0.0.0 or 127.0.0.1") from None
     return text.strip("[]")
+
+
+def _group(value: Any, where: str) -> str:
+    """A group that exists on this node, by name or number (kept as given)."""
+    text = str(value).strip()
+    try:
+        if text.isdigit():
+            grp.getgrgid(int(text))
+        else:
+            grp.getgrnam(text)
+    except (KeyError, OverflowError):
+        raise ConfigError(f"{where}: no such group on this node") from None
+    return text
 
 
 def _list(value: Any, where: str) -> list[Any]:

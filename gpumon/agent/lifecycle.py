@@ -37,7 +37,7 @@ from gpumon.agent.sources import given_source_status, open_gpu_source
 from gpumon.agent.views import AgentCollector, readiness, snapshot_document
 from gpumon.collectors.base import EventWatcher, GpuSource
 from gpumon.collectors.host import HostSource
-from gpumon.collectors.ingest import IngestError, IngestServer
+from gpumon.collectors.ingest import IngestError, IngestServer, IngestStatus
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.export.server import MetricsServer
 from gpumon.export.webconfig import WebConfigError, load_web_config
@@ -68,7 +68,7 @@ class Agent:
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
-                                         self.recording_status)
+                                         self.recording_status, self.ingest_status)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self._collector)
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
@@ -120,8 +120,9 @@ class Agent:
         if self._xid is not None:
             self._xid.start()
         self._server.start()
-        log.info("gpumon %s serving on http://%s:%d/metrics", __version__,
-                 self.config.address, self._server.port)
+        host = f"[{self.config.address}]" if ":" in self.config.address else self.config.address
+        log.info("gpumon %s serving on http://%s:%d/metrics", __version__, host,
+                 self._server.port)
         # What exists now (imported modules, the agent's own objects) lives as long as the
         # agent: frozen, the ~25,000 objects are no longer walked by every full collection
         # (3-20 ms each, landing in whichever scrape or ingest is running).
@@ -131,7 +132,8 @@ class Agent:
     def _start_ingest(self) -> None:
         try:
             self._ingest = IngestServer(Path(self.config.socket), self._on_records,
-                                        self.rank_store.count_dropped, self.config.allowed_uids)
+                                        self.rank_store.count_dropped, self.config.allowed_uids,
+                                        self.config.socket_group)
         except IngestError as exc:
             # GPU and host metrics are still worth serving: say so loudly, keep going.
             self.ingest_problem = str(exc)
@@ -233,6 +235,13 @@ class Agent:
         """(ready, body): ready unless nothing has been collected yet; says what is degraded."""
         return readiness(self.state.snapshot(time.time()), self.ingest_problem, time.monotonic(),
                          self.recording_status())
+
+    def ingest_status(self) -> IngestStatus | None:
+        """The ingest socket's state, or None when the ingest collector is off."""
+        if not self.config.enabled("ingest"):
+            return None
+        ingest = self._ingest
+        return ingest.status() if ingest else IngestStatus(self.config.socket, up=False)
 
     def recording_status(self) -> RecorderStatus | None:
         """How the ``--record`` file is doing, or None when nothing is recorded."""

@@ -1,8 +1,18 @@
 """The rank store: per-(run, rank) step totals, fed by the ingest socket and read by scrapes.
 
-Bounded: a (run, rank) that stops reporting expires after a TTL, and a cap on live pairs
-rejects new ones (counted as ``too_many_ranks``) so a misbehaving client cannot blow up
-the number of series.
+Bounded, and fair between the users who send: a (run, rank) that stops reporting expires
+after a TTL, and a cap on live pairs bounds the number of series. When the cap is reached, a
+sender (uid) holding less than its share of it (the cap over the uids holding pairs) still
+gets in: the least recently reporting pair of the uid holding the most is evicted. A uid at
+its share may replace only its own pairs that have gone quiet; otherwise its new pair is
+rejected (``too_many_ranks``). So one sender flooding fake pairs, or a sweep of many short
+runs, never locks out another user's next job.
+
+A (run, rank) belongs to the uid that first reported it until it expires: records for it
+from another uid are dropped (``not_owner``), so a member of the socket's group cannot
+forge another user's OOMs, steps or process. Values that would break a counter or a
+timestamp for good (a step ending far from the agent's clock, absurd FLOP or token counts)
+are dropped with their own reasons.
 """
 
 from __future__ import annotations
@@ -10,7 +20,7 @@ from __future__ import annotations
 import itertools
 import threading
 from bisect import bisect_left
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
 from gpumon.agent.collectives import CommTotals
@@ -23,6 +33,21 @@ from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, MemoryBreakdown,
 # large-model steps; le="+Inf" is added on export.
 DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
+Uid = int | None  # None: a sender the kernel gave no credentials for (library use)
+
+IDLE_EVICT_S = 60.0
+"""A pair silent this long may give its place to a new pair of the same sender."""
+MAX_CLOCK_SKEW_S = 300.0
+"""How far a step's end may be from the agent's clock. Client and agent read the same
+node clock and a step is sent as it ends, so more is a forgery or a stuck sender; such a
+step would hold gpumon_step_last_timestamp_seconds in the future (no stall alert)."""
+MAX_FLOPS_PER_S = 1e19
+"""Per rank: ~10,000 of today's fastest GPUs (even a client reporting its whole job's
+FLOPs on every rank stays below). One 1e30 would freeze the float counter for good."""
+MAX_ITEMS_PER_S = 1e10
+"""Samples or tokens per second and rank; beyond 2**53 a counter stops counting."""
+RATE_FLOOR_S = 1e-3
+"""A step shorter than this is judged as if it took this long."""
 _KNOWN_PHASES = frozenset(KNOWN_PHASES)
 # Process-wide, so that no two states of a (run, rank), even across an expiry or two stores,
 # ever carry the same version: a renderer may reuse its text for a version it has seen.
@@ -107,15 +132,20 @@ class RankTotals:
 
 
 class RankStore:
-    """Thread-safe map of (run, rank) to RankTotals with TTL expiry and a cap."""
+    """Thread-safe map of (run, rank) to RankTotals with TTL expiry and a fair cap."""
 
     def __init__(self, ttl_s: float = 300.0, max_ranks: int = 1024) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[RankKey, RankTotals] = {}
+        # Least recently reporting first: all pairs, and each sender's own.
+        self._recent: OrderedDict[RankKey, None] = OrderedDict()
+        self._by_uid: dict[Uid, OrderedDict[RankKey, None]] = {}
+        self._gone: list[RankKey] = []  # removed while ingesting, for the next expire()
         self.ttl_s = ttl_s
         self.max_ranks = max_ranks
         self.records_total: Counter[str] = Counter()  # by kind
         self.dropped_total: Counter[str] = Counter()  # by reason
+        self.evicted_total: Counter[str] = Counter()  # pairs evicted to make room, by reason
 
     def ingest(self, records: list[Record], sender: SenderCredentials, monotonic: float,
                now_t: float) -> list[StepRecord]:
@@ -123,13 +153,24 @@ class RankStore:
         accepted: list[StepRecord] = []
         with self._lock:
             for record in records:
-                state = self._rank(record.run, record.rank, monotonic)
-                if state is None:
-                    self.dropped_total["too_many_ranks"] += 1
+                key = (record.run, record.rank)
+                state = self._ranks.get(key)
+                if state is not None and state.uid != sender.uid:
+                    self.dropped_total["not_owner"] += 1
                     continue
+                reason = implausible(record, now_t)
+                if reason is not None:
+                    self.dropped_total[reason] += 1
+                    continue
+                if state is None:
+                    state = self._admit(key, sender.uid, monotonic)
+                    if state is None:
+                        self.dropped_total["too_many_ranks"] += 1
+                        continue
                 state.last_seen_monotonic = monotonic
-                if sender.uid is not None:
-                    state.uid = sender.uid
+                self._recent.move_to_end(key)
+                self._by_uid[state.uid].move_to_end(key)
+                # The kernel's word for which process this is; the record's only without it.
                 pid = sender.pid if sender.pid is not None else record.pid
                 if pid is not None:
                     state.pid = pid
@@ -154,28 +195,65 @@ class RankStore:
         with self._lock:
             self.dropped_total[reason] += count
 
-    def _rank(self, run: str, rank: int, monotonic: float) -> RankTotals | None:
-        key = (run, rank)
-        state = self._ranks.get(key)
-        if state is None:
-            if len(self._ranks) >= self.max_ranks:
-                self._expire_locked(monotonic)
-                if len(self._ranks) >= self.max_ranks:
-                    return None
-            state = self._ranks[key] = RankTotals(run=run, rank=rank,
-                                                 last_seen_monotonic=monotonic)
+    def _admit(self, key: RankKey, uid: Uid, monotonic: float) -> RankTotals | None:
+        """A new pair owned by ``uid``, making room under the cap if it fairly can."""
+        if len(self._ranks) >= self.max_ranks:
+            self._gone += self._expire_locked(monotonic)
+        if len(self._ranks) >= self.max_ranks:
+            victim = self._victim(uid, monotonic)
+            if victim is None:
+                return None
+            evicted, reason = victim
+            self._forget(evicted)
+            self._gone.append(evicted)
+            self.evicted_total[reason] += 1
+        state = self._ranks[key] = RankTotals(run=key[0], rank=key[1],
+                                             last_seen_monotonic=monotonic, uid=uid)
+        self._recent[key] = None
+        self._by_uid.setdefault(uid, OrderedDict())[key] = None
         return state
 
+    def _victim(self, uid: Uid, monotonic: float) -> tuple[RankKey, str] | None:
+        """The pair to evict for a new one of ``uid`` (and why), or None to refuse it."""
+        held = {u: len(keys) for u, keys in self._by_uid.items()}
+        share = self.max_ranks // (len(held) + (uid not in held))
+        if held.get(uid, 0) < share:
+            # Someone holds more than a share: their least recently reporting pair goes.
+            holder = max(held, key=lambda u: (held[u], -self._oldest_seen(u)))
+            return next(iter(self._by_uid[holder])), "over_share"
+        own = self._by_uid.get(uid)
+        if own:
+            oldest = next(iter(own))
+            if monotonic - self._ranks[oldest].last_seen_monotonic >= IDLE_EVICT_S:
+                return oldest, "idle"
+        return None
+
+    def _oldest_seen(self, uid: Uid) -> float:
+        return self._ranks[next(iter(self._by_uid[uid]))].last_seen_monotonic
+
+    def _forget(self, key: RankKey) -> None:
+        state = self._ranks.pop(key)
+        del self._recent[key]
+        own = self._by_uid[state.uid]
+        del own[key]
+        if not own:
+            del self._by_uid[state.uid]
+
     def expire(self, monotonic: float) -> list[RankKey]:
-        """Forget ranks silent for longer than the TTL; returns which went."""
+        """Forget ranks silent for longer than the TTL; returns which went (also those
+        expired or evicted since the last call, while making room)."""
         with self._lock:
-            return self._expire_locked(monotonic)
+            gone, self._gone = self._gone + self._expire_locked(monotonic), []
+            return gone
 
     def _expire_locked(self, monotonic: float) -> list[RankKey]:
-        stale = [k for k, s in self._ranks.items()
-                 if monotonic - s.last_seen_monotonic > self.ttl_s]
+        stale = []
+        for key in self._recent:  # least recently reporting first: stop at the first live
+            if monotonic - self._ranks[key].last_seen_monotonic <= self.ttl_s:
+                break
+            stale.append(key)
         for key in stale:
-            del self._ranks[key]
+            self._forget(key)
         return stale
 
     def ranks(self) -> list[RankTotals]:
@@ -188,10 +266,30 @@ class RankStore:
         with self._lock:
             return dict(self.records_total), dict(self.dropped_total)
 
+    def evictions(self) -> dict[str, int]:
+        """Pairs evicted to make room under the cap, by reason."""
+        with self._lock:
+            return dict(self.evicted_total)
+
     def pids(self) -> dict[int, RankKey]:
         """pid -> (run, rank) of every live rank whose pid is known."""
         with self._lock:
             return {s.pid: k for k, s in self._ranks.items() if s.pid is not None}
+
+
+def implausible(record: Record, now_t: float) -> str | None:
+    """Why a step's values would break a counter or a timestamp for good, or None."""
+    if not isinstance(record, StepRecord):
+        return None
+    end_t = record.t_end
+    if end_t is not None and abs(end_t - now_t) > MAX_CLOCK_SKEW_S:
+        return "clock_skew"
+    window_s = max(record.duration_s, RATE_FLOOR_S)
+    if record.flops is not None and record.flops > MAX_FLOPS_PER_S * window_s:
+        return "implausible_flops"
+    if max(record.tokens or 0, record.samples or 0) > MAX_ITEMS_PER_S * window_s:
+        return "implausible_count"
+    return None
 
 
 def _note_identity(state: RankTotals, world: int | None, local_rank: int | None,

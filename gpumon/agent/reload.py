@@ -18,7 +18,8 @@ from gpumon.collectors.ingest import IngestServer
 from gpumon.export.server import MetricsServer
 from gpumon.export.webconfig import WebConfig, load_web_config
 
-RESTART_ONLY = ("address", "port", "socket", "interval", "collectors", "simulate", "record")
+RESTART_ONLY = ("address", "port", "socket", "socket_group", "interval", "collectors", "simulate",
+                "record")
 
 
 def apply_reload(running: AgentConfig, new: AgentConfig, *, server: MetricsServer | None,

@@ -28,7 +28,7 @@ def open_gpu_source(config: AgentConfig,
     from gpumon.collectors.nvml import NvmlSource, NvmlUnavailable
 
     try:
-        nvml = NvmlSource(on_error)
+        nvml = NvmlSource(on_error, config.interval)
     except NvmlUnavailable as exc:
         return None, NvmlStatus(up=False, message=str(exc))
     return nvml, NvmlStatus(up=True, driver_version=nvml.driver_version,

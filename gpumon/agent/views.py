@@ -20,9 +20,11 @@ from gpumon.agent.node import NodeSnapshot, NodeState
 from gpumon.agent.ranks import RankStore, RankTotals
 from gpumon.agent.recorder import RecorderStatus
 from gpumon.analysis.stream import RankAnalysis
+from gpumon.collectors.ingest import IngestStatus
+from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
 from gpumon.collectors.samples import GpuSample
 from gpumon.export.gpu_metrics import node_families
-from gpumon.export.health_metrics import recording_families
+from gpumon.export.health_metrics import eviction_families, ingest_families, recording_families
 from gpumon.export.memory_metrics import MemoryFamilies
 from gpumon.export.step_metrics import StepFamilies
 
@@ -33,9 +35,11 @@ class AgentCollector:
     """prometheus-client Collector: families are rendered from a snapshot at scrape time."""
 
     def __init__(self, node: NodeState, rank_store: RankStore, analyzer: SharedAnalyzer,
-                 recording: Callable[[], RecorderStatus | None]) -> None:
+                 recording: Callable[[], RecorderStatus | None],
+                 ingest: Callable[[], IngestStatus | None]) -> None:
         self._node = node
         self._recording = recording
+        self._ingest = ingest
         self._rank_store = rank_store
         self._analyzer = analyzer
         self._step_families = StepFamilies()  # keeps each run's series rendered
@@ -53,6 +57,8 @@ class AgentCollector:
         yield from self._step_families.steps(ranks, records, dropped, snap.processes, resolved)
         yield from self._step_families.analyses(analyses)
         yield from self._memory_families.families(ranks, analyses)
+        yield from eviction_families(self._rank_store.evictions())
+        yield from ingest_families(self._ingest())
         yield from recording_families(self._recording())
 
     def describe(self) -> list[Metric]:
@@ -77,9 +83,12 @@ def readiness(snap: NodeSnapshot, ingest_problem: str | None, now_monotonic: flo
         problems.append(f"recording: cannot write {recording.path}: {recording.error} "
                         f"({recording.backlog_bytes} bytes waiting, "
                         f"{recording.lines_dropped_total} lines dropped)")
-    lost = [str(i) for i, s in snap.latest.items() if not s.up]
+    lost = [str(i) for i, s in snap.latest.items() if not s.up and s.error != NVML_TIMEOUT]
     if lost:
         problems.append(f"gpu lost: {', '.join(sorted(lost))}")
+    hung = [str(i) for i, s in snap.latest.items() if not s.up and s.error == NVML_TIMEOUT]
+    if hung:
+        problems.append(f"gpu not answering NVML in time: {', '.join(sorted(hung))}")
     collected = any(s.last_success_t is not None for s in snap.collectors.values())
     status = "starting" if not collected else ("degraded" if problems else "ok")
     return collected, {"status": status, "problems": problems}

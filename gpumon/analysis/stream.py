@@ -97,6 +97,7 @@ class _RankTracker:
     analysis: RankAnalysis
     pending: list[StepRecord] = field(default_factory=list)
     own_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    """Own work of its latest steps received (analysed or not)."""
     data_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
     breakdowns: deque[tuple[float, MemoryBreakdown]] = field(
@@ -163,6 +164,10 @@ class StepAnalyzer:
                     state.data_s.clear()
                 state.world = step.world
             state.last_end_t = max(state.last_end_t, step.t_end or received_t)
+            # The comparison reads only the records, so it keeps up with them rather than
+            # with the analysis, which waits for the GPU samples.
+            state.own_s.append(own_work_s(step))
+            state.data_s.append(step.phases_s.get("data", 0.0) if step.phases_s else None)
             state.pending.append(step)
             if step.memory_breakdown is not None:
                 state.breakdowns.append((step.t_end or received_t, step.memory_breakdown))
@@ -197,17 +202,18 @@ class StepAnalyzer:
 
         Between slices the caller may release its lock, so that ``add`` and ``analyses`` wait
         for one slice rather than for the whole pass. The verdicts are those of an unsliced
-        pass: a rank's analysis depends only on its own steps, and the one figure that
-        compares ranks, the straggler score (each rank's median compute time against its
-        run's), is computed once, after the last slice, from every rank's history, exactly
-        as unsliced. A verdict reached during a pass uses the previous pass's score either
-        way. Steps added between slices are analysed in this pass if their rank's turn has
-        not come (as if added just before the pass), otherwise in the next (just after); a
-        rank first seen between slices waits for the next pass. A reader between slices sees
-        some ranks' new verdicts beside others' old ones, all with the previous scores.
+        pass: a rank's analysis depends only on its own steps, and the one comparison across
+        ranks, the straggler comparison (each rank's median own work against its peers'), is
+        made once, before the first slice, from every step received so far — it needs no
+        GPU samples, so the verdicts of this pass already use it. Steps added between slices
+        are analysed in this pass if their rank's turn has not come (as if added just before
+        the pass), otherwise in the next (just after); a rank first seen between slices waits
+        for the next pass. A reader between slices sees some ranks' new verdicts beside
+        others' old ones, all with this pass's comparison.
         """
         by_index = {s.index: s for s in statics}
         thresholds = self.thresholds  # one pass, one set, even if reloaded between slices
+        self._compare_ranks(thresholds)
         cutoff = now_t - self.lag_s
         done: list[StepVerdict] = []
         work = 0
@@ -241,7 +247,6 @@ class StepAnalyzer:
                 if work >= slice_work:
                     yield done
                     done, work = [], 0
-        self._compare_ranks(thresholds)
         if done:
             yield done
 
@@ -278,8 +283,6 @@ class StepAnalyzer:
         analysis.verdict = verdict
         analysis.verdict_step = last.step
         analysis.bottleneck_steps[verdict.primary.value] += steps
-        state.own_s.append(own_work_s(group) / steps)
-        state.data_s.append(group.phases_s.get("data", 0.0) / steps if group.phases_s else None)
         state.sm_clock_hz = window.sm_clock_hz if window is not None else None
         state.gpu_trouble = Flag.THROTTLED in verdict.flags or index in xid_gpus
         state.durations.append(group.duration_s / steps)

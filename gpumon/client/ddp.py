@@ -1,23 +1,23 @@
 """DDP's gradient all-reduce, timed through a comm hook that wraps the real one.
 
 DDP launches one all-reduce per gradient bucket from inside backward and, once the last
-bucket is launched, waits for all of them before backward returns (its "finalize"); that
-wait, the hook's own work on the training thread (dividing, compressing) and DDP's copies of
-the gradients into and out of the buckets (``comm.Tail``) are the exposed communication.
-Measured against ``1 - t(no_sync) / t(sync)`` in the same job (tests/e2e), on CPU it reads
-lower by the slowdown the all-reduce threads cause the backward they overlap, competing for
-the same cores. The all-reduces themselves are measured where they are called
-(``comm``'s wrapped ``torch.distributed`` functions), so a user's hook is measured by what
-it actually sends.
+bucket is launched, waits for all of them before backward returns (its "finalize"). The
+exposed communication is that wait, the hook's own work on the training thread (dividing,
+compressing) and DDP's copies of the gradients into and out of the buckets (``comm.Tail``).
+Against ``1 - t(no_sync) / t(sync)`` measured in the same job (tests/e2e), on CPU it reads
+lower by the slowdown the all-reduce threads cause the backward they overlap, competing with
+it for the same cores.
 
-The hook registered is a thin wrapper: it calls the default all-reduce hook, or the user's
-own hook when one is registered later through ``register_comm_hook`` (or a built-in one
-through ``_register_builtin_comm_hook``, replaced by its Python twin): the user's hook runs
-unchanged, with its own state, and its future is returned as it is, so gradients are
-identical. A hook registered before ``watch()`` cannot be wrapped (DDP takes one hook, once):
-a Python hook is still measured through the collectives it calls, with the wait taken as
-lasting from the last launch to the last completion; a built-in C++ hook calls no Python, so
-the step's communication is reported as not measured.
+The hook registered is a thin wrapper. By default it all-reduces the bucket as DDP itself
+does (the average over the group), on the process group directly. A hook the user registers
+later through ``register_comm_hook`` (or a built-in one through
+``_register_builtin_comm_hook``, replaced by its Python twin) is called instead, with its own
+state, and its future returned as it is: gradients are identical, and it is measured
+through the collectives it calls (``comm``'s wrapped ``torch.distributed`` functions), by
+what it actually sends. A hook registered before ``watch()`` cannot be wrapped (DDP takes
+one hook, once): a Python one is still measured through its collectives, with the wait taken
+as lasting from the last launch to the last completion; a built-in C++ one calls no Python,
+so the step's communication is reported as not measured.
 """
 
 from __future__ import annotations
@@ -81,7 +81,12 @@ def _watch(ledger: CommLedger, ddp: Any) -> tuple[str, str]:
                               "at the end of backward is taken from the last launch to the last completion")
         ledger.blind = True
         return NOT_MEASURED, f"the built-in comm hook {registered} was registered before watch()"
-    hooks = _Hooks(default_hooks.allreduce_hook, ddp.process_group)
+    group = ddp.process_group
+    if group is None or not hasattr(group, "allreduce"):
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    hooks = _Hooks(None, group)
     wrapper = _wrapper(ledger, hooks)
     try:
         reducer_register(None, wrapper)
@@ -98,7 +103,10 @@ def _watch(ledger: CommLedger, ddp: Any) -> tuple[str, str]:
 def _wrapper(ledger: CommLedger, hooks: _Hooks) -> Any:
     def gpumon_timed_comm_hook(state: object, bucket: Any) -> Any:
         t0 = perf_counter()
-        future = hooks.hook(hooks.state, bucket)
+        if hooks.hook is None:
+            future = _all_reduce(ledger, hooks.state, bucket, t0)
+        else:
+            future = hooks.hook(hooks.state, bucket)
         t1 = perf_counter()
         ledger.blocked(t0, t1)
         is_last = getattr(bucket, "is_last", None)
@@ -111,6 +119,30 @@ def _wrapper(ledger: CommLedger, hooks: _Hooks) -> Any:
     # DDP checks a hook's annotations against its own types; postponed ones are strings.
     gpumon_timed_comm_hook.__annotations__ = {}
     return gpumon_timed_comm_hook
+
+
+def _all_reduce(ledger: CommLedger, group: Any, bucket: Any, t0: float) -> Any:
+    """What DDP does with no hook: average the bucket over the group, bit for bit (scaled by
+    the reciprocal of the group's size before the sum, as DDP scales while copying gradients
+    into the bucket; ``default_hooks.allreduce_hook`` divides, which differs in the last bit
+    for a group of 3). Called on the process group itself (``torch.distributed``'s checks
+    around it cost ~25 µs a bucket) and timed by the one callback it needs anyway.
+
+    A hook costs one pass over the gradients DDP saves without one: it scales them in that
+    copy only when no hook is registered (with ``gradient_as_bucket_view=True`` there is no
+    copy, and no difference)."""
+    tensor = bucket.buffer()
+    tensor.mul_(1.0 / group.size())
+    work = group.allreduce([tensor])
+    op = ledger.launched("all_reduce", tensor.numel() * tensor.element_size(), t0, perf_counter(),
+                         tensor.device.type == "cpu")
+
+    def averaged(future: Any) -> Any:
+        if op is not None:
+            op.t_done = perf_counter()
+        return future.value()[0]
+
+    return work.get_future().then(averaged)
 
 
 def _stamp_after_backward(tail: Tail) -> None:

@@ -1,14 +1,18 @@
 """Ingest collector: receives step records from training processes on a Unix datagram socket.
 
-The socket is created 0660 in a directory the agent makes if needed; a stale socket file
-left by a crashed agent is replaced only when nobody answers on it. The kernel tells us
-each sender's pid and uid (SCM_CREDENTIALS), so senders can be restricted by uid and a
-record's pid cannot be forged.
+The socket is created 0660 in a directory the agent makes if needed, and given a group
+(``socket_group``, by default ``gpumon`` when that group exists) so that training jobs not
+running as the agent's user can send: an agent started as root would otherwise make it
+root:root, and every non-root job's records would be refused by the kernel, unseen by the
+agent. A stale socket file left by a crashed agent is replaced only when nobody answers on
+it. The kernel tells us each sender's pid and uid (SCM_CREDENTIALS), so senders can be
+restricted by uid and a record's pid cannot be forged.
 """
 
 from __future__ import annotations
 
 import errno
+import grp
 import logging
 import os
 import socket
@@ -16,6 +20,7 @@ import stat
 import struct
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from queue import SimpleQueue
 
@@ -25,6 +30,7 @@ from gpumon.wire import MAX_DATAGRAM_BYTES, Record, decode_datagram
 log = logging.getLogger(__name__)
 
 SOCKET_MODE = 0o660
+DEFAULT_SOCKET_GROUP = "gpumon"
 RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
 QUEUE_DATAGRAMS = 4096  # at most ~32 MiB of undecoded datagrams
 _CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
@@ -34,12 +40,36 @@ OnRecords = Callable[[list[Record], SenderCredentials], None]
 OnDropped = Callable[[str, int], None]
 
 
+@dataclass(frozen=True)
+class IngestStatus:
+    """Whether the socket receives, and who may send to it (its group and mode)."""
+
+    path: str
+    up: bool
+    mode: int | None = None
+    group: str | None = None
+
+
 class IngestError(RuntimeError):
     """The ingest socket cannot be created; the message says why."""
 
 
-def bind_socket(path: Path) -> socket.socket:
-    """Create, bind and chmod the datagram socket, replacing a stale file safely."""
+def socket_group_id(group: str | None) -> int | None:
+    """The gid to give the socket: ``group`` (name or number), else the ``gpumon`` group
+    if this node has one, else None (the socket keeps the agent's own group)."""
+    try:
+        if group is None:
+            return grp.getgrnam(DEFAULT_SOCKET_GROUP).gr_gid
+        return int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        if group is None:
+            return None
+        raise IngestError(f"no such group {group!r} for the ingest socket") from None
+
+
+def bind_socket(path: Path, gid: int | None = None) -> socket.socket:
+    """Create, bind, chmod and (with ``gid``) chgrp the datagram socket, replacing a stale
+    file safely."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -62,6 +92,14 @@ def bind_socket(path: Path) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise IngestError(f"cannot bind ingest socket {path}: {exc.strerror or exc}") from exc
+    if gid is not None:
+        try:
+            os.chown(path, -1, gid)
+        except OSError as exc:
+            sock.close()
+            path.unlink(missing_ok=True)
+            raise IngestError(f"cannot give ingest socket {path} to group {gid}: "
+                              f"{exc.strerror or exc}") from exc
     return sock
 
 
@@ -87,6 +125,13 @@ def _remove_stale(path: Path) -> None:
     raise IngestError(f"{path} is in use by another running agent")
 
 
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
+
+
 def parse_sender(ancillary: list[tuple[int, int, bytes]]) -> SenderCredentials:
     """The sender's pid/uid from SCM_CREDENTIALS, when the kernel attached them."""
     for level, kind, data in ancillary:
@@ -107,12 +152,16 @@ class IngestServer:
     """
 
     def __init__(self, path: Path, on_records: OnRecords, on_dropped: OnDropped,
-                 allowed_uids: tuple[int, ...] = ()) -> None:
+                 allowed_uids: tuple[int, ...] = (), group: str | None = None) -> None:
         self.path = path
         self._on_records = on_records
         self._on_dropped = on_dropped
         self._allowed = frozenset(allowed_uids)
-        self._sock = bind_socket(path)  # blocking: the receiver sleeps until a datagram or stop()
+        # blocking: the receiver sleeps until a datagram or stop()
+        self._sock = bind_socket(path, socket_group_id(group))
+        info = path.stat()
+        self.socket_mode = stat.S_IMODE(info.st_mode)
+        self.socket_group = _group_name(info.st_gid)
         self._stop_event = threading.Event()
         # C-level put and blocking get: no Python lock work per datagram on either thread.
         self._queue: SimpleQueue[tuple[bytes, list[tuple[int, int, bytes]], int] | None] = \
@@ -122,6 +171,10 @@ class IngestServer:
         self._decoder = threading.Thread(target=self._decode, name="gpumon-ingest",
                                          daemon=True)
         self.datagrams_total = 0
+
+    def status(self) -> IngestStatus:
+        """The socket as bound: receiving, with its group and mode."""
+        return IngestStatus(str(self.path), True, self.socket_mode, self.socket_group)
 
     def set_allowed_uids(self, uids: tuple[int, ...]) -> None:
         """Change which users may send (SIGHUP); empty allows everyone who can write."""

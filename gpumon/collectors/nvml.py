@@ -16,6 +16,7 @@ from typing import Any
 
 import pynvml
 
+from gpumon.collectors.pollers import PollerSet
 from gpumon.collectors.samples import GpuSample, GpuStatic
 
 log = logging.getLogger(__name__)
@@ -469,20 +470,31 @@ class XidWatcher(threading.Thread):
 
 
 class NvmlSource:
-    """All GPUs of the node through NVML: discovery, polling and XID events."""
+    """All GPUs of the node through NVML: discovery, polling and XID events.
+
+    Every index NVML counts is exported: a GPU that cannot be opened (lost to the bus before
+    the agent started, say after an Xid 79) is a down GPU with the labels that can be known,
+    and opening it is tried again at every discovery. Each GPU is polled on its own thread
+    (``PollerSet``): one whose calls hang is marked down without delaying the others.
+    """
 
     name = "nvml"
 
-    def __init__(self, on_error: Callable[[str, str], None]) -> None:
+    def __init__(self, on_error: Callable[[str, str], None], interval_s: float = 1.0) -> None:
         self._on_error = on_error
         self.driver_version, self.nvml_version = init()
         self.devices: list[NvmlDevice] = []
-        self._failed: set[int] = set()
+        self.unopened: dict[int, str] = {}
+        """Index -> why NVML would not open it (an NVML error name)."""
+        self._pollers = PollerSet(wait_s=0.5 * interval_s,
+                                  timeout_s=max(2.0 * interval_s, 2.0),
+                                  on_timeout=self._timed_out)
         self._watcher: XidWatcher | None = None
         self.discover()
 
     def discover(self) -> list[GpuStatic]:
-        """Open GPUs not seen before (at start, or appearing later); returns the new ones."""
+        """Open GPUs not open yet (at start, appearing later, or back after failing to
+        open); returns the newly opened ones."""
         try:
             count = pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as exc:
@@ -496,24 +508,38 @@ class NvmlSource:
             try:
                 device = NvmlDevice(index, self._on_error)
             except pynvml.NVMLError as exc:
-                if index not in self._failed:  # say it once, keep trying quietly
-                    self._failed.add(index)
-                    log.error("GPU %d cannot be opened: %s", index, exc)
+                if index not in self.unopened:  # say it once, keep trying quietly
+                    log.error("GPU %d cannot be opened: %s; exporting it as down", index, exc)
                     self._on_error("nvml", error_name(exc))
+                self.unopened[index] = error_name(exc)
                 continue
+            if self.unopened.pop(index, None) is not None:
+                log.warning("GPU %d (%s) could be opened at last", index, device.static.uuid)
             self.devices.append(device)
+            self._pollers.add(device)
             new.append(device.static)
             if self._watcher is not None:
                 self._watcher.register(device)
         return new
 
     def statics(self) -> list[GpuStatic]:
-        """Static facts of every GPU that could be opened."""
-        return [d.static for d in self.devices]
+        """Static facts of every GPU NVML counts (only the index of one not opened)."""
+        placeholders = [GpuStatic(index=i, uuid="", name="", pci_bus_id="")
+                        for i in self.unopened]
+        return sorted([d.static for d in self.devices] + placeholders, key=lambda g: g.index)
 
     def sample(self, now: float, monotonic: float) -> list[GpuSample]:
-        """Poll every GPU once; a lost GPU comes back as ``up=False``."""
-        return [d.sample(now, monotonic) for d in self.devices]
+        """Poll every GPU; a lost, unopened or hanging GPU comes back as ``up=False``, and
+        one still polling (not yet past its timeout) is left out of this cycle."""
+        samples = self._pollers.sample(now, monotonic)
+        samples += [GpuSample(index=i, t=now, up=False, error=error)
+                    for i, error in self.unopened.items()]
+        return sorted(samples, key=lambda s: s.index)
+
+    def _timed_out(self, index: int) -> None:
+        log.error("GPU %d: NVML calls take over %.0f s; marking it down until it answers in "
+                  "time", index, self._pollers.timeout_s)
+        self._on_error("nvml", "timeout")
 
     def xid_watcher(self, on_xid: Callable[[int, int], None]) -> XidWatcher:
         """A (not yet started) thread delivering XID events, also for GPUs found later."""
@@ -521,7 +547,10 @@ class NvmlSource:
         return self._watcher
 
     def close(self) -> None:
-        """Free per-GPU resources and shut NVML down."""
+        """Free per-GPU resources and shut NVML down (not under a poll stuck in the driver)."""
+        if not self._pollers.stop():
+            log.warning("a GPU poll is still inside NVML: leaving NVML to the process exit")
+            return
         for device in self.devices:
             device.close()
         shutdown()

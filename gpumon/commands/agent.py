@@ -7,33 +7,49 @@ This module's top level imports the standard library only: the command line crea
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
-import threading
 from typing import Any
 
 
 class SignalInbox:
-    """Signals kept for the agent's main loop, which handles them in order.
+    """SIGTERM, SIGINT and SIGHUP for the agent's main loop, which handles them in order.
 
-    SIGHUP (reload) is caught from the first moment: importing the agent takes ~0.3 s, and
-    a SIGHUP's default action in that window kills the process. SIGTERM and SIGINT keep
-    their default action until the agent has started, so a start that hangs (in a broken
-    driver, say) can still be stopped.
+    Caught from the first moment: importing the agent takes ~0.3 s, and in that window a
+    SIGHUP's default action killed the process, and a SIGTERM right after the agent answered
+    its first /readyz left a stale socket. What came during start-up is handled once the
+    agent runs (a start stuck inside the driver ends with the SIGKILL that follows a
+    SIGTERM's grace period). The handler itself does nothing: the interpreter writes each
+    signal's number to a pipe (``set_wakeup_fd``), which the main loop reads; taking a lock
+    in a handler (as ``Event.set`` does) can deadlock the main thread it interrupted.
     """
 
-    def __init__(self) -> None:
-        self.received: list[int] = []
-        self.wake = threading.Event()
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
-    def catch(self, *signums: int) -> None:
-        """Keep these signals from now on (main thread only)."""
-        for signum in signums:
+    def __init__(self) -> None:
+        self._read_fd = -1
+
+    def catch(self) -> None:
+        """Catch the signals from now on (main thread only; safe to call twice)."""
+        if self._read_fd >= 0:
+            return
+        self._read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for signum in self.SIGNALS:
             signal.signal(signum, self._on_signal)
 
-    def _on_signal(self, signum: int, _frame: object) -> None:
-        self.received.append(signum)
-        self.wake.set()
+    @staticmethod
+    def _on_signal(_signum: int, _frame: object) -> None:
+        """Nothing to do here: the wakeup pipe carries the signal's number."""
+
+    def wait(self) -> int:
+        """Sleep until one of the signals comes (or came already); its number."""
+        while True:
+            signum = os.read(self._read_fd, 1)[0]
+            if signum in self.SIGNALS:  # another handler's signal writes to the pipe too
+                return signum
 
 
 class AgentCommandError(Exception):
@@ -50,7 +66,7 @@ def run_agent(flags: dict[str, Any], signals: SignalInbox) -> None:
     from gpumon.agent.config import ConfigError, load_config
     from gpumon.export.server import ServeError
 
-    signals.catch(signal.SIGHUP)  # already, when started from the command line
+    signals.catch()  # already, when started from the command line
     try:
         cfg = load_config(flags)
     except ConfigError as exc:
@@ -67,19 +83,15 @@ def run_agent(flags: dict[str, Any], signals: SignalInbox) -> None:
         node.stop()
         raise AgentCommandError(str(exc), 1) from exc
     log = logging.getLogger("gpumon")
-    signals.catch(signal.SIGTERM, signal.SIGINT)
     try:
-        # No polling: the wait is interrupted by a signal, whose handler sets the event.
-        # Signals that came during start-up are handled now, in order.
+        # No polling: the main thread sleeps until a signal comes; any that came during
+        # start-up are handled now, in order.
         while True:
-            signals.wake.wait()
-            signals.wake.clear()
-            while signals.received:
-                received = signals.received.pop(0)
-                if received != signal.SIGHUP:
-                    log.info("received %s, shutting down", signal.Signals(received).name)
-                    return
-                _reload(node, flags, log)
+            received = signals.wait()
+            if received != signal.SIGHUP:
+                log.info("received %s, shutting down", signal.Signals(received).name)
+                return
+            _reload(node, flags, log)
     finally:
         node.stop()
 

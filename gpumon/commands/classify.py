@@ -6,7 +6,7 @@ import json
 import statistics
 from bisect import bisect_left, bisect_right
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,25 +24,32 @@ class Recording:
     statics: dict[int, GpuStatic] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)
+    skipped_at: list[tuple[int, str]] = field(default_factory=list)
+    """(line number from 1, reason) of every line skipped, in file order."""
+
+    def skip(self, line_number: int, reason: str) -> None:
+        """Count a line that could not be used."""
+        self.skipped[reason] += 1
+        self.skipped_at.append((line_number, reason))
 
 
 def load_recording(lines: Iterable[str]) -> Recording:
     """Parse recording lines; bad lines are counted by reason, never fatal."""
     recording = Recording()
-    for text in lines:
+    for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
         try:
             line = json.loads(text)
         except ValueError:
-            recording.skipped["not_json"] += 1
+            recording.skip(number, "not_json")
             continue
         kind = line.get("kind") if isinstance(line, dict) else None
         if kind == "gpu":
             try:
                 sample = sample_from_line(line)
             except (KeyError, TypeError, ValueError):
-                recording.skipped["bad_gpu_line"] += 1
+                recording.skip(number, "bad_gpu_line")
                 continue
             recording.samples[sample.index].append(sample)
             if sample.index not in recording.statics:
@@ -54,12 +61,12 @@ def load_recording(lines: Iterable[str]) -> Recording:
             try:
                 record = decode_record(line)
             except ProtocolError as exc:
-                recording.skipped[exc.reason] += 1
+                recording.skip(number, exc.reason)
                 continue
             if isinstance(record, StepRecord):
                 recording.steps.append(record)
         else:
-            recording.skipped["unknown_kind"] += 1
+            recording.skip(number, "unknown_kind")
     for samples in recording.samples.values():
         samples.sort(key=lambda s: s.t)
     return recording
@@ -115,11 +122,21 @@ def classify_file(path: Path) -> tuple[Recording, list[StepVerdict]]:
     return recording, classify_recording(recording)
 
 
-def output_lines(path: Path, json_output: bool) -> Iterator[str]:
+SKIPPED_SHOWN = 20  # lines named one by one; the rest are counted
+
+
+def output_lines(path: Path, json_output: bool,
+                 warn: Callable[[str], None] = lambda _message: None) -> Iterator[str]:
     """What ``gpumon classify`` prints: a line per verdict (with ``json_output``, a JSON line
-    per step), then the summary. The file is read before the first line is given, so an
-    unreadable file raises ``OSError`` from this call, not from the iteration."""
+    per step), then the summary; ``warn`` gets a line per skipped line (for stderr). The file
+    is read before the first line is given, so an unreadable file raises ``OSError`` from
+    this call, not from the iteration."""
     recording, verdicts = classify_file(path)
+    for number, reason in recording.skipped_at[:SKIPPED_SHOWN]:
+        warn(f"gpumon classify: {path}:{number}: skipped ({reason})")
+    more = len(recording.skipped_at) - SKIPPED_SHOWN
+    if more > 0:
+        warn(f"gpumon classify: {path}: {more} more lines skipped")
     return _lines(recording, verdicts, json_output)
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ from rich.text import Text
 
 from gpumon.agent import Agent, AgentError
 from gpumon.agent.config import AgentConfig
-from gpumon.commands.top import render, stop_on_signals
+from gpumon.commands.top import StopSignals, render, stop_on_signals
 from gpumon.export.server import ServeError
 from gpumon.sim.gpus import SimulatedSource, gpu_model
 from gpumon.sim.job import SimulatedJob, check_job, describe
@@ -130,7 +129,7 @@ def _phase_line(job: SimulatedJob, time_left: bool = True) -> str:
 
 
 def _live(agent: Agent, job: SimulatedJob, options: DemoOptions, console: Console,
-          stop: threading.Event) -> None:
+          stop: StopSignals) -> None:
     deadline = _deadline(options)
 
     def frame() -> RenderableType:
@@ -146,7 +145,7 @@ def _live(agent: Agent, job: SimulatedJob, options: DemoOptions, console: Consol
 
 
 def _log(agent: Agent, job: SimulatedJob, options: DemoOptions, console: Console,
-         stop: threading.Event) -> None:
+         stop: StopSignals) -> None:
     """One line per phase change, with the verdicts the agent reached during the last one."""
     deadline = _deadline(options)
     schedule = job.schedule

@@ -45,13 +45,14 @@ def diagnose(port: int, socket_path: Path) -> dict[str, Any]:
             source.sample(time.time(), first)
             time.sleep(0.15)
             samples = source.sample(time.time(), time.monotonic())
-            for device, sample in zip(source.devices, samples, strict=True):
+            answered = {s.index for s in samples if s.up}  # a slow GPU is not answering
+            for device in source.devices:
                 static = device.static
-                groups = {label: (sample.up and device.supports(group))
-                          for group, label in GPU_GROUPS}
+                up = device.index in answered
+                groups = {label: (up and device.supports(group)) for group, label in GPU_GROUPS}
                 report["gpus"].append({
                     "index": static.index, "name": static.name, "uuid": static.uuid,
-                    "pci_bus_id": static.pci_bus_id, "up": sample.up,
+                    "pci_bus_id": static.pci_bus_id, "up": up,
                     "mig": static.mig_enabled, "nvlink_links": static.nvlink_link_count,
                     "groups": groups,
                 })

@@ -24,16 +24,31 @@ from gpumon.analysis.memory import OPTIMIZER_STATE_BYTES
 _MIXED = "mixed precision (bf16 halves parameter and gradient memory and uses tensor cores)"
 
 
+EXIT_DOES_NOT_FIT = 3
+"""The exit status when the setup does not fit the given GPU memory (0: it fits, or no
+memory was given; 2: bad input), so that scripts can test it."""
+
+
 def estimate_command(params: str, *, buffers: str | None, gpu_memory: str | None,
-                     json_output: bool, **setup: Any) -> str:
-    """The command's output for its flags; raises ``ValueError`` with the message for bad input."""
+                     json_output: bool, **setup: Any) -> tuple[str, int]:
+    """The command's output and exit status for its flags; raises ``ValueError`` with the
+    message for bad input."""
     result = estimate_memory(
         parse_count(params),
-        buffers_bytes=parse_bytes(buffers) if buffers else None,
-        gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory else None,
+        buffers_bytes=_size("--buffers", buffers) if buffers else None,
+        gpu_memory_bytes=_size("--gpu-memory", gpu_memory) if gpu_memory else None,
         **setup,
     )
-    return json.dumps(to_json_dict(result)) if json_output else render_table(result)
+    text = json.dumps(to_json_dict(result)) if json_output else render_table(result)
+    return text, EXIT_DOES_NOT_FIT if result.fits() is False else 0
+
+
+def _size(flag: str, text: str) -> int:
+    """A size with its unit: ``80`` alone would be 80 bytes, never what was meant."""
+    stripped = text.strip()
+    if stripped[-1:].isdigit() or stripped.endswith("."):
+        raise ValueError(f"{flag} {text}: give a unit, e.g. {stripped}GB or {stripped}GiB")
+    return parse_bytes(text)
 
 
 def advice_lines(e: MemoryEstimate) -> list[str]:

@@ -1,22 +1,26 @@
 """`gpumon top`: a live terminal view of an agent — GPUs, ranks, verdicts and OOM risk.
 
 ``render`` turns one ``/api/v1/snapshot`` document into a rich renderable (pure, so tests
-call it directly); ``run_top`` fetches the snapshot with urllib every interval and redraws.
+call it directly); ``run_top`` fetches the snapshot with urllib every interval and redraws,
+until ``q`` or a signal; ``--once`` prints one frame for scripts.
 ``gpumon demo`` uses the same ``render`` on its in-process agent.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
+import select
 import signal
-import threading
+import sys
+import termios
 import time
+import tty
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Mapping
+from typing import IO, Any
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -202,51 +206,130 @@ def fetch_snapshot(url: str, timeout_s: float = 2.0) -> dict[str, Any]:
     return data
 
 
-def _unreachable(url: str, exc: Exception) -> Text:
-    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-    return Text(f"gpumon top: cannot read {url}: {reason}; retrying", style="yellow")
+def _reason(exc: Exception) -> str:
+    return str(exc.reason if isinstance(exc, urllib.error.URLError) else exc)
 
 
-@contextlib.contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
-    """An event set by SIGINT or SIGTERM while the block runs (main thread only)."""
-    stop = threading.Event()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    for sig in previous:
-        signal.signal(sig, lambda _signum, _frame: stop.set())
-    try:
-        yield stop
-    finally:
-        for sig, handler in previous.items():
+class StopSignals:
+    """SIGINT and SIGTERM, and ``q`` typed on a terminal, ask to stop; ``wait`` sleeps until
+    then or a timeout.
+
+    The signal handlers only set a flag: the interpreter writes each signal's number to a
+    pipe (``set_wakeup_fd``) that ``wait`` selects on beside the keyboard. Setting an Event
+    from a handler can deadlock the main thread it interrupted (the Event's lock).
+    """
+
+    def __init__(self, keys: IO[str] | None = None) -> None:
+        self.stopped = False
+        self._keys = keys if keys is not None and keys.isatty() else None
+        self._read_fd = self._write_fd = -1
+        self._saved: dict[int, Any] = {}
+        self._old_wakeup = -1
+        self._old_tty: Any = None
+
+    def __enter__(self) -> StopSignals:
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._old_wakeup = signal.set_wakeup_fd(self._write_fd, warn_on_full_buffer=False)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._saved[sig] = signal.signal(sig, self._on_signal)
+        if self._keys is not None:  # keys one by one, unechoed; restored on the way out
+            self._old_tty = termios.tcgetattr(self._keys.fileno())
+            tty.setcbreak(self._keys.fileno())
+        return self
+
+    def _on_signal(self, _signum: int, _frame: object) -> None:
+        self.stopped = True
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep up to ``timeout_s``; whether to stop."""
+        watched = [self._read_fd] + ([self._keys.fileno()] if self._keys is not None else [])
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while not self.stopped:
+            ready = select.select(watched, [], [], max(deadline - time.monotonic(), 0.0))[0]
+            if self._read_fd in ready:
+                os.read(self._read_fd, 64)  # the handler has run: ``stopped`` says
+            if self._keys is not None and self._keys.fileno() in ready:
+                if os.read(self._keys.fileno(), 64).lower().startswith(b"q"):
+                    self.stopped = True
+            if not ready or time.monotonic() >= deadline:
+                break
+        return self.stopped
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._old_tty is not None and self._keys is not None:
+            termios.tcsetattr(self._keys.fileno(), termios.TCSADRAIN, self._old_tty)
+        for sig, handler in self._saved.items():
             signal.signal(sig, handler)
+        signal.set_wakeup_fd(self._old_wakeup)
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+
+def stop_on_signals(keys: IO[str] | None = None) -> StopSignals:
+    """Stop on SIGINT or SIGTERM (and on ``q`` from ``keys``, a terminal), as a context
+    manager for the main thread."""
+    return StopSignals(keys)
 
 
 def run_top(url: str, interval_s: float = 1.0, console: Console | None = None,
-            rank: str | None = None) -> int:
-    """Redraw the view of the agent at ``url`` every ``interval_s`` until SIGINT/SIGTERM.
+            once: bool = False, rank: str | None = None) -> int:
+    """Show the agent at ``url`` every ``interval_s`` until ``q``, SIGINT or SIGTERM.
 
     On a terminal the view is redrawn in place; otherwise one frame is printed per interval.
+    An agent that does not answer is said once, then tried again quietly every interval.
+    With ``once``, one frame is printed and the exit status says whether the agent answered
+    (0) or not (1).
     """
     snapshot_url(url)  # a bad URL fails now, not on every redraw
     console = console or Console()
     title = f"gpumon top {url}"
-
-    def frame() -> RenderableType:
+    if once:
         try:
-            return render(fetch_snapshot(url), title=title, rank=rank)
+            console.print(render(fetch_snapshot(url), title=title, rank=rank))
         except (OSError, ValueError) as exc:
-            return _unreachable(url, exc)
-
-    with stop_on_signals() as stop:
+            Console(stderr=True).print(f"gpumon top: no agent answers at {url}: "
+                                       f"{_reason(exc)}", highlight=False, markup=False)
+            return 1
+        return 0
+    with stop_on_signals(sys.stdin) as stop:
         if not console.is_terminal:
-            while True:
-                console.print(frame())
-                if stop.wait(interval_s):
-                    return 0
+            _print_frames(url, title, interval_s, console, stop, rank)
+            return 0
+        footer = Text("q quits", style="dim")
+
+        def frame() -> RenderableType:
+            try:
+                return Group(render(fetch_snapshot(url), title=title, rank=rank), footer)
+            except (OSError, ValueError) as exc:
+                return Group(Text(f"{title}: no agent answers ({_reason(exc)}); trying again "
+                                  f"every {interval_s:g} s", style="yellow"), footer)
+
         with Live(frame(), console=console, screen=True, auto_refresh=False) as live:
             while not stop.wait(interval_s):
                 live.update(frame(), refresh=True)
     return 0
 
 
-__all__ = ["fetch_snapshot", "render", "run_top", "snapshot_url", "stop_on_signals"]
+def _print_frames(url: str, title: str, interval_s: float, console: Console,
+                  stop: StopSignals, rank: str | None = None) -> None:
+    """Not a terminal: a frame per interval; an agent not answering is said once."""
+    said = False
+    while True:
+        try:
+            snapshot = fetch_snapshot(url)
+        except (OSError, ValueError) as exc:
+            if not said:
+                console.print(f"gpumon top: no agent answers at {url} ({_reason(exc)}); "
+                              f"trying again every {interval_s:g} s", highlight=False,
+                              markup=False, soft_wrap=True)
+                said = True
+        else:
+            said = False
+            console.print(render(snapshot, title=title, rank=rank))
+        if stop.wait(interval_s):
+            return
+
+
+__all__ = ["StopSignals", "fetch_snapshot", "render", "run_top", "snapshot_url",
+           "stop_on_signals"]

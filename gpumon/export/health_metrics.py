@@ -1,5 +1,5 @@
-"""Prometheus families for the agent's own outputs and inputs that can fail quietly: the
-recording file. A failure here loses data without stopping the agent, so it must be seen."""
+"""Prometheus families for what can lose data without stopping the agent, so must be seen:
+the recording file, the ingest socket, and (run, rank) pairs evicted under the cap."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from prometheus_client.core import Metric
 
 from gpumon.agent.recorder import RecorderStatus
+from gpumon.collectors.ingest import IngestStatus
 from gpumon.export.exposition import CounterFamily, GaugeFamily
 
 
@@ -32,3 +33,32 @@ def recording_families(status: RecorderStatus | None) -> Iterator[Metric]:
     yield GaugeFamily("gpumon_recording_backlog_bytes",
                       "Bytes waiting to be written to the recording file.",
                       value=float(status.backlog_bytes))
+
+
+def eviction_families(evicted: dict[str, int]) -> Iterator[Metric]:
+    """(run, rank) pairs evicted to make room under the cap, by reason."""
+    family = CounterFamily(
+        "gpumon_ingest_ranks_evicted",
+        "Live (run, rank) pairs evicted to make room for another under max_ranks: "
+        "over_share (their sender held more than its share of the cap), idle (the same "
+        "sender's pair that had been silent longest).", labels=["reason"])
+    for reason, count in sorted(evicted.items()):
+        family.add_metric([reason], float(count))
+    yield family
+
+
+def ingest_families(status: IngestStatus | None) -> Iterator[Metric]:
+    """Whether training steps can arrive, and who may send them (the socket's group and
+    mode): a job that cannot write to the socket loses every record without the agent
+    seeing one, so this is the only place it shows on the agent's side."""
+    if status is None:
+        return
+    yield GaugeFamily("gpumon_ingest_up",
+                      "1 while the ingest socket receives training-step records, 0 when it "
+                      "could not be set up (see /readyz).", value=1.0 if status.up else 0.0)
+    if status.mode is not None:
+        info = GaugeFamily("gpumon_ingest_socket_info",
+                           "The ingest socket: its path, the group allowed to send and its "
+                           "mode.", labels=["path", "group", "mode"])
+        info.add_metric([status.path, status.group or "", f"{status.mode:04o}"], 1.0)
+        yield info

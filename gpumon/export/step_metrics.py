@@ -18,7 +18,7 @@ from prometheus_client.core import Metric
 from gpumon.agent.ranks import DURATION_BUCKETS_S, RankTotals
 from gpumon.analysis.bottleneck import Bottleneck, Flag
 from gpumon.analysis.straggler import StragglerCause
-from gpumon.analysis.stream import RankAnalysis
+from gpumon.analysis.stream import RankAnalysis, RankKey
 from gpumon.collectors.samples import ProcessSample
 from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily, RenderCache
 
@@ -46,7 +46,7 @@ class StepFamilies:
 
     def steps(self, ranks: list[RankTotals], records_total: dict[str, int],
               dropped_total: dict[str, int], processes: dict[int, ProcessSample],
-              resolved_uuids: dict[tuple[str, int], str]) -> Iterator[Metric]:
+              resolved_uuids: dict[RankKey, str]) -> Iterator[Metric]:
         """Step, phase, memory and process families per (run, rank), and ingest counters.
 
         ``resolved_uuids`` holds the device UUID the agent attributed each rank to (by UUID,

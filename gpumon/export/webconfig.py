@@ -18,6 +18,7 @@ import binascii
 import hashlib
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -40,6 +41,11 @@ _CLIENT_AUTH = {
 _KNOWN_TOP = {"tls_server_config", "basic_auth_users", "http_server_config"}
 _CACHE_MAX = 256
 BCRYPT_MAX_PASSWORD_BYTES = 72
+FAILED_LOGINS_PER_MINUTE = 10
+"""Password checks per client address and minute that may fail; beyond, a client's new
+credentials are refused unchecked until its minute is over. bcrypt costs ~60 ms of CPU a
+check: a flood of distinct wrong passwords took 187 % CPU and slowed valid scrapes."""
+_CLIENTS_MAX = 4096
 
 
 class WebConfigError(ValueError):
@@ -53,13 +59,20 @@ class WebConfig:
     ssl_context: ssl.SSLContext | None = None
     users: dict[str, bytes] = field(default_factory=dict)
     _verified: dict[bytes, bool] = field(default_factory=dict, repr=False)
+    _failures: dict[str, tuple[float, int]] = field(default_factory=dict, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _hashing: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    throttled_total: int = 0
+    checks_total: int = 0
+    """bcrypt checks made (each ~60 ms of CPU)."""
 
-    def authorized(self, header: str | None) -> bool:
+    def authorized(self, header: str | None, client: str = "") -> bool:
         """Whether an Authorization header carries valid credentials (always, without users).
 
-        bcrypt is deliberately slow (tens of ms); results are cached per exact credentials,
-        as exporter-toolkit does, so frequent scrapes cost one hash comparison.
+        bcrypt is deliberately slow (tens of ms): results are cached per exact credentials,
+        as exporter-toolkit does, so frequent scrapes cost one hash comparison; one check
+        runs at a time; and a ``client`` (address) whose checks failed
+        ``FAILED_LOGINS_PER_MINUTE`` times in its current minute gets no more until it ends.
         """
         if not self.users:
             return True
@@ -78,18 +91,39 @@ class WebConfig:
         key = hashlib.sha256(decoded).digest()
         with self._lock:
             cached = self._verified.get(key)
+            if cached is None and self._throttled(client, time.monotonic()):
+                self.throttled_total += 1
+                return False
         if cached is not None:
             return cached
         hashed = self.users.get(user.decode("utf-8", "replace"))
-        ok = hashed is not None and bcrypt.checkpw(password, hashed)
-        if hashed is None:
+        with self._hashing:
+            self.checks_total += 1
             # Same cost for unknown users, so timing does not tell which names exist.
-            bcrypt.checkpw(password, _dummy_hash())
+            ok = bcrypt.checkpw(password, hashed if hashed is not None else _dummy_hash())
+            ok = ok and hashed is not None
         with self._lock:
             if len(self._verified) >= _CACHE_MAX:
-                self._verified.clear()
+                # Refusals fill it; the few valid credentials stay.
+                self._verified = {k: v for k, v in self._verified.items() if v}
             self._verified[key] = ok
+            if not ok:
+                self._failed(client, time.monotonic())
         return ok
+
+    def _throttled(self, client: str, now: float) -> bool:
+        started, failures = self._failures.get(client, (now, 0))
+        return now - started < 60.0 and failures >= FAILED_LOGINS_PER_MINUTE
+
+    def _failed(self, client: str, now: float) -> None:
+        started, failures = self._failures.get(client, (now, 0))
+        if now - started >= 60.0:
+            started, failures = now, 0
+        if client not in self._failures and len(self._failures) >= _CLIENTS_MAX:
+            self._failures = {c: v for c, v in self._failures.items() if now - v[0] < 60.0}
+            if len(self._failures) >= _CLIENTS_MAX:
+                self._failures.clear()
+        self._failures[client] = (started, failures + 1)
 
 
 @cache

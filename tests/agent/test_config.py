@@ -36,6 +36,12 @@ def test_env_lists() -> None:
     assert cfg.collectors == ("host",)
 
 
+def test_socket_group_by_name_or_number() -> None:
+    assert load_config({}, env={"GPUMON_SOCKET_GROUP": "nogroup"}).socket_group == "nogroup"
+    assert load_config({"socket_group": "0"}, env={}).socket_group == "0"
+    assert load_config({}, env={}).socket_group is None
+
+
 @pytest.mark.parametrize(
     ("flags", "env", "message"),
     [
@@ -48,6 +54,8 @@ def test_env_lists() -> None:
         ({"collectors": ["gpu"]}, {}, "unknown collector(s) gpu"),
         ({"log_level": "loud"}, {}, "choose one of debug"),
         ({}, {"GPUMON_ALLOWED_UIDS": "root"}, "expected an integer"),
+        ({"socket_group": "no-such-group"}, {}, "socket_group='no-such-group': no such group"),
+        ({}, {"GPUMON_SOCKET_GROUP": "4294967295"}, "no such group"),
     ],
 )
 def test_invalid_values_name_the_key(flags: dict, env: dict, message: str) -> None:
@@ -91,3 +99,36 @@ def test_bad_thresholds_are_named(tmp_path: Path, table: str, message: str) -> N
     with pytest.raises(ConfigError) as excinfo:
         load_config({"config": str(path)}, env={})
     assert message in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("port = 9500\n[agent]\ninterval = 2.0\n",
+     "key(s) port outside any table; agent settings go in the [agent] table"),
+    ("[agent]\nport = 9500\n[tresholds]\ninput_high_fraction = 0.3\n",
+     "unknown table(s) [tresholds]; known tables are [agent], [thresholds]"),
+    ("[agnet]\nport = 9500\n", "unknown table(s) [agnet]"),
+    ("[agent]\nport = 9500\n[agent.extra]\nx = 1\n", "unknown key(s) extra"),
+])
+def test_stray_keys_and_misspelled_tables_are_refused(tmp_path: Path, text: str,
+                                                      message: str) -> None:
+    path = tmp_path / "gpumon.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as excinfo:
+        load_config({"config": str(path)}, env={})
+    assert str(excinfo.value).startswith(f"config file {path}: ")
+    assert message in str(excinfo.value)
+
+
+def test_a_bad_value_names_where_it_came_from(tmp_path: Path) -> None:
+    path = tmp_path / "gpumon.toml"
+    path.write_text("[agent]\ninterval = 0.0\nport = 9500\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config({"config": str(path)}, env={})
+    assert str(excinfo.value) == (f"config file {path}: interval=0.0: must be between 0.05 "
+                                  "and 86400 seconds")
+    with pytest.raises(ConfigError) as excinfo:
+        load_config({"config": str(path)}, env={"GPUMON_INTERVAL": "fast"})
+    assert str(excinfo.value) == ("environment GPUMON_INTERVAL: interval='fast': expected a "
+                                  "number of seconds")
+    # A flag over a bad file value: the flag's value is the one used, and it is fine.
+    assert load_config({"config": str(path), "interval": 2.0}, env={}).interval == 2.0

@@ -146,3 +146,4 @@ def test_sighup_during_start_up_is_not_fatal(tmp_path: Path) -> None:
 def _listening(port: int) -> bool:
     with socket.socket() as probe:
         return probe.connect_ex(("127.0.0.1", port)) == 0
+

@@ -52,6 +52,10 @@ def test_classify_survives_a_damaged_recording(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     summary = json.loads(result.stdout.splitlines()[-1])["summary"]
     assert summary["skipped_lines"] == {"not_json": 1, "missing_field": 1, "unknown_kind": 1}
+    assert result.stderr.splitlines() == [
+        f"gpumon classify: {damaged}:2: skipped (not_json)",
+        f"gpumon classify: {damaged}:3: skipped (missing_field)",
+        f"gpumon classify: {damaged}:4: skipped (unknown_kind)"]
 
 
 def test_classify_missing_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -111,7 +111,7 @@ def estimate(*args: str) -> subprocess.CompletedProcess[str]:
 def test_classic_7b_case_item_by_item() -> None:
     result = estimate("--params", "7B", "--precision", "fp16", "--optimizer", "adam",
                       "--no-master-weights", "--gpus", "1", "--gpu-memory", "80GB", "--json")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 3, result.stderr  # does not fit
     data = json.loads(result.stdout)
     assert set(data) == {"params", "grads", "optimizer_states", "master_weights",
                          "activations", "buffers", "total", "fits", "advice"}
@@ -158,3 +158,22 @@ def test_bad_input_is_one_clear_error(args: list[str], message: str) -> None:
     result = estimate(*args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def test_a_bare_gpu_memory_is_refused_not_read_as_bytes() -> None:
+    for flag in ("--gpu-memory", "--buffers"):
+        result = estimate("--params", "7B", flag, "80")
+        assert result.returncode == 2
+        assert result.stderr.strip() == f"gpumon: error: {flag} 80: give a unit, e.g. 80GB or 80GiB"
+
+
+@pytest.mark.parametrize(("memory", "code"), [("80GB", 3), ("141GB", 0), (None, 0)])
+def test_the_exit_status_says_whether_it_fits(memory: str | None, code: int) -> None:
+    args = ["--params", "7B", "--precision", "bf16", "--optimizer", "adam", "--gpus", "1"]
+    result = estimate(*args, *(["--gpu-memory", memory] if memory else []), "--json")
+    assert result.returncode == code, result.stderr
+    fits = json.loads(result.stdout)["fits"]
+    assert fits is (None if memory is None else code == 0)
+    help_text = " ".join(estimate("--help").stdout.split())
+    assert "Exit status: 0 when it fits (or no --gpu-memory is given), 3 when it does not fit" \
+        in help_text

@@ -192,22 +192,60 @@ def test_top_in_a_terminal_shows_the_gpus_and_ranks(live_agent: Agent) -> None:
     assert "Traceback" not in top.output
 
 
-def test_top_keeps_trying_an_unreachable_agent_until_stopped(tmp_path: Path) -> None:
-    url = f"http://127.0.0.1:{free_port()}"
+def test_top_says_once_that_no_agent_answers_then_shows_it_when_it_does(
+        tmp_path: Path) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
     log = tmp_path / "top.log"
     with open(log, "wb") as out:
         process = subprocess.Popen([sys.executable, "-m", "gpumon.cli", "top", "--url", url,
                                     "--interval", "0.2"], stdout=out, stderr=subprocess.STDOUT,
                                    env=agent_env(), cwd=ROOT)
+    agent = None
     try:
-        wait_for(lambda: log.read_text().count("cannot read") >= 2, timeout=20,
-                 what="two failed attempts")
+        wait_for(lambda: "no agent answers" in log.read_text(), timeout=20, what="the message")
+        time.sleep(1.5)  # several more attempts, quietly
+        printed = " ".join(log.read_text().split())  # unwrapped: not a terminal, 80 columns
+        assert printed == (f"gpumon top: no agent answers at {url} ([Errno 111] Connection "
+                           "refused); trying again every 0.2 s")
+        agent = Agent(AgentConfig(address="127.0.0.1", port=port, simulate=1,
+                                  socket=str(tmp_path / "s.sock")))
+        agent.start()
+        wait_for(lambda: "1 GPU (simulated)" in log.read_text(), timeout=20,
+                 what="a frame once the agent answers")
     finally:
         process.send_signal(signal.SIGTERM)
         code = process.wait(10)
+        if agent is not None:
+            agent.stop()
     assert code == 0, log.read_text()
-    printed = " ".join(log.read_text().split())  # unwrapped: not a terminal, 80 columns
-    assert f"gpumon top: cannot read {url}: [Errno 111] Connection refused; retrying" in printed
+
+
+def test_top_once_prints_one_frame_for_scripts(live_agent: Agent) -> None:
+    url = f"http://127.0.0.1:{live_agent.port}"
+    result = subprocess.run([sys.executable, "-m", "gpumon.cli", "top", "--once", "--url", url],
+                            capture_output=True, text=True, env=agent_env(), cwd=ROOT, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count(f"gpumon top {url}") == 1 and "3 GPUs (simulated)" in result.stdout
+    down = f"http://127.0.0.1:{free_port()}"
+    result = subprocess.run([sys.executable, "-m", "gpumon.cli", "top", "--once", "--url", down],
+                            capture_output=True, text=True, env=agent_env(), cwd=ROOT, timeout=30)
+    assert result.returncode == 1 and result.stdout == ""
+    assert " ".join(result.stderr.split()) == (f"gpumon top: no agent answers at {down}: "
+                                               "[Errno 111] Connection refused")
+
+
+def test_top_quits_on_q(live_agent: Agent) -> None:
+    url = f"http://127.0.0.1:{live_agent.port}"
+    top = PtyProcess([sys.executable, "-m", "gpumon.cli", "top", "--url", url,
+                      "--interval", "0.5"])
+    try:
+        top.wait_for(lambda text: "q quits" in text, 30, "the live view")
+        os.write(top._master, b"q")
+        code = top.process.wait(10)
+    finally:
+        top.stop()
+    assert code == 0, top.output[-2000:]
 
 
 def test_top_refuses_a_url_that_is_not_an_agent_address() -> None:

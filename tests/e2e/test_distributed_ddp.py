@@ -60,6 +60,25 @@ def test_compute_heavy_ddp_shows_little_exposed_communication(
         assert all(s["comm"]["ops"]["all_reduce"][1] == summary["grad_bytes"] for s in steps)
 
 
+@pytest.mark.parametrize("buckets", ["copied", "bucket-view"])
+def test_watching_leaves_ddp_gradients_bit_for_bit_as_they_were(
+    agent: tuple[AgentProcess, Path], tmp_path: Path, buckets: str
+) -> None:
+    # Three ranks: averaging by dividing the sum, or scaling by 1/3 in another order, would
+    # differ in the last bit; the watcher averages as DDP does, gradients copied into the
+    # buckets or the buckets' views.
+    args = ["--model", "small", "--steps", "3", "--warmup", "1"]
+    if buckets == "bucket-view":
+        args.append("--bucket-view")
+    watched = run_job(*agent, tmp_path, "ddp_job.py", 3, args, run=f"ddp-3-watched-{buckets}",
+                      expect_steps=9)
+    plain = run_job(*agent, tmp_path, "ddp_job.py", 3, [*args, "--no-watch"],
+                    run=f"ddp-3-plain-{buckets}", expect_steps=9)
+    for rank in (0, 1, 2):
+        assert watched.summary(rank)["grads_sha"] == plain.summary(rank)["grads_sha"]
+    assert all("comm" in s for s in watched.steps()) and not any("comm" in s for s in plain.steps())
+
+
 @pytest.mark.parametrize("order", ["hook-after-watch", "hook-before-watch"])
 def test_a_user_comm_hook_keeps_its_gradients_and_is_measured(
     agent: tuple[AgentProcess, Path], tmp_path: Path, order: str

@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--comm-hook", choices=("none", "fp16"), default="none")
     parser.add_argument("--hook-before-watch", action="store_true")
     parser.add_argument("--no-watch", action="store_true")
+    parser.add_argument("--bucket-view", action="store_true", help="gradient_as_bucket_view=True")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -60,7 +61,7 @@ def main() -> None:
         model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
                               nn.Linear(1024, 1024))  # 12 MiB of gradients, 10 GFLOP a step
         batch, width = 512, 1024
-    ddp = DDP(model)
+    ddp = DDP(model, gradient_as_bucket_view=args.bucket_view)
     mon = StepMonitor()
     hook = default_hooks.fp16_compress_hook if args.comm_hook == "fp16" else None
     if hook is not None and args.hook_before_watch:
