@@ -332,9 +332,12 @@ def _optimizer_tensors(model: Model,
 
 
 def _is_weight_copy(tensor: torch.Tensor, params: set[int]) -> bool:
-    """Whether ``tensor`` is a cast of a parameter (autocast's low-precision weight copy), or a
-    view of one (a matmul saves the transposed cast)."""
+    """Whether ``tensor`` is a copy of a weight: a parameter the module swapped in for the
+    ones it registers (FSDP's all-gathered, unsharded weights), a cast of a parameter
+    (autocast's low-precision copy), or a view of either (a matmul saves the transposed one)."""
     base = tensor._base if tensor._base is not None else tensor
+    if isinstance(base, torch.nn.Parameter):
+        return True
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False
