@@ -4,8 +4,9 @@
 step it adds a ``memb`` field to the step's record with, in bytes:
 
 * ``parameters``: every parameter's storage, once (shared and tied weights are one storage),
-  plus low-precision working copies of weights that autograd saved for backward (an autocast
-  cast of a weight is still the weight, not an activation);
+  plus copies of weights that autograd saved for backward and that still hold memory when
+  backward starts (an autocast cast of a weight is still the weight, not an activation; FSDP's
+  unsharded weights, freed after forward, are not held); under FSDP, this rank's shards;
 * ``gradients``: the gradients' storages, read when the backward pass ends (queued on
   autograd's engine), so a loop that zeroes them after the optimizer step still shows them;
 * ``optimizer_states``: every tensor in ``optimizer.state`` (any optimizer), plus parameters
@@ -113,7 +114,8 @@ class MemoryBreakdownSampler:
         self._param_keys: set[Key] = set()
         self._param_tensors: set[int] = set()
         self._segment: dict[Key, int] = {}
-        self._weight_copies: dict[Key, int] = {}
+        self._weight_copies: dict[Key, int] = {}  # as alive at the forward→backward boundary
+        self._copy_refs: list[tuple[weakref.ref[torch.Tensor], Key]] = []
         self._in_backward = False
         self._backward_seen = False
         self._activations = 0
@@ -150,6 +152,7 @@ class MemoryBreakdownSampler:
         self._in_backward = self._backward_seen = False
         self._activations = self._gradients = 0
         self._segment, self._weight_copies, self._saved = {}, {}, []
+        self._copy_refs = []
         self._boundary = None
         params = [*model.parameters(), *_updated(optimizers)]
         self._param_tensors = {id(p) for p in params}
@@ -176,6 +179,8 @@ class MemoryBreakdownSampler:
         if live is None:
             return
         model, optimizers = live
+        if not self._backward_seen:
+            self._weight_copies.update(self._alive_copies())
         seen: set[Key] = set()
         parameters = _unique_bytes(model.parameters(), seen)
         parameters += sum(n for k, n in self._weight_copies.items() if k not in seen)
@@ -196,7 +201,7 @@ class MemoryBreakdownSampler:
         if self._saved:
             self._earlier.append(self._saved)
             del self._earlier[:-RETAINED_SAMPLES]
-        self._saved = []
+        self._saved, self._copy_refs = [], []
         self._segment = {}
         self.samples += 1
 
@@ -210,7 +215,8 @@ class MemoryBreakdownSampler:
             key, nbytes = _storage(tensor)
             if key is not None and key not in self._param_keys:
                 if _is_weight_copy(tensor, self._param_tensors):
-                    self._weight_copies[key] = nbytes
+                    base = tensor._base if tensor._base is not None else tensor
+                    self._copy_refs.append((weakref.ref(base), key))
                 else:
                     self._segment[key] = nbytes
                     # A view dies with the graph even when what it views is kept (a list
@@ -223,6 +229,7 @@ class MemoryBreakdownSampler:
         if not self._in_backward and self._sampling:
             self._in_backward = self._backward_seen = True
             self._activations = max(self._activations, sum(self._segment.values()))
+            self._weight_copies.update(self._alive_copies())
             if tensor.device.type == "cuda":
                 self._read_boundary(tensor.device)
             try:
@@ -250,6 +257,19 @@ class MemoryBreakdownSampler:
             model, optimizers = live
             self._gradients = max(self._gradients,
                                   _unique_bytes(_grads(model, optimizers), set()))
+
+    def _alive_copies(self) -> dict[Key, int]:
+        """The weight copies saved for backward whose storage still holds them: FSDP frees its
+        unsharded weights after forward (their storage resized to nothing) and gathers them
+        again for backward; an autocast cast stays until backward."""
+        alive: dict[Key, int] = {}
+        for ref, key in self._copy_refs:
+            tensor = ref()
+            if tensor is not None:
+                _, nbytes = _storage(tensor)
+                if nbytes:
+                    alive[key] = nbytes
+        return alive
 
     def _still_alive(self) -> dict[Key, int]:
         alive: dict[Key, int] = {}

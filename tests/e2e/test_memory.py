@@ -109,3 +109,22 @@ def test_transformer_block_against_the_korthikanti_formula() -> None:
     print(f"TransformerEncoderLayer activations: measured {measured} B, Korthikanti "
           f"{formula} B, ratio {ratio:.2f}")
     assert 1.0 <= ratio <= 2.0
+
+
+def test_fully_shard_ranks_show_the_parameters_they_hold(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP (``fully_shard``, 2 ranks, gloo): each rank's parameters are its half, on every
+    sampled step — the unsharded weights gathered for forward and saved for backward are
+    freed after forward, so they are not counted as held."""
+    from tests.e2e.distributed import recording_agent, run_job
+
+    monkeypatch.setenv(INTERVAL_ENV, "0")
+    with recording_agent(tmp_path) as (process, recording):
+        job = run_job(process, recording, tmp_path, "framework_job.py", 2,
+                      ["fsdp", "--steps", "4"], run="fsdp2-memory", expect_steps=8)
+        for rank in (0, 1):
+            held = job.summary(rank)["grad_bytes"] // 2
+            breakdowns = [s["memb"] for s in job.steps(rank) if "memb" in s]
+            assert len(breakdowns) == 4
+            assert all(b["parameters"] == held for b in breakdowns), breakdowns
+            assert all(b["activations"] > 0 for b in breakdowns)
