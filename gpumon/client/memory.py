@@ -24,12 +24,12 @@ step it adds a ``memb`` field to the step's record with, in bytes:
 
 What is sampled and why: the first step, then the first step that starts at least
 ``interval_s`` (5 s) after the previous sample. An unsampled step costs two method calls
-and one clock read (with the monitor's step-extension calls around them, +1.8 µs a step in
-``benchmarks/bench_hook.py``); a sampled one walks the parameters, gradients and optimizer
-states and runs a Python hook for every tensor saved for backward — about 0.8 ms on
-``examples/train_cpu.py``'s MLP (``benchmarks/bench_train.py``): negligible once every few
-seconds, not once per step. Memory changes over many steps, so seconds between samples lose nothing an
-out-of-memory warning needs.
+and one clock read (with the monitor's step-extension calls around them, +1.0 µs a step in
+``benchmarks/bench_hook.py``; +1.8 µs under heavier load); a sampled one walks the
+parameters, gradients and optimizer states and runs a Python hook for every tensor saved
+for backward — about 0.8 ms on ``examples/train_cpu.py``'s MLP (``benchmarks/bench_train.py``):
+negligible once every few seconds, not once per step. Memory changes over many steps, so
+seconds between samples lose nothing an out-of-memory warning needs.
 
 Saved-tensor hooks keep a graph's saved outputs alive through a reference cycle if that
 graph is dropped without a backward pass (PyTorch's behaviour with any such hook). So a
