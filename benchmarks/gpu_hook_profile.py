@@ -120,11 +120,11 @@ def variants(work: Workload, path: str, pairs: int, block: int) -> dict[str, dic
         clock = mon._cuda
         assert clock is not None
         if name == "before":  # six events a step, torch finding the stream, memory every step
-            mon._share_gap_s = 0.0
+            clock.share_gap_s = 0.0
             clock._current_stream = None
             clock.memory_interval_s = 0.0
         elif name == "host_clock_only":
-            mon._cuda = None  # no events, no allocator statistics: the host-side hook alone
+            mon._core.set_cuda(None)  # no events, no allocator statistics: the host-side hook alone
     for name in ("before", "after"):  # events recorded per step, counted on 50 steps
         clock = monitors[name]._cuda
         recorded = [0]

@@ -4,18 +4,25 @@
 time, and used in its place: on a CPU-sized step the interpreter's work at the eight or so
 points a hooked loop passes through each step is most of what the hook costs (see
 ``benchmarks/RESULTS.md``). This module is the reference the C code follows line by line and
-the fallback where it was not built; ``tests/client/test_core.py`` runs both.
+the fallback where it was not built; ``tests/client/test_core.py`` drives both through the
+same script and compares every record.
 
-A subclass provides three methods the hot path calls rarely: ``_detect_cuda(final)`` (at
-the first step), ``_step_failed(exc, step)`` (an exception left a step) and
-``_new_phase(name)`` (a phase name seen for the first time: validate it, make its ``Phase``
-and store it in ``_phase_cache``).
+The monitor holds a core; the core's surface is what a training loop calls (``step``,
+``phase``, ``loader``, and ``data_wait`` for frameworks that report their own waits), what the
+monitor configures (``set_cuda``, ``set_extensions``, ``stop``) and three readings (``steps``,
+``in_step``, ``last_ooms``). The monitor hears back through three callables given at
+construction: ``first_step()`` (the first step begins and no CUDA clock is set yet: look for
+one), ``step_failed(exc, step)`` (an exception left a step, which is not recorded) and
+``phase_clock(name)`` (a phase name seen for the first time: raise ``ValueError`` if it is not
+valid, else say whether it is timed on the host clock even with CUDA).
+
+Neither core reuses ``Step`` objects: each ``step()`` call returns a new one.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -27,17 +34,23 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-SHARE_GAP_S = 10e-6
-"""A CUDA-timed phase entered this soon after the previous one ended, in the same step, starts
-at that phase's end event instead of recording its own: recording an event costs 6-11 µs of
-the training thread (measured on an H200), and no kernel launch fits in the gap."""
-
 
 class HookCore:
-    """State the training thread owns, and the three calls a training loop makes."""
+    """State the training thread owns, and the calls a training loop makes."""
 
-    def __init__(self, buffer: deque[StepTuple]) -> None:
+    def __init__(
+        self,
+        buffer: deque[StepTuple],
+        first_step: Callable[[], object],
+        step_failed: Callable[[BaseException | None, int | None], object],
+        phase_clock: Callable[[str], bool],
+    ) -> None:
+        self._buffer = buffer
+        self._first_step = first_step
+        self._step_failed = step_failed
+        self._phase_clock = phase_clock
         self._enabled = True
+        self._started = False  # the first step has begun
         self._seq = 0  # completed steps, recorded or not
         self._step_depth = 0
         self._step_t0 = 0.0
@@ -47,13 +60,10 @@ class HookCore:
         self._phase_t0 = 0.0
         self._phase_event: Any = None
         self._phase_end_t = 0.0  # when the last CUDA-timed phase's end event was recorded
-        self._share_gap_s = SHARE_GAP_S
         self._marks: list[Mark] = []
         self._phase_cache: dict[str, Phase] = {}
         self._cuda: CudaClock | None = None
-        self._cuda_checked = False
         self._last_ooms: int | None = None
-        self._buffer = buffer
         self._extensions: StepExtensions | None = None  # None unless one is registered
 
     def step(
@@ -65,41 +75,15 @@ class HookCore:
         step: int | None = None,
         memory: Mapping[str, int] | None = None,
     ) -> Step:
-        """Context manager around one training step.
-
-        Args:
-            samples: samples this rank processed in the step (Python int).
-            tokens: tokens this rank processed in the step (Python int).
-            flops: floating-point operations this rank did in the step (e.g. 6·params·tokens).
-            step: the trainer's step number; default: this monitor's count of steps, from 0.
-            memory: the step's allocator statistics, for memory the hook cannot read from
-                PyTorch's CUDA allocator itself (which, when in use, wins): any of
-                ``allocated``, ``reserved`` and ``peak`` (bytes, the peak of this step) and
-                the cumulative counts ``retries`` and ``ooms``. Read after the step ends;
-                invalid entries are left out and counted in ``stats.invalid_fields``.
-
-        The step's window starts when the loader was asked for its batch (see ``loader``) or
-        when a phase was timed before it, else when the block is entered. Pass Python
-        numbers: a tensor would have to be read back from the GPU, so it is ignored (and
-        counted in ``stats.invalid_fields``). A nested ``step()`` is ignored: only the
-        outermost counts. If an exception escapes, the step is not recorded; a torch
-        ``OutOfMemoryError`` is reported as an ``oom`` event, and the exception propagates
-        unchanged.
-        """
+        """A context manager around one training step (see ``StepMonitor.step``)."""
         return Step(self, samples, tokens, flops, step, memory)
 
     def phase(self, name: str) -> Phase:
-        """Context manager timing part of a step: ``data``, ``forward``, ``backward``,
-        ``comm``, ``optimizer``, or any other label (the agent counts those as ``other``).
-
-        With CUDA in use, phases other than ``data`` are timed by CUDA events, read later
-        without synchronising. Nested phases: only the outermost is timed. A phase outside a
-        step belongs to the next step. Raises ``ValueError`` for a name that is not 1-64 of
-        ``[A-Za-z0-9_.:/-]``.
-        """
+        """A context manager timing part of a step (see ``StepMonitor.phase``)."""
         ctx = self._phase_cache.get(name)
         if ctx is None:
-            ctx = self._new_phase(name)
+            host_clock = self._phase_clock(name)
+            ctx = self._phase_cache[name] = Phase(self, name, host_clock)
         return ctx
 
     def loader(self, iterable: Iterable[T]) -> Iterator[T]:
@@ -111,29 +95,45 @@ class HookCore:
                 item = next(iterator)
             except StopIteration:
                 return
-            self._data_wait(t0, perf_counter())
+            self.data_wait(t0, perf_counter())
             yield item
             t0 = perf_counter()
 
-    def _data_wait(self, t0: float, t1: float) -> None:
+    def data_wait(self, t0: float, t1: float) -> None:
         """Count ``t1 - t0`` (perf_counter) as waiting for input before the next step."""
         if not self._step_depth and self._pending_t0 is None:
             self._pending_t0 = t0
         self._phases["data"] = self._phases.get("data", 0.0) + (t1 - t0)
 
-    def _set_extensions(self, extensions: StepExtensions | None) -> None:
+    def set_cuda(self, clock: CudaClock | None) -> None:
+        """Time phases with ``clock``'s CUDA events and read its allocator statistics at each
+        step's end from now on (``None``: host clock only)."""
+        self._cuda = clock
+
+    def set_extensions(self, extensions: StepExtensions | None) -> None:
         """Call ``extensions`` at every step's start and end from now on (``None``: stop)."""
         self._extensions = extensions
 
-    # Provided by the subclass.
-    def _detect_cuda(self, final: bool) -> None:
-        raise NotImplementedError
+    def stop(self) -> None:
+        """Record no more steps and call no more extensions (the monitor closed, or this is
+        a forked child whose parent owns the steps)."""
+        self._enabled = False
+        self._extensions = None
 
-    def _step_failed(self, exc: BaseException | None, step: int | None) -> None:
-        raise NotImplementedError
+    @property
+    def steps(self) -> int:
+        """Steps completed so far, recorded or not."""
+        return self._seq
 
-    def _new_phase(self, name: str) -> Phase:
-        raise NotImplementedError
+    @property
+    def in_step(self) -> bool:
+        """Whether a step is open."""
+        return self._step_depth > 0
+
+    @property
+    def last_ooms(self) -> int | None:
+        """The allocator's OOM count at the last reading, if CUDA statistics were read."""
+        return self._last_ooms
 
 
 class Step:
@@ -157,14 +157,24 @@ class Step:
         self._step = step
         self._memory = memory
 
+    def set_counts(self, samples: Any, tokens: Any, flops: Any) -> None:
+        """Set the step's counts, when they are known only after it started."""
+        self._samples, self._tokens, self._flops = samples, tokens, flops
+
     def __enter__(self) -> Step:
         m = self._m
         m._step_depth += 1
         if m._step_depth == 1:
-            if not m._cuda_checked:
-                m._detect_cuda(True)
-            if m._extensions is not None:
-                m._extensions.begin()
+            try:
+                if not m._started:
+                    m._started = True
+                    if m._cuda is None:
+                        m._first_step()
+                if m._extensions is not None:
+                    m._extensions.begin()
+            except BaseException:
+                m._step_depth -= 1  # the block is not entered
+                raise
             m._step_t0 = perf_counter()
         return self
 
@@ -182,6 +192,9 @@ class Step:
         extensions = m._extensions
         fields = None if extensions is None else extensions.end(exc_type is None)
         if exc_type is not None:
+            m._phases = {}
+            m._marks = []
+            m._pending_t0 = None
             m._step_failed(exc, self._step)
             return
         t0 = m._pending_t0
@@ -210,7 +223,7 @@ class Step:
 
 
 class Phase:
-    """A named phase's context manager, one per name and monitor (reused)."""
+    """A named phase's context manager, one per name and core (reused)."""
 
     __slots__ = ("_m", "_name", "_host_clock")
 
@@ -222,12 +235,13 @@ class Phase:
     def __enter__(self) -> Phase:
         m = self._m
         if not m._phase_depth:
-            if m._cuda is not None and not self._host_clock:
+            cuda = m._cuda
+            if cuda is not None and not self._host_clock:
                 marks = m._marks
-                if marks and perf_counter() - m._phase_end_t < m._share_gap_s:
+                if marks and perf_counter() - m._phase_end_t < cuda.share_gap_s:
                     m._phase_event = marks[-1][2]
                 else:
-                    m._phase_event = m._cuda.event()
+                    m._phase_event = cuda.event()
             t = m._phase_t0 = perf_counter()
             if not m._step_depth and m._pending_t0 is None:
                 m._pending_t0 = t

@@ -1,32 +1,30 @@
 /* gpumon.client._hook: the training thread's half of StepMonitor, in C.
  *
  * The same classes as gpumon/client/_core.py, which is the reference: every method here
- * follows its Python twin statement by statement, and tests/client/test_core.py runs the
- * client tests against both. On a CPU-sized step most of the hook's cost is the
- * interpreter's work at the points the loop passes through each step (loader, step, phase
- * boundaries), on caches the step's kernels have evicted; C does the same work in a fraction
- * of the instructions.
+ * follows its Python twin statement by statement, and tests/client/test_core.py drives both
+ * through the same script and compares every record. On a CPU-sized step most of the hook's
+ * cost is the interpreter's work at the points the loop passes through each step (loader,
+ * step, phase boundaries), on caches the step's kernels have evicted; C does the same work in
+ * a fraction of the instructions.
  *
- * Timestamps are CLOCK_MONOTONIC seconds as doubles, computed as time.perf_counter() computes
- * them on Linux, so they mix with the perf_counter() readings of the Python code around.
+ * The monitor holds a core and talks to it only through its methods (see _core.py's module
+ * docstring for the surface and the three callbacks). Timestamps are CLOCK_MONOTONIC seconds
+ * as doubles, computed as time.perf_counter() computes them on Linux, so they mix with the
+ * perf_counter() readings of the Python code around.
  */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
+#include <stddef.h>
 #include <time.h>
 
 #if !defined(__linux__)
 #error "timestamps must match time.perf_counter(), which is CLOCK_MONOTONIC on Linux only"
 #endif
-#ifdef Py_GIL_DISABLED
-#error "the reuse of step objects relies on the GIL"
-#endif
 
-static PyObject *str_append, *str_event, *str_memory, *str_detect_cuda, *str_step_failed,
-    *str_new_phase, *str_data, *str_begin, *str_end;
+static PyObject *str_append, *str_event, *str_memory, *str_share_gap_s, *str_data, *str_begin,
+    *str_end;
 static PyObject *step_kwnames[5]; /* samples, tokens, flops, step, memory */
-static double default_share_gap_s;  /* _core.SHARE_GAP_S, read at import */
 
 #define OR_NONE(x) ((x) == NULL ? Py_None : (x))
 
@@ -44,7 +42,7 @@ now(void)
 typedef struct {
     PyObject_HEAD
     char enabled;
-    char cuda_checked;
+    char started;           /* the first step has begun */
     int step_depth;
     int phase_depth;
     int has_pending;
@@ -53,7 +51,6 @@ typedef struct {
     double pending_t0;
     double phase_t0;
     double phase_end_t;     /* when the last CUDA-timed phase's end event was recorded */
-    double share_gap_s;     /* see _core.SHARE_GAP_S */
     PyObject *phases;       /* dict: phase name -> host seconds */
     PyObject *phase_event;  /* CUDA event of the open phase, or NULL */
     PyObject *marks;        /* list of (name, start, end) */
@@ -61,8 +58,11 @@ typedef struct {
     PyObject *cuda;         /* CudaClock or None */
     PyObject *last_ooms;    /* int or None */
     PyObject *buffer;       /* deque of step tuples, shared with the sender */
-    PyObject *spare_step;   /* a Step object reused while nothing else holds it */
+    PyObject *first_step;   /* the monitor's callbacks */
+    PyObject *step_failed;
+    PyObject *phase_clock;
     PyObject *extensions;   /* StepExtensions, or NULL: none registered, nothing to call */
+    PyObject *weakreflist;
 } HookCore;
 
 typedef struct {
@@ -115,13 +115,15 @@ HookCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL)
         return NULL;
     self->enabled = 1;
-    self->share_gap_s = default_share_gap_s;
     self->phases = PyDict_New();
     self->marks = PyList_New(0);
     self->phase_cache = PyDict_New();
     self->cuda = Py_NewRef(Py_None);
     self->last_ooms = Py_NewRef(Py_None);
     self->buffer = Py_NewRef(Py_None);
+    self->first_step = Py_NewRef(Py_None);
+    self->step_failed = Py_NewRef(Py_None);
+    self->phase_clock = Py_NewRef(Py_None);
     if (self->phases == NULL || self->marks == NULL || self->phase_cache == NULL) {
         Py_DECREF(self);
         return NULL;
@@ -132,11 +134,20 @@ HookCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 static int
 HookCore_init(HookCore *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"buffer", NULL};
-    PyObject *buffer;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &buffer))
+    static char *kwlist[] = {"buffer", "first_step", "step_failed", "phase_clock", NULL};
+    PyObject *buffer, *first_step, *step_failed, *phase_clock;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOO", kwlist, &buffer, &first_step,
+                                     &step_failed, &phase_clock))
         return -1;
+    if (!PyCallable_Check(first_step) || !PyCallable_Check(step_failed) ||
+        !PyCallable_Check(phase_clock)) {
+        PyErr_SetString(PyExc_TypeError, "first_step, step_failed and phase_clock must be callable");
+        return -1;
+    }
     Py_XSETREF(self->buffer, Py_NewRef(buffer));
+    Py_XSETREF(self->first_step, Py_NewRef(first_step));
+    Py_XSETREF(self->step_failed, Py_NewRef(step_failed));
+    Py_XSETREF(self->phase_clock, Py_NewRef(phase_clock));
     return 0;
 }
 
@@ -150,7 +161,9 @@ HookCore_traverse(HookCore *self, visitproc visit, void *arg)
     Py_VISIT(self->cuda);
     Py_VISIT(self->last_ooms);
     Py_VISIT(self->buffer);
-    Py_VISIT(self->spare_step);
+    Py_VISIT(self->first_step);
+    Py_VISIT(self->step_failed);
+    Py_VISIT(self->phase_clock);
     Py_VISIT(self->extensions);
     return 0;
 }
@@ -165,7 +178,9 @@ HookCore_clear(HookCore *self)
     Py_CLEAR(self->cuda);
     Py_CLEAR(self->last_ooms);
     Py_CLEAR(self->buffer);
-    Py_CLEAR(self->spare_step);
+    Py_CLEAR(self->first_step);
+    Py_CLEAR(self->step_failed);
+    Py_CLEAR(self->phase_clock);
     Py_CLEAR(self->extensions);
     return 0;
 }
@@ -173,8 +188,9 @@ HookCore_clear(HookCore *self)
 static void
 HookCore_dealloc(HookCore *self)
 {
-    /* A Python subclass's dealloc calls this one and then releases its heap type itself. */
     PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL)
+        PyObject_ClearWeakRefs((PyObject *)self);
     HookCore_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -207,25 +223,16 @@ HookCore_step(HookCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
             return NULL;
         }
     }
-    Step *step = (Step *)self->spare_step;
-    if (step != NULL && Py_REFCNT(step) == 1) {
-        /* Nobody else holds the last step object (its `with` block has ended): reuse it. */
-        Py_INCREF(step);
-    } else {
-        step = PyObject_GC_New(Step, &StepType);
-        if (step == NULL)
-            return NULL;
-        step->core = (HookCore *)Py_NewRef(self);
-        step->samples = step->tokens = step->flops = step->step = step->memory = NULL;
-        PyObject_GC_Track(step);
-        if (self->spare_step == NULL)
-            self->spare_step = Py_NewRef(step);
-    }
-    Py_XSETREF(step->samples, Py_NewRef(values[0]));
-    Py_XSETREF(step->tokens, Py_NewRef(values[1]));
-    Py_XSETREF(step->flops, Py_NewRef(values[2]));
-    Py_XSETREF(step->step, Py_NewRef(values[3]));
-    Py_XSETREF(step->memory, Py_NewRef(values[4]));
+    Step *step = PyObject_GC_New(Step, &StepType);
+    if (step == NULL)
+        return NULL;
+    step->core = (HookCore *)Py_NewRef(self);
+    step->samples = Py_NewRef(values[0]);
+    step->tokens = Py_NewRef(values[1]);
+    step->flops = Py_NewRef(values[2]);
+    step->step = Py_NewRef(values[3]);
+    step->memory = Py_NewRef(values[4]);
+    PyObject_GC_Track(step);
     return (PyObject *)step;
 }
 
@@ -237,7 +244,25 @@ HookCore_phase(HookCore *self, PyObject *name)
         return Py_NewRef(ctx);
     if (PyErr_Occurred())
         return NULL;
-    return PyObject_CallMethodOneArg((PyObject *)self, str_new_phase, name);
+    PyObject *clock = PyObject_CallOneArg(self->phase_clock, name);
+    if (clock == NULL)
+        return NULL;
+    int host_clock = PyObject_IsTrue(clock);
+    Py_DECREF(clock);
+    if (host_clock < 0)
+        return NULL;
+    Phase *phase = PyObject_GC_New(Phase, &PhaseType);
+    if (phase == NULL)
+        return NULL;
+    phase->core = (HookCore *)Py_NewRef(self);
+    phase->name = Py_NewRef(name);
+    phase->host_clock = (char)host_clock;
+    PyObject_GC_Track(phase);
+    if (PyDict_SetItem(self->phase_cache, name, (PyObject *)phase) < 0) {
+        Py_DECREF(phase);
+        return NULL;
+    }
+    return (PyObject *)phase;
 }
 
 static PyObject *
@@ -267,7 +292,7 @@ static PyObject *
 HookCore_data_wait(HookCore *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
-        PyErr_SetString(PyExc_TypeError, "_data_wait(t0, t1) takes two perf_counter readings");
+        PyErr_SetString(PyExc_TypeError, "data_wait(t0, t1) takes two perf_counter readings");
         return NULL;
     }
     double t0 = PyFloat_AsDouble(args[0]);
@@ -282,6 +307,13 @@ HookCore_data_wait(HookCore *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
+HookCore_set_cuda(HookCore *self, PyObject *clock)
+{
+    Py_SETREF(self->cuda, Py_NewRef(clock));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 HookCore_set_extensions(HookCore *self, PyObject *extensions)
 {
     Py_CLEAR(self->extensions);
@@ -291,113 +323,75 @@ HookCore_set_extensions(HookCore *self, PyObject *extensions)
 }
 
 static PyObject *
-HookCore_get_pending_t0(HookCore *self, void *closure)
+HookCore_stop(HookCore *self, PyObject *unused)
 {
-    if (!self->has_pending)
-        Py_RETURN_NONE;
-    return PyFloat_FromDouble(self->pending_t0);
+    self->enabled = 0;
+    Py_CLEAR(self->extensions);
+    Py_RETURN_NONE;
 }
 
-static int
-HookCore_set_pending_t0(HookCore *self, PyObject *value, void *closure)
+static PyObject *
+HookCore_get_steps(HookCore *self, void *closure)
 {
-    if (value == NULL || value == Py_None) {
-        self->has_pending = 0;
-        return 0;
-    }
-    double t = PyFloat_AsDouble(value);
-    if (t == -1.0 && PyErr_Occurred())
-        return -1;
-    self->pending_t0 = t;
-    self->has_pending = 1;
-    return 0;
+    return PyLong_FromLongLong(self->seq);
 }
 
-/* An object attribute that must stay set (a dict or list the hot path uses unchecked). */
-#define OBJECT_GETSET(field, check, what)                                          \
-    static PyObject *HookCore_get_##field(HookCore *self, void *closure)            \
-    {                                                                               \
-        return Py_NewRef(self->field);                                              \
-    }                                                                               \
-    static int HookCore_set_##field(HookCore *self, PyObject *value, void *closure) \
-    {                                                                               \
-        if (value == NULL || !check(value)) {                                       \
-            PyErr_SetString(PyExc_TypeError, "_" #field " must be " what);          \
-            return -1;                                                              \
-        }                                                                           \
-        Py_SETREF(self->field, Py_NewRef(value));                                   \
-        return 0;                                                                   \
-    }
-
-OBJECT_GETSET(phases, PyDict_CheckExact, "a dict")
-OBJECT_GETSET(marks, PyList_CheckExact, "a list")
-OBJECT_GETSET(phase_cache, PyDict_CheckExact, "a dict")
-
-static int
-is_object(PyObject *value)
+static PyObject *
+HookCore_get_in_step(HookCore *self, void *closure)
 {
-    return 1;
+    return PyBool_FromLong(self->step_depth > 0);
 }
 
-OBJECT_GETSET(cuda, is_object, "set")
-OBJECT_GETSET(last_ooms, is_object, "set")
-OBJECT_GETSET(buffer, is_object, "set")
+static PyObject *
+HookCore_get_last_ooms(HookCore *self, void *closure)
+{
+    return Py_NewRef(self->last_ooms);
+}
 
 static PyGetSetDef HookCore_getset[] = {
-    {"_pending_t0", (getter)HookCore_get_pending_t0, (setter)HookCore_set_pending_t0, NULL, NULL},
-    {"_phases", (getter)HookCore_get_phases, (setter)HookCore_set_phases, NULL, NULL},
-    {"_marks", (getter)HookCore_get_marks, (setter)HookCore_set_marks, NULL, NULL},
-    {"_phase_cache", (getter)HookCore_get_phase_cache, (setter)HookCore_set_phase_cache, NULL, NULL},
-    {"_cuda", (getter)HookCore_get_cuda, (setter)HookCore_set_cuda, NULL, NULL},
-    {"_last_ooms", (getter)HookCore_get_last_ooms, (setter)HookCore_set_last_ooms, NULL, NULL},
-    {"_buffer", (getter)HookCore_get_buffer, (setter)HookCore_set_buffer, NULL, NULL},
-    {NULL},
-};
-
-static PyMemberDef HookCore_members[] = {
-    {"_enabled", T_BOOL, offsetof(HookCore, enabled), 0, NULL},
-    {"_cuda_checked", T_BOOL, offsetof(HookCore, cuda_checked), 0, NULL},
-    {"_seq", T_LONGLONG, offsetof(HookCore, seq), 0, NULL},
-    {"_step_depth", T_INT, offsetof(HookCore, step_depth), 0, NULL},
-    {"_phase_depth", T_INT, offsetof(HookCore, phase_depth), 0, NULL},
-    {"_step_t0", T_DOUBLE, offsetof(HookCore, step_t0), 0, NULL},
-    {"_phase_t0", T_DOUBLE, offsetof(HookCore, phase_t0), 0, NULL},
-    {"_phase_end_t", T_DOUBLE, offsetof(HookCore, phase_end_t), 0, NULL},
-    {"_share_gap_s", T_DOUBLE, offsetof(HookCore, share_gap_s), 0, NULL},
-    {"_phase_event", T_OBJECT, offsetof(HookCore, phase_event), 0, NULL},
+    {"steps", (getter)HookCore_get_steps, NULL, "Steps completed so far, recorded or not.", NULL},
+    {"in_step", (getter)HookCore_get_in_step, NULL, "Whether a step is open.", NULL},
+    {"last_ooms", (getter)HookCore_get_last_ooms, NULL,
+     "The allocator's OOM count at the last reading, if CUDA statistics were read.", NULL},
     {NULL},
 };
 
 static PyMethodDef HookCore_methods[] = {
     {"step", (PyCFunction)(void (*)(void))HookCore_step, METH_FASTCALL | METH_KEYWORDS,
      "step(*, samples=None, tokens=None, flops=None, step=None, memory=None)\n--\n\n"
-     "A context manager around one training step (see gpumon.client._core.HookCore.step)."},
+     "A context manager around one training step (see StepMonitor.step)."},
     {"phase", (PyCFunction)HookCore_phase, METH_O,
-     "phase(name)\n--\n\nA context manager timing part of a step (see gpumon.client._core)."},
+     "phase(name)\n--\n\nA context manager timing part of a step (see StepMonitor.phase)."},
     {"loader", (PyCFunction)HookCore_loader, METH_O,
      "loader(iterable)\n--\n\n"
      "Yield iterable's items, timing each wait as the data phase of the next step."},
-    {"_data_wait", (PyCFunction)(void (*)(void))HookCore_data_wait, METH_FASTCALL,
-     "_data_wait(t0, t1)\n--\n\nCount t1 - t0 (perf_counter) as waiting for input."},
-    {"_set_extensions", (PyCFunction)HookCore_set_extensions, METH_O,
-     "_set_extensions(extensions)\n--\n\n"
+    {"data_wait", (PyCFunction)(void (*)(void))HookCore_data_wait, METH_FASTCALL,
+     "data_wait(t0, t1)\n--\n\nCount t1 - t0 (perf_counter) as waiting for input."},
+    {"set_cuda", (PyCFunction)HookCore_set_cuda, METH_O,
+     "set_cuda(clock)\n--\n\n"
+     "Time phases with clock's CUDA events and read its allocator statistics (None: host only)."},
+    {"set_extensions", (PyCFunction)HookCore_set_extensions, METH_O,
+     "set_extensions(extensions)\n--\n\n"
      "Call extensions at every step's start and end from now on (None: stop)."},
+    {"stop", (PyCFunction)HookCore_stop, METH_NOARGS,
+     "stop()\n--\n\nRecord no more steps and call no more extensions."},
     {NULL},
 };
 
 static PyTypeObject HookCoreType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "gpumon.client._hook.HookCore",
-    .tp_doc = "State the training thread owns, and the three calls a training loop makes.",
+    .tp_doc = "HookCore(buffer, first_step, step_failed, phase_clock)\n--\n\n"
+              "State the training thread owns, and the calls a training loop makes.",
     .tp_basicsize = sizeof(HookCore),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    .tp_weaklistoffset = offsetof(HookCore, weakreflist),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_new = HookCore_new,
     .tp_init = (initproc)HookCore_init,
     .tp_dealloc = (destructor)HookCore_dealloc,
     .tp_traverse = (traverseproc)HookCore_traverse,
     .tp_clear = (inquiry)HookCore_clear,
     .tp_methods = HookCore_methods,
-    .tp_members = HookCore_members,
     .tp_getset = HookCore_getset,
 };
 
@@ -436,6 +430,19 @@ Step_dealloc(Step *self)
 }
 
 static PyObject *
+Step_set_counts(Step *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "set_counts(samples, tokens, flops)");
+        return NULL;
+    }
+    Py_XSETREF(self->samples, Py_NewRef(args[0]));
+    Py_XSETREF(self->tokens, Py_NewRef(args[1]));
+    Py_XSETREF(self->flops, Py_NewRef(args[2]));
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 Step_enter(Step *self, PyObject *unused)
 {
     HookCore *m = self->core;
@@ -445,13 +452,16 @@ Step_enter(Step *self, PyObject *unused)
     }
     m->step_depth += 1;
     if (m->step_depth == 1) {
-        if (!m->cuda_checked) {
-            PyObject *r = PyObject_CallMethodOneArg((PyObject *)m, str_detect_cuda, Py_True);
-            if (r == NULL) {
-                m->step_depth -= 1;
-                return NULL;
+        if (!m->started) {
+            m->started = 1;
+            if (m->cuda == Py_None) {
+                PyObject *r = PyObject_CallNoArgs(m->first_step);
+                if (r == NULL) {
+                    m->step_depth -= 1;
+                    return NULL;
+                }
+                Py_DECREF(r);
             }
-            Py_DECREF(r);
         }
         if (m->extensions != NULL) {
             PyObject *r = PyObject_CallMethodNoArgs(m->extensions, str_begin);
@@ -491,10 +501,17 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (args[0] != Py_None) {
         Py_XDECREF(fields);
-        PyObject *step = self->step == NULL ? Py_None : self->step;
-        PyObject *call[3] = {(PyObject *)m, args[1], step};
-        PyObject *r = PyObject_VectorcallMethod(
-            str_step_failed, call, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        PyObject *fresh_phases = PyDict_New();
+        if (fresh_phases == NULL)
+            return NULL;
+        Py_SETREF(m->phases, fresh_phases);
+        PyObject *fresh_marks = PyList_New(0);
+        if (fresh_marks == NULL)
+            return NULL;
+        Py_SETREF(m->marks, fresh_marks);
+        m->has_pending = 0;
+        PyObject *r = PyObject_CallFunctionObjArgs(m->step_failed, args[1], OR_NONE(self->step),
+                                                   NULL);
         if (r == NULL)
             return NULL;
         Py_DECREF(r);
@@ -574,16 +591,9 @@ error:
 static PyMethodDef Step_methods[] = {
     {"__enter__", (PyCFunction)Step_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)(void (*)(void))Step_exit, METH_FASTCALL, NULL},
-    {NULL},
-};
-
-static PyMemberDef Step_members[] = {
-    {"_m", T_OBJECT, offsetof(Step, core), READONLY, NULL},
-    {"_samples", T_OBJECT, offsetof(Step, samples), 0, NULL},
-    {"_tokens", T_OBJECT, offsetof(Step, tokens), 0, NULL},
-    {"_flops", T_OBJECT, offsetof(Step, flops), 0, NULL},
-    {"_step", T_OBJECT, offsetof(Step, step), 0, NULL},
-    {"_memory", T_OBJECT, offsetof(Step, memory), 0, NULL},
+    {"set_counts", (PyCFunction)(void (*)(void))Step_set_counts, METH_FASTCALL,
+     "set_counts(samples, tokens, flops)\n--\n\n"
+     "Set the step's counts, when they are known only after it started."},
     {NULL},
 };
 
@@ -597,28 +607,9 @@ static PyTypeObject StepType = {
     .tp_traverse = (traverseproc)Step_traverse,
     .tp_clear = (inquiry)Step_clear,
     .tp_methods = Step_methods,
-    .tp_members = Step_members,
 };
 
 /* ---- Phase -------------------------------------------------------------------------- */
-
-static PyObject *
-Phase_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
-{
-    static char *kwlist[] = {"m", "name", "host_clock", NULL};
-    PyObject *core, *name;
-    int host_clock;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!Up", kwlist, &HookCoreType, &core, &name,
-                                     &host_clock))
-        return NULL;
-    Phase *self = (Phase *)type->tp_alloc(type, 0);
-    if (self == NULL)
-        return NULL;
-    self->core = (HookCore *)Py_NewRef(core);
-    self->name = Py_NewRef(name);
-    self->host_clock = (char)host_clock;
-    return (PyObject *)self;
-}
 
 static int
 Phase_traverse(Phase *self, visitproc visit, void *arg)
@@ -641,7 +632,7 @@ Phase_dealloc(Phase *self)
 {
     PyObject_GC_UnTrack(self);
     Phase_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    PyObject_GC_Del(self);
 }
 
 static PyObject *
@@ -654,14 +645,22 @@ Phase_enter(Phase *self, PyObject *unused)
     }
     if (!m->phase_depth) {
         if (m->cuda != Py_None && !self->host_clock) {
-            PyObject *event;
+            PyObject *event = NULL;
             Py_ssize_t n = PyList_GET_SIZE(m->marks);
             PyObject *last = n ? PyList_GET_ITEM(m->marks, n - 1) : NULL;
-            if (last != NULL && PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 3 &&
-                now() - m->phase_end_t < m->share_gap_s) {
-                /* starts as the previous phase ended: share its end event */
-                event = Py_NewRef(PyTuple_GET_ITEM(last, 2));
-            } else {
+            if (last != NULL && PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == 3) {
+                double gap = now() - m->phase_end_t;
+                PyObject *share = PyObject_GetAttr(m->cuda, str_share_gap_s);
+                if (share == NULL)
+                    return NULL;
+                double share_gap_s = PyFloat_AsDouble(share);
+                Py_DECREF(share);
+                if (share_gap_s == -1.0 && PyErr_Occurred())
+                    return NULL;
+                if (gap < share_gap_s) /* starts as the previous phase ended: share its end event */
+                    event = Py_NewRef(PyTuple_GET_ITEM(last, 2));
+            }
+            if (event == NULL) {
                 event = PyObject_CallMethodNoArgs(m->cuda, str_event);
                 if (event == NULL)
                     return NULL;
@@ -721,26 +720,16 @@ static PyMethodDef Phase_methods[] = {
     {NULL},
 };
 
-static PyMemberDef Phase_members[] = {
-    {"_m", T_OBJECT, offsetof(Phase, core), READONLY, NULL},
-    {"_name", T_OBJECT, offsetof(Phase, name), READONLY, NULL},
-    {"_host_clock", T_BOOL, offsetof(Phase, host_clock), READONLY, NULL},
-    {NULL},
-};
-
 static PyTypeObject PhaseType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "gpumon.client._hook.Phase",
-    .tp_doc = "Phase(m, name, host_clock)\n--\n\n"
-              "A named phase's context manager, one per name and monitor (reused).",
+    .tp_doc = "A named phase's context manager, one per name and core (reused).",
     .tp_basicsize = sizeof(Phase),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_new = Phase_new,
     .tp_dealloc = (destructor)Phase_dealloc,
     .tp_traverse = (traverseproc)Phase_traverse,
     .tp_clear = (inquiry)Phase_clear,
     .tp_methods = Phase_methods,
-    .tp_members = Phase_members,
 };
 
 /* ---- Loader ------------------------------------------------------------------------- */
@@ -843,9 +832,7 @@ PyInit__hook(void)
     INTERN(str_append, "append");
     INTERN(str_event, "event");
     INTERN(str_memory, "memory");
-    INTERN(str_detect_cuda, "_detect_cuda");
-    INTERN(str_step_failed, "_step_failed");
-    INTERN(str_new_phase, "_new_phase");
+    INTERN(str_share_gap_s, "share_gap_s");
     INTERN(str_data, "data");
     INTERN(str_begin, "begin");
     INTERN(str_end, "end");
@@ -855,17 +842,6 @@ PyInit__hook(void)
     INTERN(step_kwnames[3], "step");
     INTERN(step_kwnames[4], "memory");
 #undef INTERN
-    PyObject *core = PyImport_ImportModule("gpumon.client._core");
-    if (core == NULL)
-        return NULL;
-    PyObject *gap = PyObject_GetAttrString(core, "SHARE_GAP_S");
-    Py_DECREF(core);
-    if (gap == NULL)
-        return NULL;
-    default_share_gap_s = PyFloat_AsDouble(gap);
-    Py_DECREF(gap);
-    if (default_share_gap_s == -1.0 && PyErr_Occurred())
-        return NULL;
     PyObject *module = PyModule_Create(&hook_module);
     if (module == NULL)
         return NULL;

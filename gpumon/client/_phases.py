@@ -51,7 +51,7 @@ class PhaseSequence:
     def set_counts(self, samples: int | None, tokens: int | None, flops: float | None) -> None:
         """Set the open step's counts, when they are known only after it started."""
         if self._step is not None:
-            self._step._samples, self._step._tokens, self._step._flops = samples, tokens, flops
+            self._step.set_counts(samples, tokens, flops)
 
     def end_step(self, exc: BaseException | None = None) -> None:
         """Close the open phase and step; with ``exc``, as if it escaped them."""

@@ -1,8 +1,10 @@
 """The background half of the hook: turns buffered steps into datagrams and sends them.
 
 The training thread only appends tuples to a bounded deque; this thread drains it every
-``FLUSH_INTERVAL_S``, resolves CUDA events once the GPU has passed them, encodes records,
-packs them into datagrams and sends them without blocking, counting every loss by reason.
+``FLUSH_INTERVAL_S``, resolves CUDA events once the GPU has passed them, encodes records
+(steps through the wire package's ``StepEncoder``, hellos and events through
+``encode_record``), packs them into datagrams and sends them without blocking, counting every
+loss by reason.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """``StepMonitor``: times training steps and their phases and reports them to the gpumon agent.
 
-The training thread only reads clocks and appends one tuple per step to a bounded buffer
-(``HookCore``: in C where it was built, else ``_core``'s pure Python); a daemon thread
-(``_sender``) encodes and sends them. Nothing here ever blocks the training loop or raises
-from the transport.
+The monitor holds a core (``HookCore``: in C where it was built, else ``_core``'s pure
+Python) that the training thread runs through: it only reads clocks and appends one tuple per
+step to a bounded buffer. A daemon thread (``_sender``) encodes and sends them. Nothing here
+ever blocks the training loop or raises from the transport.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import atexit
 import os
 import weakref
 from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from time import time
 from types import TracebackType
@@ -53,6 +54,7 @@ BUFFER_STEPS = 4096
 HOST_CLOCK_PHASES = frozenset({"data"})
 """Phases timed on the host even with CUDA: waiting for input is not GPU work."""
 
+T = TypeVar("T")
 M = TypeVar("M")
 
 _live_monitors: weakref.WeakSet[StepMonitor] = weakref.WeakSet()
@@ -72,7 +74,7 @@ class ClientStats:
     extension_errors: int = 0
 
 
-class StepMonitor(HookCore):
+class StepMonitor:
     """Times each training step and its phases and reports them to the node's gpumon agent.
 
     Args:
@@ -127,26 +129,81 @@ class StepMonitor(HookCore):
             assert self.socket_path is not None
             transport = UnixDatagramTransport(self.socket_path)
         self._reset_peak = reset_peak_memory
-        buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
-        super().__init__(buffer)  # the hot-path state, touched only by the training thread
+        self._closed = False
+        self._cuda: _cuda.CudaClock | None = None
+        self._step_extensions: StepExtensions | None = None
+        self._buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
+        # The hot-path state, touched only by the training thread.
+        self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
+        # The three calls of the loop go straight to the core: a Python method in between
+        # would add a frame to each (about a fifth of the hook's cost per step).
+        self.step = self._core.step  # type: ignore[method-assign]
+        self.phase = self._core.phase  # type: ignore[method-assign]
+        self.loader = self._core.loader  # type: ignore[method-assign]
 
         hello = HelloRecord(self.run, self.rank, self.world, self.local_rank, os.getpid(),
                             client_version=gpumon.__version__)
-        self._sender = Sender(transport, hello, buffer)
+        self._sender = Sender(transport, hello, self._buffer)
         if gpu is not None:
             self._sender.set_gpu(gpu)
-        self._detect_cuda(final=False)
+        self._find_cuda(final=False)
         self._sender.add_control(self._sender.hello)
-        self._step_extensions: StepExtensions | None = None
         self._finalizer = weakref.finalize(self, self._sender.close)
         _live_monitors.add(self)
+
+    def step(
+        self,
+        *,
+        samples: int | None = None,
+        tokens: int | None = None,
+        flops: float | None = None,
+        step: int | None = None,
+        memory: Mapping[str, int] | None = None,
+    ) -> Step:
+        """Context manager around one training step.
+
+        Args:
+            samples: samples this rank processed in the step (Python int).
+            tokens: tokens this rank processed in the step (Python int).
+            flops: floating-point operations this rank did in the step (e.g. 6·params·tokens).
+            step: the trainer's step number; default: this monitor's count of steps, from 0.
+            memory: the step's allocator statistics, for memory the hook cannot read from
+                PyTorch's CUDA allocator itself (which, when in use, wins): any of
+                ``allocated``, ``reserved`` and ``peak`` (bytes, the peak of this step) and
+                the cumulative counts ``retries`` and ``ooms``. Read after the step ends;
+                invalid entries are left out and counted in ``stats.invalid_fields``.
+
+        The step's window starts when the loader was asked for its batch (see ``loader``) or
+        when a phase was timed before it, else when the block is entered. Pass Python
+        numbers: a tensor would have to be read back from the GPU, so it is ignored (and
+        counted in ``stats.invalid_fields``). A nested ``step()`` is ignored: only the
+        outermost counts. If an exception escapes, the step is not recorded; a torch
+        ``OutOfMemoryError`` is reported as an ``oom`` event, and the exception propagates
+        unchanged.
+        """
+        return self._core.step(samples=samples, tokens=tokens, flops=flops, step=step, memory=memory)
+
+    def phase(self, name: str) -> Phase:
+        """Context manager timing part of a step: ``data``, ``forward``, ``backward``,
+        ``comm``, ``optimizer``, or any other label (the agent counts those as ``other``).
+
+        With CUDA in use, phases other than ``data`` are timed by CUDA events, read later
+        without synchronising. Nested phases: only the outermost is timed. A phase outside a
+        step belongs to the next step. Raises ``ValueError`` for a name that is not 1-64 of
+        ``[A-Za-z0-9_.:/-]``.
+        """
+        return self._core.phase(name)
+
+    def loader(self, iterable: Iterable[T]) -> Iterator[T]:
+        """Yield ``iterable``'s items, timing each wait as the ``data`` phase of the next step."""
+        return self._core.loader(iterable)
 
     @property
     def stats(self) -> ClientStats:
         """A snapshot of the counters."""
         sender = self._sender
         return ClientStats(
-            steps=self._seq,
+            steps=self._core.steps,
             records_sent=sender.records_sent,
             datagrams_sent=sender.datagrams_sent,
             dropped=dict(sender.dropped),
@@ -178,21 +235,23 @@ class StepMonitor(HookCore):
     def flush(self) -> None:
         """Send buffered records now, from the calling thread, instead of at the next
         background flush (waits for a flush in progress: at most ~50 ms, when the agent is busy)."""
-        if self._enabled:
+        if not self._closed:
             self._sender.flush()
 
     def close(self) -> None:
         """Send what is left and stop; later steps are not recorded. Idempotent."""
-        if not self._enabled:
+        if self._closed:
             return
-        if self._step_depth and self._cuda is not None:
+        core = self._core
+        if core.in_step and self._cuda is not None:
             # A step was left open (an integration without exception hooks): if the
             # allocator counted an OOM since the last step, that is what ended it.
             mem = self._cuda.read_memory()
-            if mem is not None and self._last_ooms is not None and mem[4] > self._last_ooms:
-                self._event("oom", "an out-of-memory error ended the last step", self._seq)
-        self._enabled = False
-        self._set_extensions(None)
+            last_ooms = core.last_ooms
+            if mem is not None and last_ooms is not None and mem[4] > last_ooms:
+                self._event("oom", "an out-of-memory error ended the last step", core.steps)
+        self._closed = True
+        core.stop()
         self._finalizer()
 
     def __enter__(self) -> StepMonitor:
@@ -208,26 +267,25 @@ class StepMonitor(HookCore):
 
     # --- used by the integrations and watchers --------------------------------------------
 
+    def _data_wait(self, t0: float, t1: float) -> None:
+        """Count ``t1 - t0`` (perf_counter) as waiting for input before the next step, for
+        frameworks that fetch batches themselves."""
+        self._core.data_wait(t0, t1)
+
     def _add_extension(self, extension: StepExtension) -> None:
         """Call ``extension.step_begin()`` and ``.step_end(fields)`` around every step from
         the next one on; the fields it sets go into that step's record (see ``_extensions``)."""
-        if not self._enabled:
+        if self._closed:
             return
         if self._step_extensions is None:
-            ref = weakref.ref(self)  # no cycle: the monitor's finalizer runs when it goes
-
-            def all_disabled() -> None:  # nothing left to call: back to no calls at all
-                monitor = ref()
-                if monitor is not None:
-                    monitor._set_extensions(None)
-
-            self._step_extensions = StepExtensions(on_empty=all_disabled)
+            core = self._core  # nothing left to call: back to no calls at all
+            self._step_extensions = StepExtensions(on_empty=lambda: core.set_extensions(None))
         self._step_extensions.add(extension)
-        self._set_extensions(self._step_extensions)
+        self._core.set_extensions(self._step_extensions)
 
     def _event(self, name: str, message: str | None, step: int) -> None:
         """Queue an event record (e.g. ``oom``) for the next flush."""
-        if not self._enabled:
+        if self._closed:
             return
         hello = self._sender.hello
         if message is not None:
@@ -235,30 +293,35 @@ class StepMonitor(HookCore):
         record = EventRecord(hello.run, hello.rank, name, time(), step, hello.pid, hello.gpu, message)
         self._sender.add_control(record)
 
-    def _detect_cuda(self, final: bool) -> None:
-        self._cuda_checked = final
-        clock = _cuda.detect(self._reset_peak)
-        if clock is not None:
-            self._cuda_checked = True
-            self._cuda = clock
-            self._sender.clock = clock
-            if self._gpu is None:
-                self._sender.set_gpu(clock.gpu)
-            if final:  # CUDA came into use after the hello: say hello again, with the device
-                self._sender.add_control(self._sender.hello)
+    # --- called by the core ---------------------------------------------------------------
 
-    def _new_phase(self, name: str) -> Phase:
-        if not isinstance(name, str) or not is_label(name, MAX_LABEL_CHARS):
-            raise ValueError(f"phase name {name!r}: use 1-64 of letters, digits, _ . : / -")
-        ctx = self._phase_cache[name] = Phase(self, name, name in HOST_CLOCK_PHASES)
-        return ctx
+    def _first_step(self) -> None:
+        """The first step begins: CUDA may have come into use since the monitor was made."""
+        self._find_cuda(final=True)
+
+    def _find_cuda(self, final: bool) -> None:
+        clock = _cuda.detect(self._reset_peak)
+        if clock is None:
+            return
+        self._cuda = clock
+        self._core.set_cuda(clock)
+        self._sender.clock = clock
+        if self._gpu is None:
+            self._sender.set_gpu(clock.gpu)
+        if final:  # CUDA came into use after the hello: say hello again, with the device
+            self._sender.add_control(self._sender.hello)
 
     def _step_failed(self, exc: BaseException | None, step: int | None) -> None:
-        self._phases = {}
-        self._marks = []
-        self._pending_t0 = None
         if _cuda.is_out_of_memory(exc):
-            self._event("oom", str(exc), self._seq if step is None else step)
+            self._event("oom", str(exc), self._core.steps if step is None else step)
+
+
+def _phase_clock(name: Any) -> bool:
+    """Whether a new phase name is timed on the host clock even with CUDA; ``ValueError`` if
+    it is not a label."""
+    if not isinstance(name, str) or not is_label(name, MAX_LABEL_CHARS):
+        raise ValueError(f"phase name {name!r}: use 1-64 of letters, digits, _ . : / -")
+    return name in HOST_CLOCK_PHASES
 
 
 def _valid_gpu(gpu: object) -> bool:
@@ -276,7 +339,8 @@ def _close_live_monitors() -> None:
 def _after_fork_in_child() -> None:
     # The parent's sender thread does not exist here and the parent's records are not ours.
     for monitor in list(_live_monitors):
-        monitor._enabled = False
+        monitor._closed = True
+        monitor._core.stop()
         monitor._buffer.clear()
 
 

@@ -9,6 +9,7 @@ runs them again with ``GPUMON_PURE_PYTHON=1``.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import subprocess
@@ -22,8 +23,10 @@ from typing import Any
 
 import pytest
 
-from gpumon.client import _core
+from gpumon.client import StepMonitor, _core, monitor
 from gpumon.client.monitor import IMPLEMENTATION
+from gpumon.client.transport import MemoryTransport
+from gpumon.wire import EventRecord, MemoryStats, StepRecord
 
 _hook = pytest.importorskip("gpumon.client._hook") if sys.platform != "linux" else None
 if _hook is None:
@@ -34,6 +37,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 class FakeClock:
     """Stands in for ``_cuda.CudaClock``: numbered events, and memory whose OOM count grows."""
+
+    share_gap_s = 1.0  # adjacent phases always share here, however slow the machine
 
     def __init__(self) -> None:
         self.events = 0
@@ -48,32 +53,39 @@ class FakeClock:
         return (100 * self.reads, 200, 150, 0, self.reads // 3)
 
 
+class Harness:
+    """A core of ``base`` as the monitor holds one: its buffer, and the three callbacks,
+    logging their calls."""
+
+    def __init__(self, base: type) -> None:
+        self.buffer: deque[Any] = deque(maxlen=8)
+        self.calls: list[tuple[Any, ...]] = []
+        self.core = base(self.buffer, self.first_step, self.step_failed, self.phase_clock)
+
+    def first_step(self) -> None:
+        self.calls.append(("detect", True))
+
+    def step_failed(self, exc: BaseException | None, step: int | None) -> None:
+        self.calls.append(("failed", type(exc).__name__, step))
+
+    def phase_clock(self, name: str) -> bool:
+        if not name.isidentifier():
+            raise ValueError(name)
+        return name == "data"
+
+
 def make_core(base: type) -> Any:
-    """A core of ``base`` with the three methods a subclass provides, logging their calls."""
+    """A core of ``base``; its harness is ``harness_of(core)``."""
+    harness = Harness(base)
+    _harnesses[id(harness.core)] = harness
+    return harness.core
 
-    class Core(base):  # type: ignore[misc, valid-type]
-        def __init__(self) -> None:
-            super().__init__(deque(maxlen=8))
-            self.calls: list[tuple[Any, ...]] = []
 
-        def _detect_cuda(self, final: bool) -> None:
-            self.calls.append(("detect", final))
-            self._cuda_checked = True
+_harnesses: weakref.WeakValueDictionary[int, Harness] = weakref.WeakValueDictionary()
 
-        def _step_failed(self, exc: BaseException | None, step: int | None) -> None:
-            self.calls.append(("failed", type(exc).__name__, step))
-            self._phases = {}
-            self._marks = []
-            self._pending_t0 = None
 
-        def _new_phase(self, name: str) -> Any:
-            if not name.isidentifier():
-                raise ValueError(name)
-            ctx = self._phase_cache[name] = self._phase_type(self, name, name == "data")
-            return ctx
-
-    Core._phase_type = _hook.Phase if base is _hook.HookCore else _core.Phase  # type: ignore[attr-defined]
-    return Core()
+def harness_of(core: Any) -> Harness:
+    return _harnesses[id(core)]
 
 
 CORES = [pytest.param(_core.HookCore, id="python"), pytest.param(_hook.HookCore, id="c")]
@@ -83,7 +95,7 @@ def normalised(core: Any) -> list[tuple[Any, ...]]:
     """The buffered records with times replaced by checks: durations positive, each phase
     within its step, and the phase names in order."""
     out = []
-    for seq, step, t0, t1, phases, samples, tokens, flops, mem, marks, _measured in core._buffer:
+    for seq, step, t0, t1, phases, samples, tokens, flops, mem, marks, _measured in harness_of(core).buffer:
         assert isinstance(t0, float) and isinstance(t1, float) and t0 <= t1
         assert all(0.0 <= s <= t1 - t0 for s in phases.values()), phases
         out.append((seq, step, list(phases), samples, tokens, flops, mem, marks))
@@ -113,8 +125,7 @@ def scenario(core: Any) -> None:
         with core.step(step=42):
             with core.phase("forward"):
                 raise KeyError("boom")
-    core._cuda = FakeClock()
-    core._share_gap_s = 1.0  # adjacent phases always share here, however slow the machine
+    core.set_cuda(FakeClock())
     for _ in range(4):
         with core.step():
             with core.phase("data"):  # host clock even with CUDA
@@ -125,20 +136,34 @@ def scenario(core: Any) -> None:
                 pass
 
 
+def assert_at_rest(core: Any) -> None:
+    """No step or phase is open and nothing is pending: a probe step records exactly its
+    own phase, timed, in a window that starts when its block is entered."""
+    assert not core.in_step
+    buffer = harness_of(core).buffer
+    before = time.perf_counter()
+    with core.step():
+        with core.phase("probe"):
+            pass
+    seq, _, t0, t1, phases, *_ = buffer.pop()
+    assert list(phases) == ["probe"] and t0 >= before
+    assert seq == core.steps - 1
+
+
 @pytest.mark.parametrize("base", CORES)
 def test_scenario_records(base: type) -> None:
     core = make_core(base)
     scenario(core)
     records = normalised(core)
     # Nine steps were recorded (the failed one is not); the deque keeps the last eight.
-    assert core._seq == 9
+    assert core.steps == 9
     assert [r[0] for r in records] == list(range(1, 9))
     assert records[0][1:7] == (None, ["data", "forward", "backward"], 8, 16, 1.5e9, None)
     assert records[3][1:] == (41, ["comm"], None, None, None, {"allocated": 5}, None)
     assert [r[1] for r in records[4:]] == [None] * 4
-    assert core.calls == [("detect", True), ("failed", "KeyError", 42)]
-    assert core._step_depth == 0 and core._phase_depth == 0 and core._pending_t0 is None
-    assert core._cuda.reads == 4 and core._last_ooms == 1
+    assert harness_of(core).calls == [("detect", True), ("failed", "KeyError", 42)]
+    assert core.last_ooms == 1
+    assert_at_rest(core)
 
 
 def test_both_cores_leave_the_same_records() -> None:
@@ -146,7 +171,8 @@ def test_both_cores_leave_the_same_records() -> None:
     scenario(python)
     scenario(c)
     assert normalised(c) == normalised(python)
-    assert (c._seq, c.calls, c._last_ooms) == (python._seq, python.calls, python._last_ooms)
+    assert (c.steps, harness_of(c).calls, c.last_ooms) == (
+        python.steps, harness_of(python).calls, python.last_ooms)
     # The deque kept the last 8 of 10 steps: the CUDA ones carry marks and allocator tuples.
     last = normalised(c)[-1]
     assert last[2] == ["data", "forward", "backward"]
@@ -165,10 +191,13 @@ def test_loader_counts_waits_and_ends_like_a_generator(base: type) -> None:
         raise OSError("disk gone")
 
     loader = core.loader(slow())
+    started = time.perf_counter()
     assert next(loader) == 0
-    assert core._phases["data"] >= 0.01 and core._pending_t0 is not None
     assert next(loader) == 1
-    assert core._phases["data"] >= 0.02
+    with core.step():  # both waits are this step's data phase, and its window starts with them
+        pass
+    _, _, t0, t1, phases, *_ = harness_of(core).buffer[-1]
+    assert phases["data"] >= 0.02 and t0 <= started + 0.005 and t1 - t0 >= 0.02
     with pytest.raises(OSError, match="disk gone"):
         next(loader)
     with pytest.raises(StopIteration):
@@ -195,7 +224,7 @@ def test_loader_calls_iter_at_the_first_next(base: type) -> None:
 def test_a_held_step_object_keeps_its_counts(base: type) -> None:
     core = make_core(base)
     first = core.step(samples=1)
-    second = core.step(samples=2)  # must not reuse the object still held as `first`
+    second = core.step(samples=2)
     with first:
         pass
     with second:
@@ -204,11 +233,23 @@ def test_a_held_step_object_keeps_its_counts(base: type) -> None:
 
 
 @pytest.mark.parametrize("base", CORES)
+def test_every_call_makes_a_new_step_object(base: type) -> None:
+    # Both cores agree: no reuse, so nothing a caller keeps can change under it.
+    core = make_core(base)
+    with core.step(samples=1) as a:
+        pass
+    with core.step(samples=2) as b:
+        pass
+    assert a is not b
+    assert [r[3] for r in normalised(core)] == [1, 2]
+
+
+@pytest.mark.parametrize("base", CORES)
 def test_counts_can_be_set_on_an_open_step(base: type) -> None:
     core = make_core(base)
     step = core.step()
     step.__enter__()
-    step._samples, step._tokens, step._flops = 3, 4, 5.0
+    step.set_counts(3, 4, 5.0)
     step.__exit__(None, None, None)
     assert normalised(core)[0][3:6] == (3, 4, 5.0)
 
@@ -224,19 +265,31 @@ def test_bad_calls_are_clear_errors(base: type) -> None:
         core.phase("not a label")
     with pytest.raises(TypeError):
         core.phase(["unhashable"])
-    assert core._step_depth == 0 and not core._buffer
+    assert not core.in_step and not harness_of(core).buffer
 
 
-def test_c_state_attributes_keep_their_types() -> None:
-    core = make_core(_hook.HookCore)
-    with pytest.raises(TypeError):
-        core._phases = None
-    with pytest.raises(TypeError):
-        core._marks = ()
-    core._pending_t0 = 1.5
-    assert core._pending_t0 == 1.5
-    core._pending_t0 = None
-    assert core._pending_t0 is None
+@pytest.mark.parametrize("base", CORES)
+def test_a_stopped_core_records_nothing_and_calls_no_extension(base: type) -> None:
+    core = make_core(base)
+    extensions = LoggedExtensions()
+    core.set_extensions(extensions)
+    core.stop()
+    with core.step():
+        pass
+    assert core.steps == 1 and not harness_of(core).buffer and extensions.calls == []
+
+
+def test_both_cores_offer_the_same_surface() -> None:
+    """The monitor reaches the core only through these; the C core has no state attributes."""
+    def surface(cls: type) -> set[str]:
+        return {name for name in dir(cls) if not name.startswith("_")}
+
+    expected = {"step", "phase", "loader", "data_wait", "set_cuda", "set_extensions", "stop",
+                "steps", "in_step", "last_ooms"}
+    assert surface(_core.HookCore) == surface(_hook.HookCore) == expected
+    assert not [name for name in dir(_hook.HookCore) if name.startswith("_") and not name.startswith("__")]
+    assert surface(_core.Step) == surface(_hook.Step) == {"set_counts"}
+    assert surface(_core.Phase) == surface(_hook.Phase) == set()
 
 
 def test_c_clock_is_perf_counter() -> None:
@@ -252,19 +305,25 @@ def run_steps(core: Any, n: int) -> None:
         with core.step(samples=1, flops=2.0):
             with core.phase("forward"):
                 pass
-        core._buffer.clear()
+        harness_of(core).buffer.clear()
 
 
-def test_c_core_leaks_nothing() -> None:
+@pytest.mark.parametrize("with_extensions", [False, True])
+def test_c_core_leaks_nothing(with_extensions: bool) -> None:
     core = make_core(_hook.HookCore)
-    core._cuda = FakeClock()
+    core.set_cuda(FakeClock())
+    extensions = LoggedExtensions()
+    if with_extensions:
+        core.set_extensions(extensions)
     run_steps(core, 1000)
+    extensions.calls.clear()
     gc.collect()
     before = len(gc.get_objects())
     run_steps(core, 20000)
+    extensions.calls.clear()  # what the stand-in logs is not the core's
     gc.collect()
     assert len(gc.get_objects()) - before < 50
-    # The core, its reused step object and its phase objects refer to each other: the
+    # The core, its step and phase objects and its callbacks refer to each other: the
     # collector must be able to see and break those cycles.
     ref = weakref.ref(core)
     del core
@@ -307,18 +366,18 @@ def test_extensions_are_called_around_outermost_steps_only(base: type) -> None:
     with core.step():
         pass
     extensions = LoggedExtensions()
-    core._set_extensions(extensions)
+    core.set_extensions(extensions)
     with core.step():
         with core.step():
             pass
     with pytest.raises(KeyError):
         with core.step():
             raise KeyError("boom")
-    core._set_extensions(None)
+    core.set_extensions(None)
     with core.step():
         pass
     assert extensions.calls == ["begin", ("end", True), "begin", ("end", False)]
-    assert [r[-1] for r in core._buffer] == [None, {"memb": {"other": 2}}, None]
+    assert [r[-1] for r in harness_of(core).buffer] == [None, {"memb": {"other": 2}}, None]
 
 
 def test_both_cores_pass_the_same_extension_fields() -> None:
@@ -326,25 +385,85 @@ def test_both_cores_pass_the_same_extension_fields() -> None:
     logs = []
     for core in (python, c):
         logs.append(LoggedExtensions())
-        core._set_extensions(logs[-1])
+        core.set_extensions(logs[-1])
         scenario(core)
     assert logs[0].calls == logs[1].calls
-    assert [r[-1] for r in python._buffer] == [r[-1] for r in c._buffer]
+    assert [r[-1] for r in harness_of(python).buffer] == [r[-1] for r in harness_of(c).buffer]
     assert normalised(c) == normalised(python)
 
 
-def test_c_core_with_extensions_leaks_nothing() -> None:
-    core = make_core(_hook.HookCore)
-    core._set_extensions(LoggedExtensions())
-    run_steps(core, 1000)
-    core._set_extensions(extensions := LoggedExtensions())
-    gc.collect()
-    before = len(gc.get_objects())
-    run_steps(core, 20000)
-    extensions.calls.clear()
-    gc.collect()
-    assert len(gc.get_objects()) - before < 50
-    ref = weakref.ref(core)
-    del core
-    gc.collect()
-    assert ref() is None
+class CommEveryStep:
+    """An extension reporting a count of its calls as a collective's count."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def step_begin(self) -> None:
+        self.n += 1
+
+    def step_end(self, fields: dict[str, object]) -> None:
+        fields["comm"] = {"exposed": 0.0, "busy": 0.0, "ops": {"all_reduce": [self.n, 64, 0.0]}}
+
+
+def monitor_script(mon: Any) -> None:
+    """What a training loop does with a monitor, every path: loader, counts, nested and
+    repeated phases, caller step numbers and memory, a failed step, an OOM, an extension."""
+    torch = pytest.importorskip("torch")
+    for batch in mon.loader(range(3)):
+        with mon.step(samples=8 + batch, tokens=16, flops=2.5e9):
+            with mon.phase("forward"):
+                with mon.phase("inner"):
+                    pass
+            with mon.phase("backward"):
+                pass
+    mon._add_extension(CommEveryStep())
+    with mon.phase("comm"):
+        pass
+    with mon.step(step=41, memory={"allocated": 5, "bogus": 1}):
+        pass
+    with pytest.raises(KeyError):
+        with mon.step(step=42):
+            raise KeyError("boom")
+    with pytest.raises(torch.OutOfMemoryError):
+        with mon.step(step=43):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+    with mon.step(samples=-1):
+        with mon.phase("optimizer"):
+            pass
+
+
+def comparable(record: Any) -> Any:
+    """A record with what depends on the clock replaced by checks on it."""
+    if isinstance(record, StepRecord):
+        assert record.t_start is not None and record.duration_s >= 0
+        assert all(0 <= s <= record.duration_s for s in record.phases_s.values())
+        return dataclasses.replace(record, t_start=0.0, duration_s=0.0,
+                                   phases_s=dict.fromkeys(record.phases_s, 0.0))
+    if isinstance(record, EventRecord):
+        return dataclasses.replace(record, t=0.0)
+    return record
+
+
+def test_both_cores_under_a_monitor_send_the_same_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent = {}
+    for name, core in (("python", _core.HookCore), ("c", _hook.HookCore)):
+        monkeypatch.setattr(monitor, "HookCore", core)
+        transport = MemoryTransport()
+        mon = StepMonitor(run="twins", transport=transport, rank=1, world=2)
+        assert type(mon._core) is core
+        monitor_script(mon)
+        mon.close()
+        # How records fell into datagrams depends on when the background flush ran.
+        sent[name] = ([comparable(r) for r in transport.records()],
+                      dataclasses.replace(mon.stats, datagrams_sent=0))
+    (python_records, python_stats), (c_records, c_stats) = sent["python"], sent["c"]
+    assert c_records == python_records
+    assert c_stats == python_stats
+    steps = [r for r in c_records if isinstance(r, StepRecord)]
+    assert [s.step for s in steps] == [0, 1, 2, 41, 4]  # failed steps are not counted
+    assert [s.samples for s in steps] == [8, 9, 10, None, None]
+    assert [s.comm.ops[0].count if s.comm else None for s in steps] == [None, None, None, 1, 4]
+    assert steps[3].mem == MemoryStats(allocated_bytes=5) and set(steps[3].phases_s) == {"comm"}
+    [oom] = [r for r in c_records if isinstance(r, EventRecord)]
+    assert (oom.event, oom.step) == ("oom", 43)
+    assert c_stats.steps == 5 and c_stats.invalid_fields == 2

@@ -210,7 +210,8 @@ def three_phases(mon: StepMonitor, cuda: FakeCuda) -> None:
 def test_adjacent_phases_share_a_boundary_event(
     mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport
 ) -> None:
-    mon._share_gap_s = 0.005  # wide enough for this busy machine; the default is 10 µs
+    # Wide enough for this busy machine; the default is 10 µs.
+    mon._cuda.share_gap_s = 0.005  # type: ignore[union-attr]
     three_phases(mon, cuda)
     assert len(cuda.recorded_on) == 4  # one start, three ends: not six
     with mon.step():
@@ -228,7 +229,7 @@ def test_adjacent_phases_share_a_boundary_event(
 
 
 def test_sharing_can_be_turned_off(mon: StepMonitor, cuda: FakeCuda, transport: MemoryTransport) -> None:
-    mon._share_gap_s = 0.0
+    mon._cuda.share_gap_s = 0.0  # type: ignore[union-attr]
     three_phases(mon, cuda)
     assert len(cuda.recorded_on) == 6
     mon.flush()

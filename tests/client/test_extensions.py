@@ -9,6 +9,7 @@ extension calls directly.
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -220,11 +221,14 @@ def python_calls_during(fn: object) -> list[str]:
         if event == "call":
             calls.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_qualname}")
 
+    gc.collect()
+    gc.disable()  # a collection in the window would run weakref callbacks of other objects
     sys.setprofile(profile)
     try:
         fn()  # type: ignore[operator]
     finally:
         sys.setprofile(None)
+        gc.enable()
     return [c for c in calls if not c.endswith("python_calls_during")]
 
 
