@@ -10,7 +10,14 @@ from typing import Any
 import pytest
 
 from gpumon.testing import AgentProcess
-from tests.e2e.distributed import exposed_share, recording_agent, run_job, truth_share
+from tests.e2e.distributed import (
+    exposed_share,
+    flagged_share,
+    recording_agent,
+    run_job,
+    share_of,
+    truth_share,
+)
 
 STEPS = 14
 
@@ -44,6 +51,7 @@ def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
             assert 0 < comm["exposed"] <= comm["busy"] <= step["duration"]
             assert seconds > 0
         assert counts == {3}  # 64 MiB in DDP's 25 MiB buckets
+        assert share_of(job.verdicts(rank), "communication") >= 0.8
 
 
 def test_compute_heavy_ddp_shows_little_exposed_communication(
@@ -58,6 +66,7 @@ def test_compute_heavy_ddp_shows_little_exposed_communication(
         assert abs(measured - truth) <= 0.15, (rank, measured, truth)
         assert measured < 0.3
         assert all(s["comm"]["ops"]["all_reduce"][1] == summary["grad_bytes"] for s in steps)
+        assert share_of(job.verdicts(rank), "communication") <= 0.1
 
 
 @pytest.mark.parametrize("buckets", ["copied", "bucket-view"])
@@ -115,6 +124,15 @@ def test_a_rank_with_more_forward_work_waits_least(
     for rank in (0, 1, 2):
         waits = sorted(s["comm"]["exposed"] for s in job.steps(rank))
         assert waits[len(waits) // 2] >= 0.03, waits
+    # The agent's verdicts, once its straggler comparison has a few steps of every rank.
+    slow = job.verdicts(3)[4:]
+    assert flagged_share(slow) >= 0.8
+    assert {v.straggler_cause.value for v in slow if v.straggler_cause is not None} == {"compute"}
+    for rank in (0, 1, 2):
+        peer = job.verdicts(rank)[4:]
+        assert flagged_share(peer) <= 0.05
+        assert share_of(peer, "communication") >= 0.8
+        assert {v.slower_rank for v in peer if v.primary.value == "communication"} == {3}
 
 
 def test_a_rank_with_a_slow_input_pipeline_makes_its_peer_wait(
@@ -127,3 +145,7 @@ def test_a_rank_with_a_slow_input_pipeline_makes_its_peer_wait(
     slow_data = sorted(s["phases"]["data"] for s in slow)
     assert slow_data[len(slow_data) // 2] >= 0.05
     assert exposed_share(peer) > exposed_share(slow) + 0.15
+    slow_verdicts, peer_verdicts = job.verdicts(1)[4:], job.verdicts(0)[4:]
+    assert flagged_share(slow_verdicts) >= 0.8 and share_of(slow_verdicts, "input") >= 0.8
+    assert {v.straggler_cause.value for v in slow_verdicts if v.straggler_cause is not None} == {"input"}
+    assert flagged_share(peer_verdicts) <= 0.05 and share_of(peer_verdicts, "communication") >= 0.8
