@@ -215,7 +215,7 @@ class CommLedger:
                 figures = kinds[op.name] = [0, 0, 0.0]
             figures[0] += 1
             figures[1] += op.nbytes
-            figures[2] += done - op.t0
+            figures[2] += max(0.0, done - op.t0)
         if carried:
             with self._lock:
                 self._ops[:0] = carried

@@ -1,70 +1,31 @@
 """Real DDP jobs (gloo, CPU, ``torch.distributed.run``) reporting to a real agent: what the
 client measures of their communication, against what each job measures itself, and the
-verdicts the agent's analysis reaches on them (straggler flagged or not, its cause, whom
-its peers wait on), replayed from the agent's recording through the same engine."""
+verdicts the agent's engine reaches on them (straggler flagged or not, its cause, whom its
+peers wait on)."""
 
 from __future__ import annotations
 
-import json
 import statistics
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from gpumon.analysis.bottleneck import Bottleneck, Flag
-from gpumon.analysis.straggler import StragglerCause
-from gpumon.analysis.stream import StepAnalyzer
 from gpumon.testing import AgentProcess
-from gpumon.wire import StepRecord, decode_record
-from tests.e2e.distributed import Job, exposed_share, recording_agent, run_job, truth_share
+from tests.e2e.distributed import (
+    exposed_share,
+    flagged_share,
+    recording_agent,
+    run_job,
+    share_of,
+    truth_share,
+)
 
 STEPS = 14
-STRAGGLER_STEPS = 150  # the flag needs 24 steps to persist: the rest is what is counted
-AGENT_INTERVAL_S = 0.5  # the recording agent's --interval: its analysis resolution
-
-
-@dataclass(frozen=True)
-class StepCall:
-    """What the analysis said of one step of one rank."""
-
-    primary: Bottleneck
-    straggler: bool
-    cause: StragglerCause | None
-    waiting_on: int | None
-
-
-def verdicts(job: Job) -> dict[int, list[StepCall]]:
-    """Each rank's per-step verdicts, its recorded steps fed to the agent's engine in the order
-    and at the times the agent received them (a pass as each step's window completes)."""
-    records = []
-    for line in job.recording.read_text().splitlines():
-        if line.strip() and json.loads(line).get("kind") == "step":
-            record = decode_record(json.loads(line))
-            if isinstance(record, StepRecord) and record.run == job.run:
-                records.append(record)
-    records.sort(key=lambda r: r.t_end or 0.0)
-    analyzer = StepAnalyzer(resolution_s=AGENT_INTERVAL_S)
-    out: dict[int, dict[int, StepCall]] = {}
-
-    def absorb(now: float) -> None:
-        for v in analyzer.process(now, lambda *_: [], [], {}):
-            call = StepCall(v.verdict.primary, Flag.STRAGGLER in v.verdict.flags,
-                            v.verdict.straggler_cause, v.verdict.slower_rank)
-            for step in v.steps:
-                out.setdefault(v.rank, {})[step] = call
-
-    for record in records:
-        analyzer.add([record], received_t=record.t_end or 0.0)
-        absorb(record.t_end or 0.0)
-    absorb(float("inf"))
-    return {rank: [calls[s] for s in sorted(calls)] for rank, calls in out.items()}
-
-
-def share(calls: list[StepCall], test: Any) -> float:
-    return sum(bool(test(c)) for c in calls) / len(calls)
+STRAGGLER_STEPS = 150
+"""Steps of the jobs with a straggler: it is flagged once its slowness has persisted over 24
+steps, and the shares below count every step, those before too."""
 
 
 @pytest.fixture
@@ -96,6 +57,7 @@ def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
             assert 0 < comm["exposed"] <= comm["busy"] <= step["duration"]
             assert seconds > 0
         assert counts == {3}  # 64 MiB in DDP's 25 MiB buckets
+        assert share_of(job.verdicts(rank), "communication") >= 0.8
 
 
 def test_compute_heavy_ddp_shows_little_exposed_communication(
@@ -110,6 +72,7 @@ def test_compute_heavy_ddp_shows_little_exposed_communication(
         assert abs(measured - truth) <= 0.15, (rank, measured, truth)
         assert measured < 0.3
         assert all(s["comm"]["ops"]["all_reduce"][1] == summary["grad_bytes"] for s in steps)
+        assert share_of(job.verdicts(rank), "communication") <= 0.1
 
 
 @pytest.mark.parametrize("buckets", ["copied", "bucket-view"])
@@ -152,7 +115,7 @@ def test_a_user_comm_hook_keeps_its_gradients_and_is_measured(
         assert all("comm" not in step for step in plain.steps(rank))
 
 
-def test_a_rank_with_more_forward_work_waits_least_and_is_the_straggler(
+def test_a_rank_with_more_forward_work_waits_least(
     agent: tuple[AgentProcess, Path], tmp_path: Path
 ) -> None:
     job = run_job(*agent, tmp_path, "ddp_job.py", 4,
@@ -168,33 +131,35 @@ def test_a_rank_with_more_forward_work_waits_least_and_is_the_straggler(
     for rank in (0, 1, 2):
         waits = sorted(s["comm"]["exposed"] for s in job.steps(rank))
         assert waits[len(waits) // 2] >= 0.03, waits
-    calls = verdicts(job)
-    assert share(calls[3], lambda c: c.straggler) >= 0.8, calls[3]
-    assert share(calls[3], lambda c: c.cause is StragglerCause.COMPUTE) >= 0.8
+    # The agent's verdicts, on all of its steps.
+    slow = job.verdicts(3)
+    assert flagged_share(slow) >= 0.8
+    assert {v.straggler_cause.value for v in slow if v.straggler_cause is not None} == {"compute"}
     for rank in (0, 1, 2):
-        assert share(calls[rank], lambda c: c.straggler) <= 0.05, (rank, calls[rank])
-        assert share(calls[rank], lambda c: c.waiting_on == 3) >= 0.8, (rank, calls[rank])
+        peer = job.verdicts(rank)
+        assert flagged_share(peer) <= 0.05
+        assert share_of(peer, "communication") >= 0.8
+        # Told whom they wait on once the straggler is flagged (not before it persisted).
+        assert {v.slower_rank for v in peer if v.slower_rank is not None} == {3}
+        assert sum(v.slower_rank == 3 for v in peer) >= 0.8 * len(peer)
 
 
 def test_a_rank_with_a_slow_input_pipeline_makes_its_peer_wait(
     agent: tuple[AgentProcess, Path], tmp_path: Path
 ) -> None:
-    steps = 80
     job = run_job(*agent, tmp_path, "ddp_job.py", 2,
-                  ["--model", "small", "--steps", str(steps), "--slow-rank", "1",
-                   "--slow-input-ms", "60"], run="ddp-slow-input", expect_steps=2 * steps)
+                  ["--model", "small", "--steps", str(STRAGGLER_STEPS), "--slow-rank", "1",
+                   "--slow-input-ms", "60"], run="ddp-slow-input",
+                  expect_steps=2 * STRAGGLER_STEPS)
     slow, peer = job.steps(1), job.steps(0)
     slow_data = sorted(s["phases"]["data"] for s in slow)
     assert slow_data[len(slow_data) // 2] >= 0.05
     assert exposed_share(peer) > exposed_share(slow) + 0.15
-    calls = verdicts(job)
-    # Flagged once its window of 24 steps persists: from then on, on nearly every step.
-    assert share(calls[1], lambda c: c.straggler) >= 0.6, calls[1]
-    assert {c.cause for c in calls[1] if c.straggler} == {StragglerCause.INPUT}
-    assert share(calls[1], lambda c: c.primary is Bottleneck.INPUT) >= 0.8, calls[1]
-    assert share(calls[0], lambda c: c.straggler) == 0.0, calls[0]
-    assert share(calls[0], lambda c: c.primary is Bottleneck.COMMUNICATION) >= 0.8, calls[0]
-    assert share(calls[0], lambda c: c.waiting_on == 1) >= 0.6, calls[0]
+    slow_verdicts, peer_verdicts = job.verdicts(1), job.verdicts(0)
+    assert flagged_share(slow_verdicts) >= 0.8 and share_of(slow_verdicts, "input") >= 0.8
+    assert {v.straggler_cause.value for v in slow_verdicts if v.straggler_cause is not None} == {"input"}
+    assert flagged_share(peer_verdicts) <= 0.05 and share_of(peer_verdicts, "communication") >= 0.8
+    assert sum(v.slower_rank == 1 for v in peer_verdicts) >= 0.8 * len(peer_verdicts)
 
 
 def test_a_balanced_comm_heavy_job_has_no_straggler(
@@ -208,12 +173,13 @@ def test_a_balanced_comm_heavy_job_has_no_straggler(
     steps = 40
     job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--steps", str(steps)],
                   run="ddp-balanced", expect_steps=2 * steps)
-    calls = verdicts(job)
     # On failure, how often each training thread was switched out while runnable, per step.
     preempted = [statistics.median(job.summary(rank)["preempted"]) for rank in (0, 1)]
     for rank in (0, 1):
-        assert share(calls[rank], lambda c: c.straggler) <= 0.05, (rank, preempted, calls[rank])
-        assert share(calls[rank], lambda c: c.waiting_on is not None) <= 0.05, (rank, calls[rank])
+        verdicts = job.verdicts(rank)
+        assert len(verdicts) == steps
+        assert flagged_share(verdicts) <= 0.05, (rank, preempted, verdicts)
+        assert sum(v.slower_rank is not None for v in verdicts) <= 0.05 * steps, verdicts
     # As built: neither rank's thread did the 1/0.75 = 1.33x of the other's work the score
     # calls a straggler (CPU time varies some with the cache and memory traffic of a shared
     # host, much less than wall time does).
