@@ -209,6 +209,7 @@ def classify(
     previous_alloc_retries: int | None = None,
     previous_ooms: int | None = None,
     thresholds: Thresholds = DEFAULT,
+    memory_remedy: str | None = None,
 ) -> Verdict:
     """Classify one step (docs/architecture.md §7): primary wall, confidence, time shares, flags and a hint.
 
@@ -217,6 +218,8 @@ def classify(
     OOM so far does). ``straggler_score``, ``straggler_cause`` and ``slower_rank`` come from
     comparing the run's ranks (``straggler.judge_run``): a score under the threshold flags
     this rank; ``slower_rank`` names the rank it waits for when its verdict is communication.
+    ``memory_remedy`` replaces the generic memory-pressure hint when the rank's memory
+    breakdown names what fills it (``gpumon.analysis.memory.attribute_growth``).
     """
     th = thresholds
     measured = phase_fractions(step)
@@ -328,7 +331,8 @@ def classify(
     cause = None
     for flag in (Flag.MEMORY_PRESSURE, Flag.THROTTLED, Flag.STRAGGLER):
         if flag in flags:
-            hint += "; " + _FLAG_HINTS[flag]
+            remedy = memory_remedy if flag is Flag.MEMORY_PRESSURE else None
+            hint += "; " + (f"memory pressure — {remedy}" if remedy else _FLAG_HINTS[flag])
     if Flag.STRAGGLER in flags:
         cause = straggler_cause or StragglerCause.UNKNOWN
         hint += f"; cause: {cause.value} — {_CAUSE_HINTS[cause]}"

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 
 from gpumon.analysis.bottleneck import Bottleneck, Flag, Verdict, classify
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
+from gpumon.analysis.memory import MemoryAttribution, attribute_growth
 from gpumon.analysis.oom import OomRisk, assess_oom_risk
 from gpumon.analysis.straggler import (
     RankWork,
@@ -32,7 +33,7 @@ from gpumon.analysis.straggler import (
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.wire import StepRecord
+from gpumon.wire import MemoryBreakdown, StepRecord
 
 RankKey = tuple[str, int]
 """(run, rank): how a rank of a run is named everywhere in the agent."""
@@ -43,6 +44,7 @@ WORK_HISTORY = 16  # steps per rank for its median own work (straggler compariso
 SILENT_STEPS = 10  # a rank this many of its run's typical steps behind the newest is silent
 SILENT_MIN_S = 5.0  # ... and at least this many seconds behind
 PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
+BREAKDOWN_HISTORY = 16  # sampled memory breakdowns per rank: ~80 s at the client's 5 s
 MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
 CLOCK_SKEW_TOLERANCE_S = 5.0  # a step "ending" later than this after receipt is re-based
 VERDICT_WORK = 32  # a verdict costs about as much as merging 32 steps (~0.1 ms)
@@ -71,6 +73,8 @@ class RankAnalysis:
     """Set while another rank of its run is the straggler, or went silent."""
     world_changes: int = 0
     """Times the world size this rank reports changed (its comparison history restarts)."""
+    memory: MemoryAttribution | None = None
+    """Which memory component the rank's sampled breakdowns blame, when it sends them."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does."""
 
@@ -96,6 +100,8 @@ class _RankTracker:
     """Own work of its latest steps received (analysed or not)."""
     data_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
+    breakdowns: deque[tuple[float, MemoryBreakdown]] = field(
+        default_factory=lambda: deque(maxlen=BREAKDOWN_HISTORY))
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     last: StepRecord | None = None
     last_pid: int | None = None
@@ -163,6 +169,8 @@ class StepAnalyzer:
             state.own_s.append(own_work_s(step))
             state.data_s.append(step.phases_s.get("data", 0.0) if step.phases_s else None)
             state.pending.append(step)
+            if step.memory_breakdown is not None:
+                state.breakdowns.append((step.t_end or received_t, step.memory_breakdown))
             if pids and pids.get(key) is not None:
                 state.last_pid = pids[key]
             if len(state.pending) == MAX_PENDING + 1:
@@ -257,6 +265,7 @@ class StepAnalyzer:
                                           group.t_start, group.t_end)
         name = static.name if static else None
         previous = state.last
+        memory = analysis.memory = attribute_growth(list(state.breakdowns))
         verdict = classify(
             group, window,
             peak_flops=resolve_peak_flops(name, self._peak_override),
@@ -269,6 +278,7 @@ class StepAnalyzer:
             previous_alloc_retries=previous.mem.alloc_retries if previous and previous.mem else None,
             previous_ooms=previous.mem.ooms if previous and previous.mem else None,
             thresholds=thresholds,
+            memory_remedy=memory.text if memory is not None else None,
         )
         analysis.verdict = verdict
         analysis.verdict_step = last.step
@@ -292,6 +302,9 @@ class StepAnalyzer:
                 ooms_delta=_delta(previous, last, "ooms"),
                 step_period_s=statistics.median(state.durations) if state.durations else None,
             )
+            if memory is not None and analysis.oom.reasons:
+                # What is at risk is only half the warning: say which part fills the memory.
+                analysis.oom = replace(analysis.oom, reasons=(*analysis.oom.reasons, memory.text))
         state.last = last
         analysis.version = next(_versions)
         return verdict
