@@ -173,17 +173,17 @@ def test_the_inferred_wait_runs_from_the_last_launch_to_the_last_completion() ->
 
 def test_a_mirrored_wait_counts_the_copy_after_the_last_completion_twice() -> None:
     ledger = CommLedger()
-    t = _past_step(ledger, 0.03)
-    op = ledger.launched("all_reduce", 4, t + 0.001, t + 0.002, True)
+    t = _past_step(ledger, 0.03)  # backward ran 15 ms, copying gradients into the bucket
+    op = ledger.launched("all_reduce", 4, t + 0.015, t + 0.016, True)
     assert op is not None
-    tail = ledger.wait_from(t + 0.002, mirrored=True)
+    tail = ledger.wait_from(t + 0.016, mirrored=True)
     assert tail is not None
     op.t_done = perf_counter() - 0.01  # copying the buckets back took the last 10 ms
     tail.resumed()
     time.sleep(0.02)  # the rest of the step (the optimizer, say)
     fields: dict[str, object] = {}
     ledger.step_end(fields)
-    waited = tail.end - (t + 0.001)  # type: ignore[operator]
+    waited = tail.end - (t + 0.015)  # type: ignore[operator]
     copied = tail.end - op.t_done  # type: ignore[operator]
     comm = fields["comm"]
     assert comm["exposed"] == pytest.approx(waited + copied)  # type: ignore[index]
