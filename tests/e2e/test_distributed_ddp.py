@@ -63,12 +63,12 @@ def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
 def test_compute_heavy_ddp_shows_little_exposed_communication(
     agent: tuple[AgentProcess, Path], tmp_path: Path
 ) -> None:
-    job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--truth", "--steps", "10"],
-                  run="ddp-compute", expect_steps=2 * 10)
+    job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--truth", "--steps", "16"],
+                  run="ddp-compute", expect_steps=2 * 16)
     for rank in (0, 1):
         steps, summary = job.steps(rank), job.summary(rank)
         truth, measured = truth_share(summary), exposed_share(steps)
-        assert truth < 0.25, summary  # compute-heavy, as built (on a machine not overloaded)
+        assert truth < 0.3, summary  # compute-heavy as built (a median of noisy twins)
         assert abs(measured - truth) <= 0.15, (rank, measured, truth)
         assert measured < 0.3
         assert all(s["comm"]["ops"]["all_reduce"][1] == summary["grad_bytes"] for s in steps)
