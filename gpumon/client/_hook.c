@@ -23,7 +23,7 @@
 #endif
 
 static PyObject *str_append, *str_event, *str_memory, *str_share_gap_s, *str_data, *str_begin,
-    *str_end;
+    *str_end, *str_device_interval_s;
 static PyObject *step_kwnames[5]; /* samples, tokens, flops, step, memory */
 
 #define OR_NONE(x) ((x) == NULL ? Py_None : (x))
@@ -43,6 +43,7 @@ typedef struct {
     PyObject_HEAD
     char enabled;
     char started;           /* the first step has begun */
+    char device;            /* this step's phases get CUDA events (one step per device interval) */
     int step_depth;
     int phase_depth;
     int has_pending;
@@ -51,6 +52,7 @@ typedef struct {
     double pending_t0;
     double phase_t0;
     double phase_end_t;     /* when the last CUDA-timed phase's end event was recorded */
+    double next_device_t;   /* the step after the first to end past this is GPU-timed */
     PyObject *phases;       /* dict: phase name -> host seconds */
     PyObject *phase_event;  /* CUDA event of the open phase, or NULL */
     PyObject *marks;        /* list of (name, start, end) */
@@ -115,6 +117,7 @@ HookCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL)
         return NULL;
     self->enabled = 1;
+    self->device = 1;
     self->phases = PyDict_New();
     self->marks = PyList_New(0);
     self->phase_cache = PyDict_New();
@@ -538,17 +541,28 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         marks = m->marks;
         m->marks = fresh_marks;
-        mem = PyObject_CallMethodNoArgs(m->cuda, str_memory);
-        if (mem == NULL)
-            goto error;
-        if (mem == Py_None) {
-            Py_CLEAR(mem);
-        } else {
-            PyObject *ooms = PySequence_GetItem(mem, 4);
-            if (ooms == NULL)
+        if (m->device) {
+            PyObject *interval = PyObject_GetAttr(m->cuda, str_device_interval_s);
+            if (interval == NULL)
                 goto error;
-            Py_SETREF(m->last_ooms, ooms);
+            double interval_s = PyFloat_AsDouble(interval);
+            Py_DECREF(interval);
+            if (interval_s == -1.0 && PyErr_Occurred())
+                goto error;
+            m->next_device_t = t1 + interval_s;
+            mem = PyObject_CallMethodNoArgs(m->cuda, str_memory);
+            if (mem == NULL)
+                goto error;
+            if (mem == Py_None) {
+                Py_CLEAR(mem);
+            } else {
+                PyObject *ooms = PySequence_GetItem(mem, 4);
+                if (ooms == NULL)
+                    goto error;
+                Py_SETREF(m->last_ooms, ooms);
+            }
         }
+        m->device = t1 >= m->next_device_t;
     }
     if (mem == NULL)
         mem = Py_NewRef(OR_NONE(self->memory));
@@ -644,7 +658,7 @@ Phase_enter(Phase *self, PyObject *unused)
         return NULL;
     }
     if (!m->phase_depth) {
-        if (m->cuda != Py_None && !self->host_clock) {
+        if (m->cuda != Py_None && m->device && !self->host_clock) {
             PyObject *event = NULL;
             Py_ssize_t n = PyList_GET_SIZE(m->marks);
             PyObject *last = n ? PyList_GET_ITEM(m->marks, n - 1) : NULL;
@@ -836,6 +850,7 @@ PyInit__hook(void)
     INTERN(str_data, "data");
     INTERN(str_begin, "begin");
     INTERN(str_end, "end");
+    INTERN(str_device_interval_s, "device_interval_s");
     INTERN(step_kwnames[0], "samples");
     INTERN(step_kwnames[1], "tokens");
     INTERN(step_kwnames[2], "flops");
