@@ -158,6 +158,7 @@ def test_detect_picks_the_runtime_when_torch_runs_on_cuda(
     cuda.current_device = lambda: 0
     torch = SimpleNamespace(cuda=cuda, _C=SimpleNamespace(_cuda_getCurrentRawStream=lambda d: 0x42))
     monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.delenv("GPUMON_PURE_PYTHON", raising=False)  # the C core may be used
     clock = _cuda.detect(True)
     assert clock is not None and clock.runtime is not None
     assert isinstance(clock.event(), int) and fake_runtime.fake_last_stream() == 0x42
