@@ -24,6 +24,9 @@ in that copy. On CPU, where the communication-heavy job is bound by memory bandw
 pass is most of what watching costs; ``--bucket-view`` runs both models with
 ``gradient_as_bucket_view=True``, where DDP makes no copy and the pass is the same either way.
 
+``--stock-hook`` registers torch's own ``allreduce_hook`` on the second model instead of
+watching it: what a Python comm hook costs DDP by itself, for comparison.
+
 ``--control`` watches neither model: the ratio it reads is what this machine reads for no
 difference (on a shared machine, several per cent). ``--ranks 1`` runs the same in a world
 of one: no peer to wait for, so the per-collective figure is the CPU the timing adds, without
@@ -60,6 +63,9 @@ def main() -> None:
     parser.add_argument("--small-block-steps", type=int, default=10)
     parser.add_argument("--bucket-view", action="store_true",
                         help="DDP(gradient_as_bucket_view=True): no gradient copies into buckets")
+    parser.add_argument("--stock-hook", action="store_true",
+                        help="instead of watching, register torch's own Python allreduce_hook: what "
+                             "any Python comm hook costs")
     parser.add_argument("--control", action="store_true",
                         help="watch neither model: the ratio this machine reads for no difference")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -89,7 +95,8 @@ def main() -> None:
               f"({result['buckets']} buckets a step of {result['small_step_ms']:.2f} ms)")
     print(f"records received by the reader: {received}")
     rank0 = next(r for r in ranks if r["rank"] == 0)
-    print(json.dumps({"bench": "ddp", "control": args.control, "bucket_view": args.bucket_view,
+    print(json.dumps({"bench": "ddp", "control": args.control, "stock_hook": args.stock_hook,
+                      "bucket_view": args.bucket_view,
                       "ranks": args.ranks,
                       "job_throughput_ratio": rank0["job_ratio"],
                       "per_collective_us": rank0["per_collective_us"], "records_received": received}))
@@ -109,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     def small() -> nn.Module:
         return nn.Sequential(*[nn.Linear(64, 64) for _ in range(48)])
 
-    watch = not args.control
+    watch: bool | str = "stock" if args.stock_hook else not args.control
     view = args.bucket_view
     plain = Arm(comm_heavy, watched=False, gradient_as_bucket_view=view)
     watched = Arm(comm_heavy, watched=watch, gradient_as_bucket_view=view)
@@ -133,7 +140,7 @@ def worker(args: argparse.Namespace) -> None:
 class Arm:
     """One DDP model with its own monitor, watched or not, and its optimizer and batch."""
 
-    def __init__(self, make: Callable[[], Any], watched: bool, **ddp_kwargs: Any) -> None:
+    def __init__(self, make: Callable[[], Any], watched: bool | str, **ddp_kwargs: Any) -> None:
         import torch
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -142,7 +149,11 @@ class Arm:
         torch.manual_seed(0)
         self.ddp = DDP(make(), **ddp_kwargs)
         self.mon = StepMonitor()
-        if watched:
+        if watched == "stock":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            self.ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        elif watched:
             self.mon.watch(self.ddp)
         self.opt = torch.optim.SGD(self.ddp.parameters(), lr=1e-6)
         self.x = torch.randn(2, self.ddp.module[0].in_features)

@@ -237,6 +237,23 @@ def _have_tensorboard() -> bool:
     return True
 
 
+def _memory_watched_monitor(path: str) -> StepMonitor | None:
+    """A monitor with the memory-breakdown sampler registered (a small model and its AdamW,
+    the default 5 s between samples), or None without torch: what ``watch(model, optimizer)``
+    adds to every step, sampled or not."""
+    try:
+        import torch
+
+        from gpumon.client.memory import watch_memory
+    except ImportError:
+        return None
+    mon = StepMonitor(run="bench-memory", socket_path=path)
+    model = torch.nn.Linear(64, 64)
+    watch_memory(mon, model, torch.optim.AdamW(model.parameters()))
+    mon._bench_model = model  # type: ignore[attr-defined]  # the sampler holds it weakly
+    return mon
+
+
 def main() -> None:
     """Run the benchmark and print its table and JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -264,6 +281,9 @@ def main() -> None:
 
             mon_py = pure_python_step_monitor()(run="bench-python", socket_path=path)
             cases["hooked_loader_python"] = (hooked_loader(mon_py), mon_py.flush)
+        mon_memory = _memory_watched_monitor(path)
+        if mon_memory is not None:
+            cases["hooked_loader_memory"] = (hooked_loader(mon_memory), mon_memory.flush)
         writer = None
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -274,6 +294,8 @@ def main() -> None:
         mon.close()
         if mon_py is not None:
             mon_py.close()
+        if mon_memory is not None:
+            mon_memory.close()
         if writer is not None:
             writer.close()
         time.sleep(0.2)
@@ -289,6 +311,9 @@ def main() -> None:
     if mon_py is not None:
         results.append({"case": "the same, pure-Python core (no C build)",
                         **compare("bare_loader", "hooked_loader_python", raw, True)})
+    if mon_memory is not None:
+        results.append({"case": "the same, memory breakdown watched",
+                        **compare("bare_loader", "hooked_loader_memory", raw, True)})
     stats = mon.stats
     print(f"{'case':42} {'bare µs':>8} {'with µs':>9} {'cost µs':>8} {'bg µs':>7} {'(wall)':>7} "
           f"{'total µs':>9}")

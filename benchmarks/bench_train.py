@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,6 +46,7 @@ from train_cpu import main as train_main  # noqa: E402
 from train_cpu import make_job, parse_args, train  # noqa: E402
 
 from gpumon.client import StepMonitor  # noqa: E402
+from gpumon.client.memory import INTERVAL_ENV, watch_memory  # noqa: E402
 from gpumon.client.monitor import IMPLEMENTATION  # noqa: E402
 
 T = TypeVar("T")
@@ -85,6 +87,13 @@ def block_pairs(socket_path: str, blocks: int, block_steps: int, extra: list[str
     monitors = {"hooked": StepMonitor("bench-train-blocks", socket_path=socket_path)}
     if IMPLEMENTATION == "c":  # the pure-Python core too: the C core's before, in this run
         monitors["hooked_python"] = pure_python_step_monitor()("bench-train-python", socket_path=socket_path)
+    # The memory breakdown watched: sampled every 5 s (the default), and on every step, whose
+    # difference to "hooked" is what one sampled breakdown costs.
+    for kind, interval in (("hooked_memory", None), ("memory_every_step", "0")):
+        monitor = StepMonitor(f"bench-train-{kind.replace('_', '-')}", socket_path=socket_path)
+        with _sample_interval(interval):
+            watch_memory(monitor, job.model, job.optimizer)
+        monitors[kind] = monitor
     control = StructureOnly()
 
     def seconds_per_step(kind: str) -> float:
@@ -101,16 +110,34 @@ def block_pairs(socket_path: str, blocks: int, block_steps: int, extra: list[str
     for kind in kinds:  # warm every path up
         seconds_per_step(kind)
     ratios: dict[str, list[float]] = {kind: [] for kind in kinds if kind != "bare"}
+    ratios["sampled_breakdown_us"] = []
     for i in range(blocks):
         shift = i % len(kinds)
         result = {kind: seconds_per_step(kind) for kind in kinds[shift:] + kinds[:shift]}
-        for kind in ratios:
-            ratios[kind].append(result["bare"] / result[kind])  # throughput: the inverse
+        for kind in kinds:
+            if kind != "bare":
+                ratios[kind].append(result["bare"] / result[kind])  # throughput: the inverse
+        ratios["sampled_breakdown_us"].append(
+            (result["memory_every_step"] - result["hooked"]) * 1e6)
     for monitor in monitors.values():
         monitor.close()
         if monitor.stats.dropped:
             raise RuntimeError(f"the hooked blocks dropped records: {monitor.stats.dropped}")
     return ratios
+
+
+@contextlib.contextmanager
+def _sample_interval(seconds: str | None) -> Iterator[None]:
+    """``GPUMON_MEMORY_SAMPLE_S`` set (or left to its default, ``None``) while a sampler is made."""
+    old = os.environ.pop(INTERVAL_ENV, None)
+    if seconds is not None:
+        os.environ[INTERVAL_ENV] = seconds
+    try:
+        yield
+    finally:
+        os.environ.pop(INTERVAL_ENV, None)
+        if old is not None:
+            os.environ[INTERVAL_ENV] = old
 
 
 def main() -> None:
@@ -156,11 +183,17 @@ def main() -> None:
           f"{block_median:.4f} (quartiles {block_quartiles[0]:.4f}–{block_quartiles[2]:.4f}), "
           f"structure-only control {control_median:.4f} "
           f"(quartiles {control_quartiles[0]:.4f}–{control_quartiles[2]:.4f})")
+    memory_median = statistics.median(blocks["hooked_memory"])
+    every_step_median = statistics.median(blocks["memory_every_step"])
+    sampled_us = statistics.median(blocks["sampled_breakdown_us"])
+    print(f"blocks: with the memory breakdown watched (a sample every 5 s) median ratio "
+          f"{memory_median:.4f}; sampled on every step {every_step_median:.4f}: one sampled "
+          f"breakdown costs {sampled_us:.0f} µs")
     python_median = statistics.median(blocks["hooked_python"]) if "hooked_python" in blocks else None
     if python_median is not None:
         print(f"blocks: the same hook on the pure-Python core (the C core's before), median ratio "
               f"{python_median:.4f}")
-    block_monitors = 2 if python_median is not None else 1
+    block_monitors = 4 if python_median is not None else 3
     expected = args.pairs * (args.steps + 1) + block_monitors * ((args.blocks + 1) * args.block_steps + 1)
     print(f"records received by the reader: {received} (expected {expected})")
     print(
@@ -184,6 +217,9 @@ def main() -> None:
                 "blocks_ratio_quartiles": [block_quartiles[0], block_quartiles[2]],
                 "blocks_control_median_ratio": control_median,
                 "blocks_control_ratio_quartiles": [control_quartiles[0], control_quartiles[2]],
+                "blocks_memory_median_ratio": memory_median,
+                "blocks_memory_every_step_median_ratio": every_step_median,
+                "sampled_breakdown_us": sampled_us,
                 "records_received": received,
             }
         )

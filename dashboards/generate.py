@@ -46,6 +46,9 @@ class Panel:
     thresholds: list[tuple[float | None, str]] = field(default_factory=list)
     stack: str = "none"
     options: dict[str, Any] = field(default_factory=dict)
+    overrides: list[dict[str, Any]] = field(default_factory=list)
+    repeat: str | None = None
+    """A multi-value variable: one copy of the panel per selected value."""
 
 
 def timeseries(title: str, description: str, *targets: Target, **kw: Any) -> Panel:
@@ -133,8 +136,10 @@ def _panel(p: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
     if p.kind == "table":
         transformations = [{"id": "merge", "options": {}},
                            {"id": "organize", "options": {"excludeByName": {"Time": True}}}]
+    if p.repeat:
+        out.update({"repeat": p.repeat, "repeatDirection": "h", "maxPerRow": 2})
     return {**out, "description": p.description, "datasource": DATASOURCE,
-            "fieldConfig": {"defaults": defaults, "overrides": []}, "options": options,
+            "fieldConfig": {"defaults": defaults, "overrides": p.overrides}, "options": options,
             "targets": [_target(t, chr(ord("A") + i)) for i, t in enumerate(p.targets)],
             **({"transformations": transformations} if transformations else {})}
 
@@ -343,6 +348,7 @@ def training() -> dict[str, Any]:
                           "rank {{rank}} retries"),
                    Target(f"sum by (rank) (increase(gpumon_torch_ooms_total{{{RUN}}}[{RATE}]))",
                           "rank {{rank}} OOMs"), width=24),
+        *_memory_breakdown_panels(),
         row("Training processes"),
         timeseries("Process CPU", "CPU cores used by each rank's process (data loading and "
                    "kernel launches run here).",
@@ -360,6 +366,36 @@ def training() -> dict[str, Any]:
          query_variable("rank", "Rank", 'label_values(gpumon_steps_total{run=~"$run"}, rank)',
                         multi=True)],
         panels)
+
+
+def _memory_breakdown_panels() -> list[Panel]:
+    """What each rank's memory is made of, what ZeRO would make of it, and what to do."""
+    capacity = {"matcher": {"id": "byFrameRefID", "options": "B"},
+                "properties": [{"id": "custom.stacking", "value": {"mode": "none"}},
+                               {"id": "custom.fillOpacity", "value": 0},
+                               {"id": "custom.lineStyle", "value": {"fill": "dash",
+                                                                    "dash": [10, 10]}},
+                               {"id": "color", "value": {"mode": "fixed", "fixedColor": "red"}}]}
+    return [
+        row("Memory breakdown"),
+        timeseries("Memory by component", "The rank's sampled memory, stacked: parameters, "
+                   "gradients, optimizer states (fp32 master copies included), activations "
+                   "(saved for backward) and other (what the allocator holds beyond them), "
+                   "against its GPU's capacity. Needs mon.watch(model, optimizer).",
+                   Target(f"sum by (component) (gpumon_memory_bytes{{{RUN}}})", "{{component}}"),
+                   Target(f"max(run_rank:gpumon_gpu_memory_total_bytes{{{RUN}}})", "capacity"),
+                   unit="bytes", stack="normal", overrides=[capacity], repeat="rank"),
+        table("ZeRO projection", "Per-GPU bytes of each rank's measured memory under ZeRO "
+              "stage 1 (optimizer states sharded), 2 (and gradients) and 3 (and parameters) "
+              "over the run's GPUs and 2x and 4x as many; activations and other stay per GPU.",
+              Target(f"max by (rank, stage, gpus) (gpumon_memory_zero_projected_bytes{{{RUN}}})"),
+              unit="bytes"),
+        table("What fills the memory", "The component an out-of-memory warning names for each "
+              "rank (the one that grew, one that appeared, else the largest) and what shrinks "
+              "it.",
+              Target(f"max by (rank, component, cause, remedy) "
+                     f"(gpumon_oom_component_bytes{{{RUN}}})"), unit="bytes"),
+    ]
 
 
 # --- Node / GPU -----------------------------------------------------------------------------

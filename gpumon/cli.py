@@ -100,7 +100,7 @@ def doctor(
 
 @app.command()
 def estimate(
-    params: Annotated[str, typer.Option(metavar="COUNT", help="Parameter count, e.g. 7B, 175M, 1.3e9.")],
+    params: Annotated[str | None, typer.Option(metavar="COUNT", help="Parameter count, e.g. 7B, 175M, 1.3e9 (or --from-run).")] = None,
     precision: Annotated[Precision, typer.Option(help="Training precision (fp16 and bf16: mixed precision).")] = "bf16",
     optimizer: Annotated[Optimizer, typer.Option(help="Optimizer, for its state per parameter.")] = "adamw",
     master_weights: Annotated[bool, typer.Option("--master-weights/--no-master-weights", help="Count the fp32 master copy of mixed precision (the ZeRO paper's K=12 counts it; the common 8 B/param Adam figure does not).")] = True,
@@ -117,6 +117,8 @@ def estimate(
     buffers: Annotated[str | None, typer.Option(metavar="SIZE", help="Temporary buffers per GPU, e.g. 3GB [default: 2GB].")] = None,
     gpu_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="Device memory to check against, with its unit: 80GB, 141GiB. Exit status 3 when it does not fit.")] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print JSON (bytes per GPU).")] = False,
+    from_run: Annotated[str | None, typer.Option("--from-run", metavar="RUN", help="Measure instead: the memory breakdown a running job's ranks report to the agent at --url, beside its ZeRO projections.")] = None,
+    url: Annotated[str, typer.Option(metavar="URL", help="The agent's base URL, for --from-run.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
 ) -> None:
     """Estimate per-GPU training memory: params, grads, optimizer states, activations, buffers.
 
@@ -125,6 +127,11 @@ def estimate(
     """
     from gpumon.commands.estimate import estimate_command
 
+    if from_run is not None:
+        _estimate_from_run(from_run, url, params, gpu_memory, json_output)
+        return
+    if params is None:
+        _fail("give --params (e.g. --params 7B), or --from-run RUN to measure a running job", 2)
     try:
         text, code = estimate_command(
             params, precision=precision, optimizer=optimizer, master_weights=master_weights,
@@ -136,6 +143,23 @@ def estimate(
         _fail(str(exc), 2)
     typer.echo(text)
     raise typer.Exit(code)
+
+
+def _estimate_from_run(run: str, url: str, params: str | None, gpu_memory: str | None,
+                       json_output: bool) -> None:
+    from gpumon.analysis.estimate import parse_bytes
+    from gpumon.commands.estimate_run import from_run_command
+
+    if params is not None:
+        _fail("--from-run measures the model: leave out --params", 2)
+    try:
+        text = from_run_command(run, url, json_output=json_output,
+                                gpu_memory_bytes=parse_bytes(gpu_memory) if gpu_memory else None)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    except OSError as exc:
+        _fail(f"cannot read {url}: {getattr(exc, 'reason', None) or exc}", 1)
+    typer.echo(text)
 
 
 @app.command()
@@ -189,15 +213,19 @@ def top(
     url: Annotated[str, typer.Option(metavar="URL", help="The agent's base URL.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
     interval: Annotated[float, typer.Option(min=0.1, max=60.0, metavar="SECONDS", help="Time between redraws.")] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="Print one frame and exit: status 0 when the agent answered, 1 when not (for scripts).")] = False,
+    rank: Annotated[str | None, typer.Option(metavar="RUN:RANK", help="Show this rank's memory breakdown: RUN:RANK or RANK [default: the one with the highest OOM risk].")] = None,
 ) -> None:
     """Live terminal view of a running agent: GPUs, ranks, verdicts and OOM risk; q quits."""
+    from gpumon.commands.memory_view import parse_rank
     from gpumon.commands.top import run_top, snapshot_url
 
     try:
         snapshot_url(url)
+        if rank is not None:
+            parse_rank(rank)
     except ValueError as exc:
         _fail(str(exc), 2)
-    raise typer.Exit(run_top(url, interval, once=once))
+    raise typer.Exit(run_top(url, interval, once=once, rank=rank))
 
 
 def main() -> None:

@@ -179,7 +179,7 @@ def nvml_child(cycles: int, time_limit_s: float, scratch: str) -> dict[str, Any]
                     code = entry.nvmlReturn
                     item: dict[str, Any] = {"field": label, "return": code}
                     if code == p.NVML_SUCCESS:
-                        item["value"] = gnvml._field_value(entry)
+                        item["value"] = gnvml.device._field_value(entry)
                         item["valueType"] = entry.valueType
                     else:
                         item["error"] = jsonable(p.nvmlErrorString(code))

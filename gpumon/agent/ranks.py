@@ -27,7 +27,7 @@ from gpumon.agent.collectives import CommTotals
 from gpumon.analysis.comm import wait_s
 from gpumon.analysis.stream import RankKey
 from gpumon.collectors.samples import SenderCredentials
-from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, Record, StepRecord
+from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, MemoryBreakdown, Record, StepRecord
 
 # Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
 # large-model steps; le="+Inf" is added on export.
@@ -87,6 +87,8 @@ class RankTotals:
     oom_events_total: int = 0
     comm: CommTotals | None = None
     """Collective communication, once a step has reported any (measured or a comm phase)."""
+    memory_breakdown: MemoryBreakdown | None = None
+    """The latest sampled breakdown (``watch(model, optimizer)``)."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does (RankStore stamps it)."""
 
@@ -121,6 +123,8 @@ class RankTotals:
                 self.alloc_retries_total = mem.alloc_retries
             if mem.ooms is not None:
                 self.torch_ooms_reported = max(self.torch_ooms_reported, mem.ooms)
+        if record.memory_breakdown is not None:
+            self.memory_breakdown = record.memory_breakdown
         if wait_s(record) is not None:
             if self.comm is None:
                 self.comm = CommTotals()

@@ -25,6 +25,7 @@ from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
 from gpumon.collectors.samples import GpuSample
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.health_metrics import eviction_families, ingest_families, recording_families
+from gpumon.export.memory_metrics import MemoryFamilies
 from gpumon.export.step_metrics import StepFamilies
 
 STUCK_AFTER_INTERVALS = 3
@@ -42,6 +43,7 @@ class AgentCollector:
         self._rank_store = rank_store
         self._analyzer = analyzer
         self._step_families = StepFamilies()  # keeps each run's series rendered
+        self._memory_families = MemoryFamilies()
 
     def collect(self) -> Iterator[Metric]:
         """Every metric family, rendered from one snapshot."""
@@ -51,9 +53,10 @@ class AgentCollector:
         analyses = self._analyzer.analyses()
         uuids = {g.index: g.uuid for g in snap.gpus}
         resolved = {(a.run, a.rank): uuids[a.gpu] for a in analyses if a.gpu in uuids}
-        yield from self._step_families.steps(self._rank_store.ranks(), records, dropped,
-                                             snap.processes, resolved)
+        ranks = self._rank_store.ranks()
+        yield from self._step_families.steps(ranks, records, dropped, snap.processes, resolved)
         yield from self._step_families.analyses(analyses)
+        yield from self._memory_families.families(ranks, analyses)
         yield from eviction_families(self._rank_store.evictions())
         yield from ingest_families(self._ingest())
         yield from recording_families(self._recording())
@@ -144,6 +147,8 @@ def _rank_dict(state: RankTotals, analysis: RankAnalysis | None) -> dict[str, An
         "memory_peak_bytes": state.memory_peak_bytes,
         "alloc_retries_total": state.alloc_retries_total, "ooms_total": state.ooms_total,
         "last_step_duration_seconds": state.last_duration_s,
+        "memory_breakdown": None if state.memory_breakdown is None
+        else asdict(state.memory_breakdown),
         "analysis": None if analysis is None else _analysis_dict(analysis),
     }
 
@@ -161,6 +166,9 @@ def _analysis_dict(analysis: RankAnalysis) -> dict[str, Any]:
         "straggler_score": analysis.straggler_score,
         "straggler_cause": analysis.straggler_cause.value if analysis.straggler_cause else None,
         "waiting_on_rank": analysis.slower_rank.rank if analysis.slower_rank else None,
+        "memory": None if analysis.memory is None else {
+            "component": analysis.memory.component, "cause": analysis.memory.cause,
+            "bytes": analysis.memory.bytes, "remedy": analysis.memory.remedy},
         "oom": None if oom is None else {
             "risk_ratio": oom.risk_ratio, "predicted_seconds": oom.predicted_seconds,
             "headroom_bytes": oom.headroom_bytes, "reasons": list(oom.reasons)},

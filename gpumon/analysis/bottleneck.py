@@ -209,14 +209,19 @@ def classify(
     previous_alloc_retries: int | None = None,
     previous_ooms: int | None = None,
     thresholds: Thresholds = DEFAULT,
+    memory_remedy: str | None = None,
 ) -> Verdict:
     """Classify one step (docs/architecture.md §7): primary wall, confidence, time shares, flags and a hint.
 
     ``previous_alloc_retries``/``previous_ooms`` are the rank's cumulative allocator counters at
     its previous step: retries or OOMs *rising* signal pressure (without ``previous_ooms``, any
     OOM so far does). ``straggler_score``, ``straggler_cause`` and ``slower_rank`` come from
-    comparing the run's ranks (``straggler.judge_run``): a score under the threshold flags
-    this rank; ``slower_rank`` names the rank it waits for when its verdict is communication.
+    comparing the run's ranks (``straggler.judge_run``): a cause flags this rank as its
+    run's straggler (a score alone does not: the comparison also weighs the extra's share
+    of the step and its persistence); ``slower_rank`` names the rank it waits for when its
+    verdict is communication. ``memory_remedy`` replaces the generic memory-pressure hint
+    when the rank's memory breakdown names what fills it
+    (``gpumon.analysis.memory.attribute_growth``).
     """
     th = thresholds
     measured = phase_fractions(step)
@@ -323,12 +328,13 @@ def classify(
             confidence *= _PENALTIES[name]
     confidence = min(1.0, max(0.0, confidence))
 
-    flags = _flags(step, gpu, memory_total_bytes, straggler_score, previous_alloc_retries,
+    flags = _flags(step, gpu, memory_total_bytes, straggler_cause, previous_alloc_retries,
                    previous_ooms, th)
     cause = None
     for flag in (Flag.MEMORY_PRESSURE, Flag.THROTTLED, Flag.STRAGGLER):
         if flag in flags:
-            hint += "; " + _FLAG_HINTS[flag]
+            remedy = memory_remedy if flag is Flag.MEMORY_PRESSURE else None
+            hint += "; " + (f"memory pressure — {remedy}" if remedy else _FLAG_HINTS[flag])
     if Flag.STRAGGLER in flags:
         cause = straggler_cause or StragglerCause.UNKNOWN
         hint += f"; cause: {cause.value} — {_CAUSE_HINTS[cause]}"
@@ -340,7 +346,7 @@ def _flags(
     step: StepRecord,
     gpu: GpuWindow | None,
     memory_total_bytes: int | None,
-    straggler_score: float | None,
+    straggler_cause: StragglerCause | None,
     previous_alloc_retries: int | None,
     previous_ooms: int | None,
     th: Thresholds,
@@ -368,7 +374,9 @@ def _flags(
         gpu.clock_event_fractions.get(reason, 0.0) > 0 for reason in th.throttle_reasons
     ):
         flags.add(Flag.THROTTLED)
-    if straggler_score is not None and straggler_score < th.straggler_score_max:
+    if straggler_cause is not None:
+        # The comparison decided (score, share of the step, persistence); a score alone may
+        # be low on a rank that is not worth flagging.
         flags.add(Flag.STRAGGLER)
     return flags
 

@@ -15,6 +15,16 @@ computed across nodes by the recording rule ``run_rank:gpumon_rank_straggler_sco
 kernels out of its scores because their time is waiting, and flags below 0.75 of the
 reference.)
 
+A low score is not enough. The straggler's extra own work must also be a material share of
+its step (``Thresholds.straggler_extra_share_min``, a tenth): where own work is a small part
+of the step, scheduling noise makes large ratios that no fix would turn into a shorter step.
+And it must persist: the comparison must cover ``STRAGGLER_MIN_STEPS`` of the rank's recent
+steps, and over them the rank must be slower most of the time, not on a few long steps (its
+lower-quartile own work above its peers' upper quartile). On an oversubscribed host a rank's
+training thread can wait for a core for seconds at a time, which stretches its own work
+without it doing more of it; those episodes move from rank to rank and fail this test,
+whereas a rank with more work to do is slower on nearly every step.
+
 Only the straggler is flagged. Its cause is named where the evidence names it: most of its
 extra time spent waiting for data → ``input``; its GPU throttled, clocked lower than its
 peers' or reporting XID errors → ``gpu``; else its own forward/backward work → ``compute``.
@@ -36,6 +46,7 @@ from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.wire import StepRecord
 
 __all__ = [
+    "STRAGGLER_MIN_STEPS",
     "RankWork",
     "SlowerRank",
     "Standing",
@@ -44,6 +55,14 @@ __all__ = [
     "own_work_s",
     "straggler_scores",
 ]
+
+STRAGGLER_MIN_STEPS = 24
+"""Steps a rank's comparison window must cover before it can be flagged: a straggler is a
+rank slower over a run of steps, and a couple of dozen steps of a training job are seconds
+to a minute, while the episodes of a host's CPU contention that make one rank slower are
+mostly shorter. On a host with more runnable threads than cores, a balanced two-rank DDP
+job still had one such episode pass a 16-step window (on 2 of its 40 steps); none passed 24.
+"""
 
 INPUT_SHARE_MIN = 0.5
 """Share of a straggler's extra time per step that must be extra data wait for its cause to
@@ -72,6 +91,15 @@ class RankWork:
     """Mean SM clock of its GPU over its latest analysed step."""
     gpu_trouble: bool = False
     """Its GPU was throttled during its latest analysed step, or has reported XID errors."""
+    own_low_s: float | None = None
+    """Lower quartile of its own work over the same steps (``None``: taken as ``own_s``)."""
+    own_high_s: float | None = None
+    """Upper quartile of its own work over the same steps (``None``: taken as ``own_s``)."""
+    step_s: float | None = None
+    """Median step time; ``None`` when not known (the extra's share is then not checked)."""
+    steps: int | None = None
+    """Steps the window covers; ``None`` when the figures are not from a window of steps
+    (a single comparison: persistence is then not checked)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +152,10 @@ def judge_run(works: Mapping[int, RankWork], silent: frozenset[int] = frozenset(
     rank is a straggler (its peers' long waits have no other explanation in view).
     """
     scores = straggler_scores({rank: work.own_s for rank, work in works.items()})
-    stragglers = sorted((s, r) for r, s in scores.items() if s < thresholds.straggler_score_max)
+    flagged = {r for r, s in scores.items()
+               if s < thresholds.straggler_score_max and _material(r, works, thresholds)
+               and _persistent(r, works)}
+    stragglers = sorted((scores[r], r) for r in flagged)
     slower: SlowerRank | None = None
     if stragglers:
         slower = SlowerRank(stragglers[0][1])
@@ -133,12 +164,32 @@ def judge_run(works: Mapping[int, RankWork], silent: frozenset[int] = frozenset(
     standings = {}
     for rank in works:
         score = scores.get(rank)
-        if score is not None and score < thresholds.straggler_score_max:
+        if rank in flagged:
             cause = _cause(rank, works, thresholds)
             standings[rank] = Standing(score, cause, None)
         else:
             standings[rank] = Standing(score, None, slower)
     return standings
+
+
+def _material(rank: int, works: Mapping[int, RankWork], th: Thresholds) -> bool:
+    """Its extra own work is at least ``straggler_extra_share_min`` of its step."""
+    culprit = works[rank]
+    if culprit.step_s is None:
+        return True
+    extra = culprit.own_s - statistics.fmean(w.own_s for r, w in works.items() if r != rank)
+    return extra >= th.straggler_extra_share_min * culprit.step_s
+
+
+def _persistent(rank: int, works: Mapping[int, RankWork]) -> bool:
+    """Its window is long enough, and it was slower than its peers through most of it."""
+    culprit = works[rank]
+    if culprit.steps is not None and culprit.steps < STRAGGLER_MIN_STEPS:
+        return False
+    low = culprit.own_low_s if culprit.own_low_s is not None else culprit.own_s
+    peers_high = statistics.fmean(w.own_high_s if w.own_high_s is not None else w.own_s
+                                  for r, w in works.items() if r != rank)
+    return low > peers_high
 
 
 def _cause(rank: int, works: Mapping[int, RankWork], th: Thresholds) -> StragglerCause:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from gpumon.analysis.bottleneck import Bottleneck, Flag, Verdict, classify
 from gpumon.analysis.device_timing import device_shares
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
+from gpumon.analysis.memory import MemoryAttribution, attribute_growth
 from gpumon.analysis.oom import OomRisk, assess_oom_risk
 from gpumon.analysis.straggler import (
     RankWork,
@@ -33,17 +34,18 @@ from gpumon.analysis.straggler import (
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.wire import StepRecord
+from gpumon.wire import MemoryBreakdown, StepRecord
 
 RankKey = tuple[str, int]
 """(run, rank): how a rank of a run is named everywhere in the agent."""
 History = Callable[[int, float, float], Sequence[GpuSample]]
 """(gpu index, t0, t1) -> that GPU's samples with t0 <= t <= t1."""
 
-WORK_HISTORY = 16  # steps per rank for its median own work (straggler comparison)
+WORK_HISTORY = 24  # steps per rank for the straggler comparison (its medians and quartiles)
 SILENT_STEPS = 10  # a rank this many of its run's typical steps behind the newest is silent
 SILENT_MIN_S = 5.0  # ... and at least this many seconds behind
 PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
+BREAKDOWN_HISTORY = 16  # sampled memory breakdowns per rank: ~80 s at the client's 5 s
 MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
 CLOCK_SKEW_TOLERANCE_S = 5.0  # a step "ending" later than this after receipt is re-based
 VERDICT_WORK = 32  # a verdict costs about as much as merging 32 steps (~0.1 ms)
@@ -72,6 +74,8 @@ class RankAnalysis:
     """Set while another rank of its run is the straggler, or went silent."""
     world_changes: int = 0
     """Times the world size this rank reports changed (its comparison history restarts)."""
+    memory: MemoryAttribution | None = None
+    """Which memory component the rank's sampled breakdowns blame, when it sends them."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does."""
 
@@ -96,7 +100,11 @@ class _RankTracker:
     own_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     """Own work of its latest steps received (analysed or not)."""
     data_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    step_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    """Durations of its latest steps received: the share of the step a straggler costs."""
     peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
+    breakdowns: deque[tuple[float, MemoryBreakdown]] = field(
+        default_factory=lambda: deque(maxlen=BREAKDOWN_HISTORY))
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     last: StepRecord | None = None
     device_shares: dict[str, float] | None = None
@@ -159,13 +167,17 @@ class StepAnalyzer:
                     state.analysis.version = next(_versions)
                     state.own_s.clear()
                     state.data_s.clear()
+                    state.step_s.clear()
                 state.world = step.world
             state.last_end_t = max(state.last_end_t, step.t_end or received_t)
             # The comparison reads only the records, so it keeps up with them rather than
             # with the analysis, which waits for the GPU samples.
             state.own_s.append(own_work_s(step))
             state.data_s.append(step.phases_s.get("data", 0.0) if step.phases_s else None)
+            state.step_s.append(step.duration_s)
             state.pending.append(step)
+            if step.memory_breakdown is not None:
+                state.breakdowns.append((step.t_end or received_t, step.memory_breakdown))
             if pids and pids.get(key) is not None:
                 state.last_pid = pids[key]
             if len(state.pending) == MAX_PENDING + 1:
@@ -261,6 +273,7 @@ class StepAnalyzer:
                                           group.t_start, group.t_end)
         name = static.name if static else None
         previous = state.last
+        memory = analysis.memory = attribute_growth(list(state.breakdowns))
         verdict = classify(
             group, window,
             peak_flops=resolve_peak_flops(name, self._peak_override),
@@ -273,6 +286,7 @@ class StepAnalyzer:
             previous_alloc_retries=previous.mem.alloc_retries if previous and previous.mem else None,
             previous_ooms=previous.mem.ooms if previous and previous.mem else None,
             thresholds=thresholds,
+            memory_remedy=memory.text if memory is not None else None,
         )
         analysis.verdict = verdict
         analysis.verdict_step = last.step
@@ -296,6 +310,9 @@ class StepAnalyzer:
                 ooms_delta=_delta(previous, last, "ooms"),
                 step_period_s=statistics.median(state.durations) if state.durations else None,
             )
+            if memory is not None and analysis.oom.reasons:
+                # What is at risk is only half the warning: say which part fills the memory.
+                analysis.oom = replace(analysis.oom, reasons=(*analysis.oom.reasons, memory.text))
         state.last = last
         analysis.version = next(_versions)
         return verdict
@@ -321,11 +338,7 @@ class StepAnalyzer:
                 if newest.last_end_t - state.last_end_t > behind_s:
                     silent.add(rank)
                 elif state.own_s:
-                    data = [d for d in state.data_s if d is not None]
-                    works[rank] = RankWork(
-                        statistics.median(state.own_s),
-                        statistics.median(data) if data else None,
-                        state.sm_clock_hz, state.gpu_trouble)
+                    works[rank] = _rank_work(state)
             standings = judge_run(works, frozenset(silent), thresholds)
             for state in states:
                 analysis = state.analysis
@@ -341,6 +354,17 @@ class StepAnalyzer:
         """Copies of every rank's current analysis."""
         return [replace(s.analysis, bottleneck_steps=Counter(s.analysis.bottleneck_steps))
                 for s in self._ranks.values()]
+
+
+def _rank_work(state: _RankTracker) -> RankWork:
+    """A rank's latest steps, as the straggler comparison reads them."""
+    own = list(state.own_s)
+    low, high = (statistics.quantiles(own, n=4, method="inclusive")[::2] if len(own) > 1
+                 else (own[0], own[0]))
+    data = [d for d in state.data_s if d is not None]
+    return RankWork(statistics.median(own), statistics.median(data) if data else None,
+                    state.sm_clock_hz, state.gpu_trouble, own_low_s=low, own_high_s=high,
+                    step_s=statistics.median(state.step_s), steps=len(own))
 
 
 def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:

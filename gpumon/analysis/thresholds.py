@@ -70,6 +70,15 @@ class Thresholds:
     ÷ own time, 1 best), which flags below 0.75 too; NeMo/Megatron-Bridge default theirs to
     0.7 against the *fastest* rank. Set 0.8 to flag from 1.25×."""
 
+    straggler_extra_share_min: float = 0.10
+    """The least share of its step a straggler's extra own work (its median own work less
+    its peers' mean) must be for it to be flagged. A ratio of own work alone is not enough
+    where own work is a small part of the step: on a communication-heavy job, or one whose
+    ranks mostly wait, a few milliseconds of scheduling noise make one rank's own work 1.5x
+    its peers' while removing them would shorten the run's step by a few per cent — not a
+    finding anyone should act on. A tenth of the step is what fixing the straggler would
+    win at least."""
+
     straggler_clock_ratio_max: float = 0.9
     """A straggler whose GPU's SM clock is below this share of its peers' median has a slow
     GPU as its cause (a clock 10 % down costs about 10 % of compute-bound step time, which
@@ -89,7 +98,7 @@ class Thresholds:
             "comm_high_fraction", "comm_moderate_fraction", "link_bandwidth_bound_ratio",
             "host_busy_max", "membw_dram_min", "membw_tensor_max", "roofline_dram_min",
             "compute_sm_min", "compute_tensor_min", "compute_mfu_min", "straggler_score_max",
-            "straggler_clock_ratio_max",
+            "straggler_extra_share_min", "straggler_clock_ratio_max",
         ):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:

@@ -174,12 +174,14 @@ class Step:
                     m._started = True
                     if m._cuda is None:
                         m._first_step()
+                # Stamped before the extensions start and after they end, so what they
+                # measure (communication inside the step, say) lies within its duration.
+                m._step_t0 = perf_counter()
                 if m._extensions is not None:
                     m._extensions.begin()
             except BaseException:
                 m._step_depth -= 1  # the block is not entered
                 raise
-            m._step_t0 = perf_counter()
         return self
 
     def __exit__(
@@ -192,9 +194,9 @@ class Step:
         m._step_depth -= 1
         if m._step_depth:
             return
-        t1 = perf_counter()
         extensions = m._extensions
         fields = None if extensions is None else extensions.end(exc_type is None)
+        t1 = perf_counter()
         if exc_type is not None:
             m._phases = {}
             m._marks = []

@@ -42,7 +42,6 @@ class StepExtensions:
         self._failures: dict[int, int] = {}  # id(extension) -> steps in a row it failed in
         self._failed_begin: set[int] = set()  # ids that failed this step's step_begin
         self.errors = 0
-        self.disabled = 0
 
     def add(self, extension: StepExtension) -> None:
         """Register ``extension`` (again: nothing happens)."""
@@ -88,6 +87,5 @@ class StepExtensions:
         if failures >= MAX_CONSECUTIVE_FAILURES:
             self._active = [e for e in self._active if e is not extension]
             del self._failures[key]
-            self.disabled += 1
             if not self._active and self._on_empty is not None:
                 self._on_empty()

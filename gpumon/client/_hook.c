@@ -470,6 +470,9 @@ Step_enter(Step *self, PyObject *unused)
                 Py_DECREF(r);
             }
         }
+        /* Stamped before the extensions start and after they end, so what they measure
+           (communication inside the step, say) lies within the step's duration. */
+        m->step_t0 = now();
         if (m->extensions != NULL) {
             PyObject *r = PyObject_CallMethodNoArgs(m->extensions, str_begin);
             if (r == NULL) {
@@ -478,7 +481,6 @@ Step_enter(Step *self, PyObject *unused)
             }
             Py_DECREF(r);
         }
-        m->step_t0 = now();
     }
     return Py_NewRef(self);
 }
@@ -496,7 +498,6 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
     m->step_depth -= 1;
     if (m->step_depth)
         Py_RETURN_NONE;
-    double t1 = now();
     PyObject *fields = NULL;
     if (m->extensions != NULL) {
         PyObject *extensions = Py_NewRef(m->extensions); /* end() may unregister them */
@@ -506,6 +507,7 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
         if (fields == NULL)
             return NULL;
     }
+    double t1 = now();
     if (args[0] != Py_None) {
         Py_XDECREF(fields);
         PyObject *fresh_phases = PyDict_New();

@@ -215,7 +215,7 @@ class CommLedger:
                 figures = kinds[op.name] = [0, 0, 0.0]
             figures[0] += 1
             figures[1] += op.nbytes
-            figures[2] += done - op.t0
+            figures[2] += max(0.0, done - op.t0)
         if carried:
             with self._lock:
                 self._ops[:0] = carried
@@ -232,13 +232,16 @@ class CommLedger:
             self.steps_not_timed += 1
             return
         self.steps_measured += 1
-        window_s = t_end - t_begin
-        exposed = min(window_s, union_seconds(blocked, t_begin, t_end) + unseen_s)
+        # The unseen work happened after the step began and before the last measured moment:
+        # that bounds both figures (the ledger's clock reads bracket the record's window by a
+        # few µs, within the wire's slack).
+        span_s = _last_end(busy + blocked, t_begin, t_end) - t_begin
+        exposed = min(span_s, union_seconds(blocked, t_begin, t_end) + unseen_s)
         fields["comm"] = {
             "exposed": exposed,
             # Work done for communication on the training thread (a hook compressing, DDP
             # copying buckets back) is communication time too: busy covers what is exposed.
-            "busy": min(window_s, max(exposed, union_seconds(busy + blocked, t_begin, t_end) + unseen_s)),
+            "busy": min(span_s, max(exposed, union_seconds(busy + blocked, t_begin, t_end) + unseen_s)),
             "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
         }
 
@@ -250,6 +253,11 @@ def _inferred_tail(ops: Iterable[Op]) -> list[tuple[float, float]]:
     if not launches or not completions:
         return []
     return [(max(launches), max(completions))]
+
+
+def _last_end(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """The last end of ``intervals`` clipped to [lo, hi]; ``lo`` when there are none."""
+    return max((min(b, hi) for _, b in intervals if b > lo), default=lo)
 
 
 def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:

@@ -4,8 +4,9 @@
 step it adds a ``memb`` field to the step's record with, in bytes:
 
 * ``parameters``: every parameter's storage, once (shared and tied weights are one storage),
-  plus low-precision working copies of weights that autograd saved for backward (an autocast
-  cast of a weight is still the weight, not an activation);
+  plus copies of weights that autograd saved for backward and that still hold memory when
+  backward starts (an autocast cast of a weight is still the weight, not an activation; FSDP's
+  unsharded weights, freed after forward, are not held); under FSDP, this rank's shards;
 * ``gradients``: the gradients' storages, read when the backward pass ends (queued on
   autograd's engine), so a loop that zeroes them after the optimizer step still shows them;
 * ``optimizer_states``: every tensor in ``optimizer.state`` (any optimizer), plus parameters
@@ -23,11 +24,12 @@ step it adds a ``memb`` field to the step's record with, in bytes:
 
 What is sampled and why: the first step, then the first step that starts at least
 ``interval_s`` (5 s) after the previous sample. An unsampled step costs two method calls
-and one clock read; a sampled one walks the parameters, gradients and optimizer states and
-runs a Python hook for every tensor saved for backward — hundreds of microseconds on a small
-model (``benchmarks/bench_hook.py`` measures both), negligible once every few seconds, not
-once per step. Memory changes over many steps, so seconds between samples lose nothing an
-out-of-memory warning needs.
+and one clock read (with the monitor's step-extension calls around them, +1.0 µs a step in
+``benchmarks/bench_hook.py``; +1.8 µs under heavier load); a sampled one walks the
+parameters, gradients and optimizer states and runs a Python hook for every tensor saved
+for backward — about 0.8 ms on ``examples/train_cpu.py``'s MLP (``benchmarks/bench_train.py``):
+negligible once every few seconds, not once per step. Memory changes over many steps, so
+seconds between samples lose nothing an out-of-memory warning needs.
 
 Saved-tensor hooks keep a graph's saved outputs alive through a reference cycle if that
 graph is dropped without a backward pass (PyTorch's behaviour with any such hook). So a
@@ -37,31 +39,72 @@ step's activations are ever held that way.
 
 from __future__ import annotations
 
+import logging
+import math
+import os
 import weakref
 from collections.abc import Callable, Iterable
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from gpumon.client.monitor import StepMonitor
+
 SAMPLE_INTERVAL_S = 5.0
+INTERVAL_ENV = "GPUMON_MEMORY_SAMPLE_S"
+"""Seconds between sampled steps, when not the default (0: every step, for experiments)."""
 RETAINED_SAMPLES = 64
 """Sampled steps whose saved tensors are watched for still being alive (the CPU ``other``)."""
 
 Key = tuple[int, torch.device]
 
 
-class MemoryBreakdownSampler:
-    """A step extension measuring the breakdown of ``model``'s (and ``optimizer``'s) memory.
+def watch_memory(monitor: StepMonitor, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdownSampler:
+    """The monitor's sampler, registered as a step extension on first use, now also watching
+    ``model`` and ``optimizer`` (again: nothing changes)."""
+    sampler: MemoryBreakdownSampler | None = getattr(monitor, "_memory_sampler", None)
+    if sampler is None:
+        sampler = MemoryBreakdownSampler(interval_s=_interval_from_env())
+        monitor._memory_sampler = sampler  # type: ignore[attr-defined]
+        monitor._add_extension(sampler)
+    sampler.add(model, optimizer)
+    return sampler
 
-    Holds the model and the optimizer weakly: a sampler never keeps a model alive.
+
+def _interval_from_env() -> float:
+    text = os.environ.get(INTERVAL_ENV)
+    if text is None:
+        return SAMPLE_INTERVAL_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        logging.getLogger("gpumon.client").warning(
+            "gpumon: %s=%r is not a number of seconds >= 0; sampling every %.0f s",
+            INTERVAL_ENV, text, SAMPLE_INTERVAL_S)
+        return SAMPLE_INTERVAL_S
+    return value
+
+
+class MemoryBreakdownSampler:
+    """A step extension measuring the breakdown of the memory of the models and optimizers
+    ``add``ed to it (several: a GAN's two, a model watched before its optimizer exists).
+
+    Holds them weakly: a sampler never keeps a model alive.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    def __init__(self, model: torch.nn.Module | None = None,
+                 optimizer: torch.optim.Optimizer | None = None,
                  *, interval_s: float = SAMPLE_INTERVAL_S,
                  clock: Callable[[], float] = perf_counter) -> None:
-        self._model = weakref.ref(model)
-        self._optimizer = None if optimizer is None else weakref.ref(optimizer)
+        self._models: list[weakref.ref[torch.nn.Module]] = []
+        self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        if model is not None:
+            self.add(model, optimizer)
         self._interval_s = interval_s
         self._clock = clock
         self._next_t = float("-inf")
@@ -71,7 +114,8 @@ class MemoryBreakdownSampler:
         self._param_keys: set[Key] = set()
         self._param_tensors: set[int] = set()
         self._segment: dict[Key, int] = {}
-        self._weight_copies: dict[Key, int] = {}
+        self._weight_copies: dict[Key, int] = {}  # as alive at the forward→backward boundary
+        self._copy_refs: list[tuple[weakref.ref[torch.Tensor], Key]] = []
         self._in_backward = False
         self._backward_seen = False
         self._activations = 0
@@ -82,21 +126,35 @@ class MemoryBreakdownSampler:
         self._retained: dict[Key, int] | None = None
         self.samples = 0
 
+    def add(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Watch ``model`` (and ``optimizer``) too; what is watched already is not added twice."""
+        for ref, obj in ((self._models, model), (self._optimizers, optimizer)):
+            if obj is not None and not any(r() is obj for r in ref):
+                ref.append(weakref.ref(obj))  # type: ignore[arg-type]
+
+    def _live(self) -> tuple[Model, list[torch.optim.Optimizer]] | None:
+        models = [m for m in (r() for r in self._models) if m is not None]
+        if not models:
+            return None
+        return Model(models), [o for o in (r() for r in self._optimizers) if o is not None]
+
     def step_begin(self) -> None:
         """Start a sample if one is due (the only work on most steps: a clock read)."""
         now = self._clock()
         if now < self._next_t:
             return
-        model = self._model()
-        if model is None:
+        live = self._live()
+        if live is None:
             return
+        model, optimizers = live
         self._next_t = now + self._interval_s
         self._sampling = True
         self._in_backward = self._backward_seen = False
         self._activations = self._gradients = 0
         self._segment, self._weight_copies, self._saved = {}, {}, []
+        self._copy_refs = []
         self._boundary = None
-        params = list(_parameters(model, self._optimizer))
+        params = [*model.parameters(), *_updated(optimizers)]
         self._param_tensors = {id(p) for p in params}
         self._param_keys = {key for key, _ in (_storage(p) for p in params) if key is not None}
         self._retained = self._still_alive() if self._earlier else None
@@ -117,19 +175,21 @@ class MemoryBreakdownSampler:
             hooks.__exit__(None, None, None)
             if not self._backward_seen and self._segment:
                 self._activations_enabled = False  # see the module docstring
-        model = self._model()
-        if model is None:
+        live = self._live()
+        if live is None:
             return
-        optimizer = None if self._optimizer is None else self._optimizer()
+        model, optimizers = live
+        if not self._backward_seen:
+            self._weight_copies.update(self._alive_copies())
         seen: set[Key] = set()
         parameters = _unique_bytes(model.parameters(), seen)
         parameters += sum(n for k, n in self._weight_copies.items() if k not in seen)
         seen.update(self._weight_copies)
-        gradients = max(self._gradients, _unique_bytes(_grads(model, optimizer), seen))
+        gradients = max(self._gradients, _unique_bytes(_grads(model, optimizers), seen))
         breakdown: dict[str, int] = {"parameters": parameters, "gradients": gradients}
-        if optimizer is not None:
-            breakdown["optimizer_states"] = _unique_bytes(_optimizer_tensors(model, optimizer),
-                                                          seen)
+        if optimizers:
+            breakdown["optimizer_states"] = _unique_bytes(
+                _optimizer_tensors(model, optimizers), seen)
         if hooks is not None:
             breakdown["activations"] = self._activations or sum(self._segment.values())
         if self._boundary is not None:
@@ -141,7 +201,7 @@ class MemoryBreakdownSampler:
         if self._saved:
             self._earlier.append(self._saved)
             del self._earlier[:-RETAINED_SAMPLES]
-        self._saved = []
+        self._saved, self._copy_refs = [], []
         self._segment = {}
         self.samples += 1
 
@@ -155,45 +215,61 @@ class MemoryBreakdownSampler:
             key, nbytes = _storage(tensor)
             if key is not None and key not in self._param_keys:
                 if _is_weight_copy(tensor, self._param_tensors):
-                    self._weight_copies[key] = nbytes
+                    base = tensor._base if tensor._base is not None else tensor
+                    self._copy_refs.append((weakref.ref(base), key))
                 else:
                     self._segment[key] = nbytes
-                    self._saved.append((weakref.ref(tensor), key, nbytes))
+                    # A view dies with the graph even when what it views is kept (a list
+                    # holding the layer's output): watch the tensor that owns the storage.
+                    base = tensor._base if tensor._base is not None else tensor
+                    self._saved.append((weakref.ref(base), key, nbytes))
         return tensor
 
     def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
         if not self._in_backward and self._sampling:
             self._in_backward = self._backward_seen = True
             self._activations = max(self._activations, sum(self._segment.values()))
-            self._read_boundary(tensor)
+            self._weight_copies.update(self._alive_copies())
+            if tensor.device.type == "cuda":
+                self._read_boundary(tensor.device)
             try:
                 torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
             except RuntimeError:  # unpacked outside a backward pass
                 pass
         return tensor
 
-    def _read_boundary(self, tensor: torch.Tensor) -> None:
+    def _read_boundary(self, device: torch.device) -> None:
         """With CUDA, the allocator's reservation and the named parts alive right now."""
-        if tensor.device.type != "cuda":
+        live = self._live()
+        if live is None:
             return
-        model = self._model()
-        if model is None:
-            return
-        optimizer = None if self._optimizer is None else self._optimizer()
+        model, optimizers = live
         seen: set[Key] = set()
         named = _unique_bytes(model.parameters(), seen)
-        named += _unique_bytes(_grads(model, optimizer), seen)
-        if optimizer is not None:
-            named += _unique_bytes(_optimizer_tensors(model, optimizer), seen)
+        named += _unique_bytes(_grads(model, optimizers), seen)
+        named += _unique_bytes(_optimizer_tensors(model, optimizers), seen)
         named += sum(n for k, n in self._weight_copies.items() if k not in seen)
-        self._boundary = (torch.cuda.memory_reserved(tensor.device), named)
+        self._boundary = (torch.cuda.memory_reserved(device), named)
 
     def _after_backward(self) -> None:
-        model = self._model()
-        if model is not None:
-            optimizer = None if self._optimizer is None else self._optimizer()
+        live = self._live()
+        if live is not None:
+            model, optimizers = live
             self._gradients = max(self._gradients,
-                                  _unique_bytes(_grads(model, optimizer), set()))
+                                  _unique_bytes(_grads(model, optimizers), set()))
+
+    def _alive_copies(self) -> dict[Key, int]:
+        """The weight copies saved for backward whose storage still holds them: FSDP frees its
+        unsharded weights after forward (their storage resized to nothing) and gathers them
+        again for backward; an autocast cast stays until backward."""
+        alive: dict[Key, int] = {}
+        for ref, key in self._copy_refs:
+            tensor = ref()
+            if tensor is not None:
+                _, nbytes = _storage(tensor)
+                if nbytes:
+                    alive[key] = nbytes
+        return alive
 
     def _still_alive(self) -> dict[Key, int]:
         alive: dict[Key, int] = {}
@@ -203,6 +279,22 @@ class MemoryBreakdownSampler:
                 alive[key] = nbytes
         self._earlier = [saved for saved in self._earlier if saved]
         return alive
+
+
+class Model:
+    """The watched models as one: their parameters, each once."""
+
+    def __init__(self, models: list[torch.nn.Module]) -> None:
+        self._models = models
+
+    def parameters(self) -> Iterable[torch.nn.Parameter]:
+        """Every parameter of every model, once."""
+        seen: set[int] = set()
+        for model in self._models:
+            for p in model.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
 
 
 def _storage(tensor: torch.Tensor) -> tuple[Key | None, int]:
@@ -231,46 +323,41 @@ def _unique_bytes(tensors: Iterable[torch.Tensor], seen: set[Key]) -> int:
     return total
 
 
-def _parameters(model: torch.nn.Module,
-                optimizer_ref: weakref.ref[torch.optim.Optimizer] | None) -> Iterable[torch.Tensor]:
-    yield from model.parameters()
-    optimizer = None if optimizer_ref is None else optimizer_ref()
-    if optimizer is not None:
+def _updated(optimizers: list[torch.optim.Optimizer]) -> Iterable[torch.Tensor]:
+    """The parameters the optimizers update."""
+    for optimizer in optimizers:
         for group in optimizer.param_groups:
             yield from group["params"]
 
 
-def _grads(model: torch.nn.Module,
-           optimizer: torch.optim.Optimizer | None) -> Iterable[torch.Tensor]:
-    for p in model.parameters():
+def _grads(model: Model, optimizers: list[torch.optim.Optimizer]) -> Iterable[torch.Tensor]:
+    for p in (*model.parameters(), *_updated(optimizers)):
         if p.grad is not None:
             yield p.grad
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    yield p.grad
 
 
-def _optimizer_tensors(model: torch.nn.Module,
-                       optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    """Every tensor of the optimizer's state, then the parameters it updates that the model
-    does not hold (fp32 master copies)."""
-    for state in optimizer.state.values():
-        for value in state.values():
-            if isinstance(value, torch.Tensor):
-                yield value
+def _optimizer_tensors(model: Model,
+                       optimizers: list[torch.optim.Optimizer]) -> Iterable[torch.Tensor]:
+    """Every tensor of the optimizers' state, then the parameters they update that no watched
+    model holds (fp32 master copies)."""
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
     own = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in own:
-                yield p
+    for p in _updated(optimizers):
+        if id(p) not in own:
+            yield p
 
 
 def _is_weight_copy(tensor: torch.Tensor, params: set[int]) -> bool:
-    """Whether ``tensor`` is a cast of a parameter (autocast's low-precision weight copy), or a
-    view of one (a matmul saves the transposed cast)."""
+    """Whether ``tensor`` is a copy of a weight: a parameter the module swapped in for the
+    ones it registers (FSDP's all-gathered, unsharded weights), a cast of a parameter
+    (autocast's low-precision copy), or a view of either (a matmul saves the transposed one)."""
     base = tensor._base if tensor._base is not None else tensor
+    if isinstance(base, torch.nn.Parameter):
+        return True
     fn = base.grad_fn
     if fn is None or type(fn).__name__ != "ToCopyBackward0":
         return False

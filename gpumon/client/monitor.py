@@ -136,7 +136,9 @@ class StepMonitor:
         # The hot-path state, touched only by the training thread.
         self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
         # The three calls of the loop go straight to the core: a Python method in between
-        # would add a frame to each (about a fifth of the hook's cost per step).
+        # adds a frame to each, 0.3 µs on a step with three phases (about a fifth of the C
+        # core's cost, measured in one process alternating both). The methods below carry
+        # the documentation and serve calls through the class.
         self.step = self._core.step  # type: ignore[method-assign]
         self.phase = self._core.phase  # type: ignore[method-assign]
         self.loader = self._core.loader  # type: ignore[method-assign]

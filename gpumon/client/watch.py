@@ -3,7 +3,9 @@
 Dispatches on what ``model`` is, by type name (nothing is imported for a plain module):
 ``DistributedDataParallel`` → its gradient all-reduces (``ddp``); an FSDP module (``fully_shard``
 or ``FullyShardedDataParallel``, at the root or inside) → its all-gathers and reduce-scatters
-(``comm``'s wrapped collectives); a DeepSpeed engine → listed, not measured yet. Anything it
+(``comm``'s wrapped collectives); a DeepSpeed engine → listed, not measured yet. Any torch
+module → its sampled memory breakdown (``memory``), with the optimizer's states when one is
+given (a later call with the optimizer adds it). Anything it
 cannot measure it leaves alone and says so once in the log; it never raises into the
 training code. Calling it again with the same model does nothing.
 """
@@ -42,7 +44,32 @@ def watch(monitor: StepMonitor, model: M, optimizer: Any = None) -> M:
         _watch_communication(monitor, model)
     except Exception:  # a torch we did not expect: not measured, never a crash
         log.warning("gpumon: could not watch %s's communication", type(model).__name__, exc_info=True)
+    try:
+        _watch_memory(monitor, model, optimizer)
+    except Exception:
+        log.warning("gpumon: could not watch %s's memory", type(model).__name__, exc_info=True)
     return model
+
+
+def _watch_memory(monitor: StepMonitor, model: object, optimizer: Any) -> None:
+    names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(model).__mro__}
+    if "torch.nn.modules.module.Module" not in names:
+        return  # not a torch module: nothing to break down
+    from gpumon.client.memory import watch_memory
+
+    watch_memory(monitor, model, _torch_optimizer(optimizer))  # type: ignore[arg-type]
+
+
+def _torch_optimizer(optimizer: Any) -> Any:
+    """``optimizer``, or the torch optimizer a wrapper holds (Accelerate's, Lightning's), or None."""
+    for _ in range(3):
+        if optimizer is None:
+            return None
+        names = {f"{c.__module__}.{c.__qualname__}" for c in type(optimizer).__mro__}
+        if "torch.optim.optimizer.Optimizer" in names and hasattr(optimizer, "state"):
+            return optimizer
+        optimizer = getattr(optimizer, "optimizer", None)
+    return None
 
 
 def kind_of(model: object) -> str | None:

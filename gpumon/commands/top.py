@@ -27,6 +27,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from gpumon.commands.memory_view import memory_table, select_rank
+
 GIB = 1024**3
 SNAPSHOT_PATH = "/api/v1/snapshot"
 _VERDICT_STYLES = {
@@ -40,8 +42,10 @@ _VERDICT_STYLES = {
 _HIGH_RISK = 0.8  # gpumon.analysis.oom.HIGH_RISK: the agent's own "high"
 
 
-def render(snapshot: Mapping[str, Any], title: str | None = None) -> RenderableType:
-    """The view of one snapshot: a header line, a GPU table and a rank table."""
+def render(snapshot: Mapping[str, Any], title: str | None = None,
+           rank: str | None = None) -> RenderableType:
+    """The view of one snapshot: a header line, a GPU table, a rank table and the memory
+    breakdown of the selected rank (``RUN:RANK``; default: the riskiest one that sends it)."""
     parts: list[RenderableType] = [_header(snapshot, title)]
     nvml = snapshot.get("nvml") or {}
     if not nvml.get("up", True):
@@ -53,6 +57,12 @@ def render(snapshot: Mapping[str, Any], title: str | None = None) -> RenderableT
     ranks = snapshot.get("ranks") or []
     if ranks:
         parts.append(_rank_table(ranks))
+        shown = select_rank(ranks, rank)
+        if shown is not None:
+            parts.append(memory_table(shown, _capacity(gpus, shown)))
+        elif rank:
+            parts.append(Text(f"rank {rank}: no memory breakdown (watch(model, optimizer) "
+                              "sends it)", style="dim"))
     else:
         parts.append(Text("no training steps received yet: point gpumon.client.StepMonitor "
                           "at this agent's socket", style="dim"))
@@ -115,7 +125,6 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
         gpu = analysis.get("gpu")
         if gpu is None:
             gpu = rank.get("gpu")
-        flags = analysis.get("flags") or []
         table.add_row(
             str(rank.get("run", "")), str(rank.get("rank", "")),
             "—" if gpu is None else _short_gpu(gpu),
@@ -123,13 +132,31 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
             _seconds(rank.get("last_step_duration_seconds")),
             Text(verdict or "—", style=_VERDICT_STYLES.get(verdict or "", "")),
             _pct(analysis.get("confidence")),
-            Text(", ".join(flags), style="bold yellow") if flags else Text("—", style="dim"),
+            _flags(analysis),
             _pct(analysis.get("mfu")),
             _gib(rank.get("memory_peak_bytes")),
             _risk(oom.get("risk_ratio")),
             _seconds(oom.get("predicted_seconds"), whole=True),
         )
     return table
+
+
+def _flags(analysis: Mapping[str, Any]) -> Text:
+    """The rank's flags; the straggler's with its cause, and on the other ranks of its run
+    the rank they wait on, so that the row to look at next is named."""
+    words = []
+    for flag in analysis.get("flags") or []:
+        cause = analysis.get("straggler_cause")
+        words.append(f"straggler ({cause})" if flag == "straggler" and cause else str(flag))
+    waiting_on = analysis.get("waiting_on_rank")
+    if waiting_on is not None and "straggler" not in (analysis.get("flags") or []):
+        words.append(f"waits on rank {waiting_on}")
+    return Text(", ".join(words), style="bold yellow") if words else Text("—", style="dim")
+
+
+def _capacity(gpus: list[Mapping[str, Any]], rank: Mapping[str, Any]) -> Any:
+    index = (rank.get("analysis") or {}).get("gpu")
+    return next((g.get("memory_total_bytes") for g in gpus if g.get("index") == index), None)
 
 
 def _pct(value: Any) -> str:
@@ -258,7 +285,7 @@ def stop_on_signals(keys: IO[str] | None = None) -> StopSignals:
 
 
 def run_top(url: str, interval_s: float = 1.0, console: Console | None = None,
-            once: bool = False) -> int:
+            once: bool = False, rank: str | None = None) -> int:
     """Show the agent at ``url`` every ``interval_s`` until ``q``, SIGINT or SIGTERM.
 
     On a terminal the view is redrawn in place; otherwise one frame is printed per interval.
@@ -271,7 +298,7 @@ def run_top(url: str, interval_s: float = 1.0, console: Console | None = None,
     title = f"gpumon top {url}"
     if once:
         try:
-            console.print(render(fetch_snapshot(url), title=title))
+            console.print(render(fetch_snapshot(url), title=title, rank=rank))
         except (OSError, ValueError) as exc:
             Console(stderr=True).print(f"gpumon top: no agent answers at {url}: "
                                        f"{_reason(exc)}", highlight=False, markup=False)
@@ -279,13 +306,13 @@ def run_top(url: str, interval_s: float = 1.0, console: Console | None = None,
         return 0
     with stop_on_signals(sys.stdin) as stop:
         if not console.is_terminal:
-            _print_frames(url, title, interval_s, console, stop)
+            _print_frames(url, title, interval_s, console, stop, rank)
             return 0
         footer = Text("q quits", style="dim")
 
         def frame() -> RenderableType:
             try:
-                return Group(render(fetch_snapshot(url), title=title), footer)
+                return Group(render(fetch_snapshot(url), title=title, rank=rank), footer)
             except (OSError, ValueError) as exc:
                 return Group(Text(f"{title}: no agent answers ({_reason(exc)}); trying again "
                                   f"every {interval_s:g} s", style="yellow"), footer)
@@ -297,7 +324,7 @@ def run_top(url: str, interval_s: float = 1.0, console: Console | None = None,
 
 
 def _print_frames(url: str, title: str, interval_s: float, console: Console,
-                  stop: StopSignals) -> None:
+                  stop: StopSignals, rank: str | None = None) -> None:
     """Not a terminal: a frame per interval; an agent not answering is said once."""
     said = False
     while True:
@@ -311,7 +338,7 @@ def _print_frames(url: str, title: str, interval_s: float, console: Console,
                 said = True
         else:
             said = False
-            console.print(render(snapshot, title=title))
+            console.print(render(snapshot, title=title, rank=rank))
         if stop.wait(interval_s):
             return
 

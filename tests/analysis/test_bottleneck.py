@@ -22,6 +22,7 @@ from gpumon.analysis.bottleneck import (
     classify,
     phase_fractions,
 )
+from gpumon.analysis.straggler import StragglerCause
 from gpumon.analysis.window import GpuWindow
 from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 
@@ -244,8 +245,10 @@ FLAG_CASES = [
     ("allocator retries flat", dict(mem=MemoryStats(alloc_retries=5)),
      {"previous_alloc_retries": 5}, set()),
     ("retries without a previous count", dict(mem=MemoryStats(alloc_retries=5)), {}, set()),
-    ("straggler score just below 0.75", {}, {"straggler_score": 0.749}, {Flag.STRAGGLER}),
-    ("straggler score at 0.75", {}, {"straggler_score": 0.75}, set()),
+    ("the run's straggler", {}, {"straggler_score": 0.6,
+                                 "straggler_cause": StragglerCause.COMPUTE}, {Flag.STRAGGLER}),
+    # The comparison weighs more than the score (share of the step, persistence).
+    ("a low score the comparison did not flag", {}, {"straggler_score": 0.6}, set()),
 ]
 
 

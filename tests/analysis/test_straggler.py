@@ -7,14 +7,18 @@ rank's wait for the others sits inside its ``backward`` phase, as the hook sees 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpumon.analysis.bottleneck import Bottleneck, Flag, Verdict, classify
 from gpumon.analysis.straggler import (
+    STRAGGLER_MIN_STEPS,
     RankWork,
     SlowerRank,
     Standing,
@@ -23,7 +27,9 @@ from gpumon.analysis.straggler import (
     own_work_s,
     straggler_scores,
 )
-from gpumon.wire import CollectiveOp, CommStats, StepRecord
+from gpumon.analysis.stream import StepAnalyzer
+from gpumon.analysis.thresholds import DEFAULT
+from gpumon.wire import CollectiveOp, CommStats, StepRecord, decode_record
 
 GRADIENTS = 64 * 2**20
 TAIL_S = 0.015  # the last bucket's all-reduce once every rank is ready
@@ -193,3 +199,86 @@ def test_the_peers_of_a_silent_rank_are_told_it_stopped_reporting() -> None:
     v = verdict(step, judge_run(works(steps), silent=frozenset({2}))[0])
     assert v.primary is Bottleneck.COMMUNICATION
     assert "waiting on a slower rank (rank 2, which stopped reporting)" in v.hint
+
+
+# --- a low score is not enough: the extra must matter, and last ------------------------------
+
+
+def test_a_large_ratio_on_a_small_share_of_the_step_is_not_flagged() -> None:
+    """Ranks that mostly wait: 4 ms of own work against 2 ms is a score of 0.5, but removing
+    the 2 ms would shorten the 80 ms step by 2.5 %."""
+    run = {0: RankWork(0.002, step_s=0.08), 1: RankWork(0.002, step_s=0.08),
+           2: RankWork(0.004, step_s=0.08)}
+    standings = judge_run(run)
+    assert standings[2].score == pytest.approx(0.5)
+    assert all(s.cause is None and s.slower_rank is None for s in standings.values())
+    # The same ratio on a step it is 10 % of is flagged; the threshold moves it.
+    assert judge_run({**run, 2: RankWork(0.004, step_s=0.02)})[2].cause is StragglerCause.UNKNOWN
+    strict = replace(DEFAULT, straggler_extra_share_min=0.2)
+    assert judge_run({**run, 2: RankWork(0.004, step_s=0.02)}, thresholds=strict)[2].cause is None
+
+
+def test_a_straggler_must_be_slower_through_its_window() -> None:
+    """Medians 1.5x apart, but the slow rank's lower quartile is under its peer's upper one:
+    slower on some long steps, not throughout (a host's CPU contention, not more work)."""
+    fast = RankWork(0.2, own_low_s=0.16, own_high_s=0.26, step_s=0.5, steps=STRAGGLER_MIN_STEPS)
+    slow = RankWork(0.3, own_low_s=0.22, own_high_s=0.4, step_s=0.5, steps=STRAGGLER_MIN_STEPS)
+    assert judge_run({0: slow, 1: fast})[0].cause is None
+    steady = replace(slow, own_low_s=0.28)
+    assert judge_run({0: steady, 1: fast})[0].cause is StragglerCause.UNKNOWN
+    # Too few steps yet to say it persists.
+    short = replace(steady, steps=STRAGGLER_MIN_STEPS - 1)
+    standings = judge_run({0: short, 1: replace(fast, steps=STRAGGLER_MIN_STEPS - 1)})
+    assert standings[0].cause is None and standings[1].slower_rank is None
+    assert standings[0].score == pytest.approx(0.2 / 0.3)  # the score is still reported
+
+
+# --- real recordings: a balanced job on a contended host, and a real straggler ---------------
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def replay(name: str) -> tuple[dict[int, list[Verdict]], list[dict[int, float | None]]]:
+    """A recording of real DDP ranks (gloo, 2 ranks, recorded by an agent) through the
+    agent's engine, a pass as each step arrives: each rank's verdicts, and every pass's scores."""
+    records = [decode_record(json.loads(line))
+               for line in (DATA / name).read_text().splitlines() if line.strip()]
+    steps = sorted((r for r in records if isinstance(r, StepRecord)), key=lambda r: r.t_end or 0.0)
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    verdicts: dict[int, list[Verdict]] = {}
+    scores = []
+    for now in [s.t_end or 0.0 for s in steps] + [math.inf]:
+        for step in steps:
+            if step.t_end == now:
+                analyzer.add([step], received_t=now)
+        for v in analyzer.process(now, lambda *_: [], [], {}):
+            verdicts.setdefault(v.rank, []).extend([v.verdict] * len(v.steps))
+        scores.append({a.rank: a.straggler_score for a in analyzer.analyses()})
+    return verdicts, scores
+
+
+def test_a_balanced_job_on_a_contended_host_has_no_straggler() -> None:
+    """Two ranks doing the same work (4 x Linear(2048, 2048), batch 2) on a host with far more
+    runnable threads than cores. Rank 0's own work ran at 0.30 s a step against rank 1's
+    0.22 s, for most of the 40 steps, while their training threads' CPU time per step read
+    0.088 s and 0.069 s: its thread waited for a core. The score alone (peers ÷ own) sat
+    below 0.75 through most of the run and flagged rank 0 on 35 of its 40 steps."""
+    verdicts, scores = replay("ddp_balanced_contended.jsonl")
+    rank0 = [s[0] for s in scores if s.get(0) is not None]
+    assert sum(score < 0.75 for score in rank0) >= 0.5 * len(rank0)  # what the score alone says
+    assert {len(v) for v in verdicts.values()} == {40}
+    for rank in (0, 1):
+        assert not any(Flag.STRAGGLER in v.flags for v in verdicts[rank])
+        assert all(v.slower_rank is None for v in verdicts[rank])
+
+
+def test_a_real_straggler_is_still_flagged() -> None:
+    """Two ranks, rank 1's batches 60 ms late (a sleep in its data loader), 80 steps."""
+    verdicts, _ = replay("ddp_slow_input.jsonl")
+    flagged = [Flag.STRAGGLER in v.flags for v in verdicts[1]]
+    assert sum(flagged) >= 0.8 * len(flagged)
+    assert {v.straggler_cause for v in verdicts[1] if Flag.STRAGGLER in v.flags} == {
+        StragglerCause.INPUT}
+    assert not any(Flag.STRAGGLER in v.flags for v in verdicts[0])
+    late = verdicts[0][STRAGGLER_MIN_STEPS:]
+    assert sum(v.slower_rank == 1 for v in late) >= 0.9 * len(late)

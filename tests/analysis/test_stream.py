@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from gpumon.analysis.bottleneck import Flag
+from gpumon.analysis.straggler import STRAGGLER_MIN_STEPS
 from gpumon.analysis.stream import (
     MAX_PENDING,
     RankAnalysis,
@@ -99,12 +100,14 @@ def fleet_steps(runs: int, ranks: int, steps: range, slow_rank: int) -> list[Ste
 
 
 def test_a_pass_in_slices_reaches_the_verdicts_and_scores_of_one_pass() -> None:
+    # Enough passes (2 steps each) for the straggler's window to persist and flag it.
+    passes = STRAGGLER_MIN_STEPS // 2 + 2
     whole, sliced = StepAnalyzer(resolution_s=1.0), StepAnalyzer(resolution_s=1.0)
     for analyzer in (whole, sliced):
         analyzer.add(fleet_steps(2, 32, range(2), slow_rank=31), received_t=11.0)
     verdicts: dict[str, list[StepVerdict]] = {"whole": [], "sliced": []}
     slices = 0
-    for second in range(1, 12):
+    for second in range(1, passes + 1):
         # Steps 2s-2 and 2s-1 are ready (ended by 10 + s); the next ones, which a live agent
         # lets in between slices while other threads read, are not.
         now = 11.5 + second
@@ -118,8 +121,8 @@ def test_a_pass_in_slices_reaches_the_verdicts_and_scores_of_one_pass() -> None:
             sliced.add(following[:16], received_t=now)
             following = following[16:]
         sliced.add(following, received_t=now)
-    assert slices >= 11 * 8  # 64 verdicts a pass, at most 8 a slice
-    assert len(verdicts["whole"]) == 11 * 64
+    assert slices >= passes * 8  # 64 verdicts a pass, at most 8 a slice
+    assert len(verdicts["whole"]) == passes * 64
     assert verdicts["sliced"] == verdicts["whole"]
     assert sliced.analyses() == whole.analyses()
     scores = {(a.run, a.rank): a.straggler_score for a in whole.analyses()}

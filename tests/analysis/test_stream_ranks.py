@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from gpumon.analysis.bottleneck import Bottleneck, Flag
-from gpumon.analysis.straggler import SlowerRank, StragglerCause
+from gpumon.analysis.straggler import STRAGGLER_MIN_STEPS, SlowerRank, StragglerCause
 from gpumon.analysis.stream import StepAnalyzer, StepVerdict
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.wire import CollectiveOp, CommStats, StepRecord
@@ -82,7 +82,9 @@ def feed(analyzer: StepAnalyzer, steps: list[StepRecord], history=None,  # type:
 
 
 def flagged_share(verdicts: list[StepVerdict], rank: int) -> float:
-    mine = [v for v in verdicts if v.rank == rank][3:]  # the first passes have no comparison
+    """Share of the rank's verdicts flagged, once a comparison could flag it: its first
+    ``STRAGGLER_MIN_STEPS`` steps, and the pass (up to 8 steps here) after them, cannot be."""
+    mine = [v for v in verdicts if v.rank == rank and min(v.steps) >= STRAGGLER_MIN_STEPS + 8]
     return sum(Flag.STRAGGLER in v.verdict.flags for v in mine) / len(mine)
 
 

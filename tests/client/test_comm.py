@@ -6,6 +6,8 @@ import time
 from time import perf_counter
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpumon.client.comm import MAX_PENDING_OPS, CommLedger, union_seconds
 
@@ -171,18 +173,48 @@ def test_the_inferred_wait_runs_from_the_last_launch_to_the_last_completion() ->
 
 def test_a_mirrored_wait_counts_the_copy_after_the_last_completion_twice() -> None:
     ledger = CommLedger()
-    t = _past_step(ledger, 0.03)
-    op = ledger.launched("all_reduce", 4, t + 0.001, t + 0.002, True)
+    t = _past_step(ledger, 0.03)  # backward ran 15 ms, copying gradients into the bucket
+    op = ledger.launched("all_reduce", 4, t + 0.015, t + 0.016, True)
     assert op is not None
-    tail = ledger.wait_from(t + 0.002, mirrored=True)
+    tail = ledger.wait_from(t + 0.016, mirrored=True)
     assert tail is not None
     op.t_done = perf_counter() - 0.01  # copying the buckets back took the last 10 ms
     tail.resumed()
     time.sleep(0.02)  # the rest of the step (the optimizer, say)
     fields: dict[str, object] = {}
     ledger.step_end(fields)
-    waited = tail.end - (t + 0.001)  # type: ignore[operator]
+    waited = tail.end - (t + 0.015)  # type: ignore[operator]
     copied = tail.end - op.t_done  # type: ignore[operator]
     comm = fields["comm"]
     assert comm["exposed"] == pytest.approx(waited + copied)  # type: ignore[index]
     assert comm["busy"] == pytest.approx(comm["exposed"])  # type: ignore[index]
+
+
+@given(st.lists(st.tuples(st.floats(-0.05, 0.1), st.floats(0, 0.05), st.floats(0, 0.2) | st.none(),
+                          st.booleans()), max_size=20),
+       st.lists(st.tuples(st.floats(-0.05, 0.1), st.floats(0, 0.05)), max_size=5))
+@settings(max_examples=200, deadline=None)
+def test_figures_stay_within_the_step_whatever_the_timings(
+    ops: list[tuple[float, float, float | None, bool]], waits: list[tuple[float, float]]
+) -> None:
+    # Whatever launches, completions (late, never, before the launch) and waits: what reaches
+    # the wire is finite, non-negative, exposed <= busy <= the step's window.
+    ledger = CommLedger()
+    ledger.step_begin()
+    t = perf_counter()
+    for start, length, done, on_thread in ops:
+        op = ledger.launched("all_reduce", 4, t + start, t + start + length, True)
+        assert op is not None
+        op.on_training_thread = on_thread
+        op.t_done = None if done is None else t + start + done
+    for start, length in waits:
+        ledger.blocked(t + start, t + start + length)
+    ledger.infer_tail = True
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    window = perf_counter() - t
+    comm = fields["comm"]
+    assert isinstance(comm, dict)
+    assert 0.0 <= comm["exposed"] <= comm["busy"] <= window + 1e-3
+    for count, size, seconds in comm["ops"].values():
+        assert count >= 1 and size >= 0 and seconds >= 0.0

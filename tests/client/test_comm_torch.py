@@ -237,7 +237,8 @@ def test_a_watched_ddp_reports_comm_on_every_step_record() -> None:
         assert record.comm is not None
         (op,) = record.comm.ops
         assert (op.name, op.count, op.bytes) == ("all_reduce", 1, _grad_bytes(ddp))
-        assert 0 < record.comm.exposed_s <= record.comm.busy_s <= record.duration_s
+        # Within the step, up to the µs the ledger's clock reads lie outside the record's.
+        assert 0 < record.comm.exposed_s <= record.comm.busy_s <= record.duration_s + 50e-6
         assert record.comm.exposed_s <= record.phases_s["backward"]
     assert steps[3].comm is not None and steps[3].comm.ops == () and steps[3].comm.busy_s == 0.0
     assert mon.stats.extension_errors == 0

@@ -214,3 +214,27 @@ def test_a_model_gone_stops_sampling_quietly() -> None:
     sampler.step_begin()
     sampler.step_end(fields)
     assert fields == {}
+
+
+def test_weights_swapped_in_for_the_registered_ones_are_parameters() -> None:
+    """FSDP keeps a shard registered and runs forward on all-gathered weights it swaps in:
+    saved for backward, those are parameters too, not activations."""
+
+    class Swapping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Parameter(torch.randn(128, 128))
+            self.full = nn.Parameter(torch.randn(128, 128))  # gathered for the forward
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x @ self.first) @ self.full
+
+    model = Swapping()
+    full = model.full
+    del model._parameters["full"]  # no longer registered, as FSDP's unsharded weights are not
+    object.__setattr__(model, "full", full)
+    sampler = MemoryBreakdownSampler(model, None, interval_s=0.0)
+    x = torch.randn(16, 128, requires_grad=False)
+    memb = sampled_step(sampler, lambda: model(x).sum().backward())
+    assert memb["parameters"] == 2 * 128 * 128 * 4
+    assert memb["activations"] == 2 * 16 * 128 * 4  # x and the relu output, not the weight

@@ -81,6 +81,22 @@ def test_render_shows_gpus_ranks_verdicts_and_oom_risk() -> None:
     assert row(text, "llama", "1", "—", "3", "—", "—", "—", "—", "—", "—", "—", "—")
 
 
+def test_render_names_the_stragglers_cause_and_whom_its_peers_wait_on() -> None:
+    ranks = [
+        {"run": "ddp", "rank": 0, "steps_total": 90,
+         "analysis": {"bottleneck": "communication", "flags": [], "waiting_on_rank": 3}},
+        {"run": "ddp", "rank": 3, "steps_total": 90,
+         "analysis": {"bottleneck": "compute", "flags": ["straggler"],
+                      "straggler_cause": "input", "waiting_on_rank": None}},
+        {"run": "ddp", "rank": 4, "steps_total": 90,  # flagged, cause not (yet) in the snapshot
+         "analysis": {"bottleneck": "compute", "flags": ["throttled", "straggler"]}},
+    ]
+    text = text_of(render({**SNAPSHOT, "ranks": ranks}))
+    assert row(text, "ddp", "0", "—", "90", "—", "communication", "—", "waits on rank 3")
+    assert row(text, "ddp", "3", "—", "90", "—", "compute", "—", "straggler (input)")
+    assert row(text, "ddp", "4", "—", "90", "—", "compute", "—", "throttled, straggler")
+
+
 def test_render_says_what_is_missing() -> None:
     bare = {"version": "0.1.0", "gpus": [], "ranks": [],
             "nvml": {"up": False, "message": "libnvidia-ml.so.1 not found", "simulated": False}}

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpumon.analysis.bottleneck import Verdict
+from gpumon.commands.classify import classify_file
 from gpumon.testing import AgentProcess, free_port, start_agent
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,6 +34,12 @@ class Job:
     def summary(self, rank: int) -> dict[str, Any]:
         summary: dict[str, Any] = json.loads((self.out / f"rank{rank}.json").read_text())
         return summary
+
+    def verdicts(self, rank: int) -> list[Verdict]:
+        """One verdict per step of ``rank``, from the agent's recording replayed through the
+        same verdict engine (``gpumon classify``)."""
+        _, verdicts = classify_file(self.recording)
+        return [v.verdict for v in verdicts if v.run == self.run and v.rank == rank for _ in v.steps]
 
     def steps(self, rank: int | None = None) -> list[dict[str, Any]]:
         """The recorded step lines of this job (of one rank), in step order."""
@@ -75,13 +83,23 @@ def run_job(agent: AgentProcess, recording: Path, tmp_path: Path, script: str, n
     return job
 
 
+def share_of(verdicts: list[Verdict], primary: str) -> float:
+    """The fraction of ``verdicts`` whose primary bottleneck is ``primary``."""
+    return sum(v.primary.value == primary for v in verdicts) / len(verdicts)
+
+
+def flagged_share(verdicts: list[Verdict]) -> float:
+    """The fraction of ``verdicts`` flagging their rank as the run's straggler."""
+    return sum(any(f.value == "straggler" for f in v.flags) for v in verdicts) / len(verdicts)
+
+
 def exposed_share(steps: list[dict[str, Any]]) -> float:
     """Exposed communication seconds over step seconds."""
-    return sum(s["comm"]["exposed"] for s in steps) / sum(s["duration"] for s in steps)
+    return float(sum(s["comm"]["exposed"] for s in steps)) / float(sum(s["duration"] for s in steps))
 
 
 def truth_share(summary: dict[str, Any]) -> float:
     """1 - t(no_sync) / t(sync), as the job measured itself (medians, against noise)."""
     synced = sorted(summary["synced_s"])[len(summary["synced_s"]) // 2]
     unsynced = sorted(summary["unsynced_s"])[len(summary["unsynced_s"]) // 2]
-    return 1.0 - unsynced / synced
+    return 1.0 - float(unsynced) / float(synced)

@@ -145,7 +145,8 @@ def _feed(agent: AgentProcess, gpus: list[str], stop: threading.Event) -> None:
     """A synchronous 3-rank run on two GPUs, watched as DDP is: 0.3 s steps, a quarter waiting
     for data, rank 2 computing 0.1 s more than its peers, who wait for it in the all-reduce
     (inside their backward phase); per-step peaks growing towards capacity (so an OOM is
-    predicted)."""
+    predicted), and a memory breakdown on every fifth step whose ``other`` grows with the
+    peak."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.sendto(b"this is not json", str(agent.socket_path))  # one counted drop
     step = 0
@@ -167,6 +168,10 @@ def _feed(agent: AgentProcess, gpus: list[str], stop: threading.Event) -> None:
                 "mem": {"allocated": peak - 2 * GIB, "reserved": peak + GIB, "peak": peak,
                         "retries": step // 20, "ooms": 0},
             }
+            if step % 5 == 0:  # the sampled breakdown (watch(model, optimizer)); leaking
+                record["memb"] = {"parameters": 4 * GIB, "gradients": 4 * GIB,
+                                  "optimizer_states": 8 * GIB, "activations": 12 * GIB,
+                                  "other": peak - 28 * GIB}
             sock.sendto(json.dumps(record).encode(), str(agent.socket_path))
         step += 1
         stop.wait(0.3)
@@ -291,7 +296,9 @@ def test_panel_queries_see_the_fed_run(live: Live) -> None:
     # own work (step less collective wait): rank 2 0.28 s, its peers 0.18 s
     assert scores["2"] == pytest.approx(0.18 / 0.28, abs=0.05)
     assert scores["0"] > 1 and scores["1"] > 1
-    causes = prometheus.query('gpumon_rank_straggler_cause{run="llm"} == 1')
+    # Flagged once its slowness has persisted over 24 steps (7 s of this run).
+    causes = wait_for(lambda: prometheus.query('gpumon_rank_straggler_cause{run="llm"} == 1'),
+                      timeout=30, what="the straggler's cause")
     assert [(r["metric"]["rank"], r["metric"]["cause"]) for r in causes] == [("2", "compute")]
     exposed = prometheus.query('run_rank:gpumon_comm_exposed_seconds:ratio_rate5m{run="llm"}')
     assert {r["metric"]["rank"]: round(float(r["value"][1]), 2) for r in exposed} == {

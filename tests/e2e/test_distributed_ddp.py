@@ -1,8 +1,11 @@
 """Real DDP jobs (gloo, CPU, ``torch.distributed.run``) reporting to a real agent: what the
-client measures of their communication, against what each job measures itself."""
+client measures of their communication, against what each job measures itself, and the
+verdicts the agent's engine reaches on them (straggler flagged or not, its cause, whom its
+peers wait on)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,9 +13,19 @@ from typing import Any
 import pytest
 
 from gpumon.testing import AgentProcess
-from tests.e2e.distributed import exposed_share, recording_agent, run_job, truth_share
+from tests.e2e.distributed import (
+    exposed_share,
+    flagged_share,
+    recording_agent,
+    run_job,
+    share_of,
+    truth_share,
+)
 
 STEPS = 14
+STRAGGLER_STEPS = 150
+"""Steps of the jobs with a straggler: it is flagged once its slowness has persisted over 24
+steps, and the shares below count every step, those before too."""
 
 
 @pytest.fixture
@@ -44,6 +57,7 @@ def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
             assert 0 < comm["exposed"] <= comm["busy"] <= step["duration"]
             assert seconds > 0
         assert counts == {3}  # 64 MiB in DDP's 25 MiB buckets
+        assert share_of(job.verdicts(rank), "communication") >= 0.8
 
 
 def test_compute_heavy_ddp_shows_little_exposed_communication(
@@ -58,6 +72,7 @@ def test_compute_heavy_ddp_shows_little_exposed_communication(
         assert abs(measured - truth) <= 0.15, (rank, measured, truth)
         assert measured < 0.3
         assert all(s["comm"]["ops"]["all_reduce"][1] == summary["grad_bytes"] for s in steps)
+        assert share_of(job.verdicts(rank), "communication") <= 0.1
 
 
 @pytest.mark.parametrize("buckets", ["copied", "bucket-view"])
@@ -104,8 +119,9 @@ def test_a_rank_with_more_forward_work_waits_least(
     agent: tuple[AgentProcess, Path], tmp_path: Path
 ) -> None:
     job = run_job(*agent, tmp_path, "ddp_job.py", 4,
-                  ["--model", "small", "--steps", str(STEPS), "--slow-rank", "3",
-                   "--slow-forward-ms", "60"], run="ddp-slow-forward", expect_steps=4 * STEPS)
+                  ["--model", "small", "--steps", str(STRAGGLER_STEPS), "--slow-rank", "3",
+                   "--slow-forward-ms", "60"], run="ddp-slow-forward",
+                  expect_steps=4 * STRAGGLER_STEPS)
     by_step: dict[int, dict[int, dict[str, Any]]] = {}
     for step in job.steps():
         by_step.setdefault(step["step"], {})[step["rank"]] = step
@@ -115,15 +131,57 @@ def test_a_rank_with_more_forward_work_waits_least(
     for rank in (0, 1, 2):
         waits = sorted(s["comm"]["exposed"] for s in job.steps(rank))
         assert waits[len(waits) // 2] >= 0.03, waits
+    # The agent's verdicts, on all of its steps.
+    slow = job.verdicts(3)
+    assert flagged_share(slow) >= 0.8
+    assert {v.straggler_cause.value for v in slow if v.straggler_cause is not None} == {"compute"}
+    for rank in (0, 1, 2):
+        peer = job.verdicts(rank)
+        assert flagged_share(peer) <= 0.05
+        assert share_of(peer, "communication") >= 0.8
+        # Told whom they wait on once the straggler is flagged (not before it persisted).
+        assert {v.slower_rank for v in peer if v.slower_rank is not None} == {3}
+        assert sum(v.slower_rank == 3 for v in peer) >= 0.8 * len(peer)
 
 
 def test_a_rank_with_a_slow_input_pipeline_makes_its_peer_wait(
     agent: tuple[AgentProcess, Path], tmp_path: Path
 ) -> None:
     job = run_job(*agent, tmp_path, "ddp_job.py", 2,
-                  ["--model", "small", "--steps", str(STEPS), "--slow-rank", "1",
-                   "--slow-input-ms", "60"], run="ddp-slow-input", expect_steps=2 * STEPS)
+                  ["--model", "small", "--steps", str(STRAGGLER_STEPS), "--slow-rank", "1",
+                   "--slow-input-ms", "60"], run="ddp-slow-input",
+                  expect_steps=2 * STRAGGLER_STEPS)
     slow, peer = job.steps(1), job.steps(0)
     slow_data = sorted(s["phases"]["data"] for s in slow)
     assert slow_data[len(slow_data) // 2] >= 0.05
     assert exposed_share(peer) > exposed_share(slow) + 0.15
+    slow_verdicts, peer_verdicts = job.verdicts(1), job.verdicts(0)
+    assert flagged_share(slow_verdicts) >= 0.8 and share_of(slow_verdicts, "input") >= 0.8
+    assert {v.straggler_cause.value for v in slow_verdicts if v.straggler_cause is not None} == {"input"}
+    assert flagged_share(peer_verdicts) <= 0.05 and share_of(peer_verdicts, "communication") >= 0.8
+    assert sum(v.slower_rank == 1 for v in peer_verdicts) >= 0.8 * len(peer_verdicts)
+
+
+def test_a_balanced_comm_heavy_job_has_no_straggler(
+    agent: tuple[AgentProcess, Path], tmp_path: Path
+) -> None:
+    """Two ranks doing the same work: on a loaded host one rank's own work (step less its
+    collective wait) runs 1.3x the other's for seconds at a time, because its training
+    thread waits for a core — not because it has more to do. The job's own ground truth is
+    its training threads' CPU time per step, which excludes both that wait and the
+    collectives'."""
+    steps = 40
+    job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--steps", str(steps)],
+                  run="ddp-balanced", expect_steps=2 * steps)
+    # On failure, how often each training thread was switched out while runnable, per step.
+    preempted = [statistics.median(job.summary(rank)["preempted"]) for rank in (0, 1)]
+    for rank in (0, 1):
+        verdicts = job.verdicts(rank)
+        assert len(verdicts) == steps
+        assert flagged_share(verdicts) <= 0.05, (rank, preempted, verdicts)
+        assert sum(v.slower_rank is not None for v in verdicts) <= 0.05 * steps, verdicts
+    # As built: neither rank's thread did the 1/0.75 = 1.33x of the other's work the score
+    # calls a straggler (CPU time varies some with the cache and memory traffic of a shared
+    # host, much less than wall time does).
+    cpu = [statistics.median(job.summary(rank)["thread_cpu_s"]) for rank in (0, 1)]
+    assert max(cpu) / min(cpu) < 1 / 0.75, cpu

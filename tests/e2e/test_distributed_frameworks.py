@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from gpumon.testing import AgentProcess
-from tests.e2e.distributed import exposed_share, recording_agent, run_job
+from tests.e2e.distributed import exposed_share, recording_agent, run_job, share_of
 
 STEPS = 8
 
@@ -36,6 +36,7 @@ def test_lightning_ddp_steps_carry_their_all_reduce(agent: tuple[AgentProcess, P
             count, size, _ = step["comm"]["ops"]["all_reduce"]
             assert size == summary["grad_bytes"] and count >= 1
         assert exposed_share(steps[1:]) > 0.2  # 64 MiB all-reduced for every 2-sample batch
+        assert share_of(job.verdicts(rank), "communication") >= 0.8
 
 
 def test_hf_trainer_under_torchrun_steps_carry_their_all_reduce(

@@ -72,8 +72,9 @@ class GpumonCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Watch the model as the strategy wrapped it (DDP, FSDP) and its optimizer."""
         if self.monitor is not None:
+            model = trainer.strategy.model
             optimizers = trainer.optimizers
-            self.monitor.watch(trainer.strategy.model or pl_module, optimizers[0] if optimizers else None)
+            self.monitor.watch(pl_module if model is None else model, optimizers[0] if optimizers else None)
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The first batch's wait starts here."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -103,12 +104,19 @@ def main() -> None:
         if args.truth:
             unsynced(next(data))
     synced_s, unsynced_s = [], []
+    thread_cpu_s: list[float] = []  # CPU time of the training thread: its work, not its waits
+    process_cpu_s: list[float] = []  # ... and of the whole process (gloo's threads too)
+    preempted: list[int] = []  # times the training thread was switched out while runnable
     grads: list[torch.Tensor] = []
     for i, x in enumerate(mon.loader(data)):
-        t0 = perf_counter()
+        t0, c0, p0 = perf_counter(), time.thread_time(), time.process_time()
+        switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
         with mon.step(samples=batch):
             train(x, monitored=True)
         synced_s.append(perf_counter() - t0)
+        thread_cpu_s.append(time.thread_time() - c0)
+        process_cpu_s.append(time.process_time() - p0)
+        preempted.append(resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw - switches)
         if i == args.steps - 1:
             break
         if args.truth:
@@ -119,6 +127,7 @@ def main() -> None:
     mon.close()
     summary = {
         "rank": rank, "world": world, "synced_s": synced_s, "unsynced_s": unsynced_s,
+        "thread_cpu_s": thread_cpu_s, "process_cpu_s": process_cpu_s, "preempted": preempted,
         "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
         "grads_sha": _digest(grads), "stats": mon.stats.dropped,
         "comm_hook": ddp._get_ddp_logging_data().get("comm_hook", ""),

@@ -1,0 +1,31 @@
+"""NVML collector: the only package of gpumon that imports ``pynvml`` (nvidia-ml-py).
+
+``device`` reads one GPU (every call through one query helper: NOT_SUPPORTED is a remembered
+absence, a missing symbol falls back to the older one, a GPU off the bus raises ``GpuLost``);
+``source`` discovers the node's GPUs, polls each on its own thread and watches XID events.
+"""
+
+from gpumon.collectors.nvml.device import (
+    ALL_LINKS_SCOPE,
+    CLOCK_EVENT_REASONS,
+    GpuLost,
+    NvmlDevice,
+    NvmlUnavailable,
+    error_name,
+    init,
+    shutdown,
+)
+from gpumon.collectors.nvml.source import NvmlSource, XidWatcher
+
+__all__ = [
+    "ALL_LINKS_SCOPE",
+    "CLOCK_EVENT_REASONS",
+    "GpuLost",
+    "NvmlDevice",
+    "NvmlSource",
+    "NvmlUnavailable",
+    "XidWatcher",
+    "error_name",
+    "init",
+    "shutdown",
+]
