@@ -1,7 +1,9 @@
 """Where the hook's time goes on a CUDA training step: each CUDA call it makes, timed alone
-(and again beside a thread running Python, to show which calls give up the GIL), then
-alternated blocks of steps with the hook as it was before the CUDA-path fixes, as it is now,
-and on host clocks only; optionally a profile.
+(and again beside a thread running Python, to show which calls give up the GIL), torch's
+events against the same events recorded through the CUDA runtime from C, then alternated
+blocks of steps with the hook as it was before the CUDA-path fixes (torch events on every
+step), with runtime events on every step, as it is now (runtime events on one step per
+100 ms, host clocks between), and on host clocks only; optionally a profile.
 
     PYTHONPATH=. python3 benchmarks/gpu_hook_profile.py [--pairs 20] [--transformer-pairs 8]
 
@@ -35,11 +37,28 @@ from gpumon.client import StepMonitor  # noqa: E402
 from gpumon.client.monitor import IMPLEMENTATION  # noqa: E402
 
 
+def native() -> Any:
+    """The hook's CUDA runtime events (None: the C core or the runtime's symbols are missing)."""
+    from gpumon.client._cuda import native_runtime
+
+    return native_runtime(0, getattr(torch._C, "_cuda_getCurrentRawStream", None))
+
+
+def native_record(runtime: Any) -> Callable[[], Any]:
+    """Record one runtime event and give it straight back (as the sender does once read)."""
+    def call() -> None:
+        event = runtime.record()
+        if event is not None:
+            runtime.release(event)
+    return call
+
+
 def per_call(n: int = 2000) -> dict[str, float]:
     """Microseconds per call of each CUDA query the hook makes, on an idle GPU."""
     event = torch.cuda.Event(enable_timing=True)
     event.record()
     torch.cuda.synchronize()
+    runtime = native()
     calls: dict[str, Callable[[], Any]] = {
         "memory_stats_as_nested_dict": lambda: torch.cuda.memory_stats_as_nested_dict(0),
         "reset_peak_memory_stats": lambda: torch.cuda.reset_peak_memory_stats(0),
@@ -51,6 +70,8 @@ def per_call(n: int = 2000) -> dict[str, float]:
         "event.query()": event.query,
         "time.perf_counter()": time.perf_counter,
     }
+    if runtime is not None:
+        calls["CudaRuntime.record() (GIL held)"] = native_record(runtime)
     out = {}
     for name, call in calls.items():
         call()
@@ -94,11 +115,16 @@ def gil_release(n: int = 300) -> dict[str, float]:
     spinner = threading.Thread(target=spin, daemon=True)
     spinner.start()
     out = {}
-    for name, call in {"event.query()": end.query,
-                       "start.elapsed_time(end)": lambda: start.elapsed_time(end),
-                       "event.record()": end.record,
-                       "memory_stats_as_nested_dict": lambda: torch.cuda.memory_stats_as_nested_dict(0),
-                       "time.perf_counter()": time.perf_counter}.items():
+    calls: dict[str, Callable[[], Any]] = {
+        "event.query()": end.query,
+        "start.elapsed_time(end)": lambda: start.elapsed_time(end),
+        "event.record()": end.record,
+        "memory_stats_as_nested_dict": lambda: torch.cuda.memory_stats_as_nested_dict(0),
+        "time.perf_counter()": time.perf_counter}
+    runtime = native()
+    if runtime is not None:
+        calls["CudaRuntime.record() (GIL held)"] = native_record(runtime)
+    for name, call in calls.items():
         t0 = time.perf_counter()
         for _ in range(n):
             call()
@@ -112,22 +138,31 @@ def gil_release(n: int = 300) -> dict[str, float]:
 def variants(work: Workload, path: str, pairs: int, block: int) -> dict[str, dict[str, float]]:
     """Throughput ratio to bare blocks, and extra µs per step, of the hook as it was before
     the CUDA-path fixes, as it is now, and with host clocks only (no CUDA calls at all)."""
-    names = ["before", "after", "host_clock_only"]
+    names = ["before", "runtime_every_step", "after", "host_clock_only"]
     monitors = {name: StepMonitor(f"profile-{name}", socket_path=path) for name in names}
     for mon in monitors.values():
         work.train(3, mon)
+        work.sync()
+        mon.flush()
     for name, mon in monitors.items():
         clock = mon._cuda
         assert clock is not None
-        if name == "before":  # six events a step, torch finding the stream, memory every step
+        print(f"  {work.kind:12s} {name:18s} runtime events: {clock.runtime is not None}")
+        if name == "before":  # torch events on every step, six a step, memory every step
+            clock.__dict__.pop("event", None)  # the torch path
+            clock.runtime = None
+            clock.device_interval_s = 0.0
             clock.share_gap_s = 0.0
             clock._current_stream = None
             clock.memory_interval_s = 0.0
+        elif name == "runtime_every_step":  # the runtime's events, but on every step
+            clock.device_interval_s = 0.0
         elif name == "host_clock_only":
             mon._core.set_cuda(None)  # no events, no allocator statistics: the host-side hook alone
-    for name in ("before", "after"):  # events recorded per step, counted on 50 steps
+    for name in ("before", "runtime_every_step", "after"):  # events per step, counted on 50 steps
         clock = monitors[name]._cuda
         recorded = [0]
+        own = clock.__dict__.get("event")
         original = clock.event
 
         def counting(original: Any = original, recorded: list[int] = recorded) -> Any:
@@ -136,7 +171,11 @@ def variants(work: Workload, path: str, pairs: int, block: int) -> dict[str, dic
 
         clock.event = counting
         work.train(50, monitors[name])
-        del clock.event  # the class's method again
+        work.sync()
+        if own is None:
+            del clock.event  # the class's method again
+        else:
+            clock.event = own
         print(f"  {work.kind:12s} {name:18s} events recorded per step: {recorded[0] / 50:.2f}")
     results: dict[str, dict[str, float]] = {}
     for name, mon in monitors.items():

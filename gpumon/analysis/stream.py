@@ -20,6 +20,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, S
 from dataclasses import dataclass, field, replace
 
 from gpumon.analysis.bottleneck import Bottleneck, Flag, Verdict, classify
+from gpumon.analysis.device_timing import device_shares
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
 from gpumon.analysis.memory import MemoryAttribution, attribute_growth
 from gpumon.analysis.oom import OomRisk, assess_oom_risk
@@ -106,6 +107,8 @@ class _RankTracker:
         default_factory=lambda: deque(maxlen=BREAKDOWN_HISTORY))
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     last: StepRecord | None = None
+    device_shares: dict[str, float] | None = None
+    """Phase shares of its latest GPU-timed steps (``device_timing``), for windows without any."""
     last_pid: int | None = None
     world: int | None = None
     last_end_t: float = -math.inf
@@ -242,7 +245,8 @@ class StepAnalyzer:
             del state.pending[:k]
             work += k
             for members in groups:
-                merged = merge_steps(members)
+                state.device_shares = device_shares(members) or state.device_shares
+                merged = merge_steps(members, state.device_shares)
                 verdict = self._analyse(state, merged, len(members), members[-1], history,
                                         by_index, latest, thresholds, xid_gpus)
                 done.append(StepVerdict(merged.run, merged.rank,

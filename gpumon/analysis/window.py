@@ -10,9 +10,10 @@ with only ``utilization_ratio`` set, and count like any other.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from gpumon.analysis.device_timing import window_phases
 from gpumon.collectors.samples import GpuSample
 from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 
@@ -137,18 +138,22 @@ def summarize_gpu_window(samples: Sequence[GpuSample], t0: float, t1: float) -> 
     )
 
 
-def merge_steps(steps: Sequence[StepRecord]) -> StepRecord:
+def merge_steps(steps: Sequence[StepRecord],
+                device_shares: Mapping[str, float] | None = None) -> StepRecord:
     """One record standing for consecutive steps of one rank, e.g. to widen a short window.
 
     The merged step spans from the first start to the last end (when starts are known), its
-    phases are summed, and counts (samples, tokens, flops) are summed only when every step has
-    them, since a partial sum would understate throughput. Allocator counters are cumulative,
-    so the last step's are kept; the peak is the highest peak. Measured communication is
-    summed over the steps that carry it (a step without it had none measured, not none).
+    phases are summed (GPU-timed phases of a rank on CUDA: see ``device_timing``), and counts
+    (samples, tokens, flops) are summed only when every step has them, since a partial sum
+    would understate throughput. Allocator counters are cumulative, so the last step's are
+    kept; the peak is the highest peak. Measured communication is summed over the steps that
+    carry it (a step without it had none measured, not none).
+    ``device_shares``: the rank's latest GPU-timed phase shares, for a window without
+    GPU-timed steps of its own.
     """
     if not steps:
         raise ValueError("merge_steps needs at least one step")
-    if len(steps) == 1:
+    if len(steps) == 1 and (steps[0].device_phases or not device_shares):
         return steps[0]
     first, last = steps[0], steps[-1]
     if any((s.run, s.rank) != (first.run, first.rank) for s in steps):
@@ -164,10 +169,7 @@ def merge_steps(steps: Sequence[StepRecord]) -> StepRecord:
         # Gaps between steps (work outside the hook) count as unattributed time.
         duration_s = max(busy_s, t_end - t_start)
 
-    phases: dict[str, float] = {}
-    for s in steps:
-        for name, seconds in s.phases_s.items():
-            phases[name] = phases.get(name, 0.0) + seconds
+    phases, device_phases = window_phases(steps, device_shares)
 
     return StepRecord(
         run=first.run,
@@ -185,6 +187,7 @@ def merge_steps(steps: Sequence[StepRecord]) -> StepRecord:
         pid=last.pid,
         mem=_merge_mem([s.mem for s in steps]),
         comm=_merge_comm([s.comm for s in steps]),
+        device_phases=device_phases,
     )
 
 

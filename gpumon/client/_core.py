@@ -60,6 +60,8 @@ class HookCore:
         self._phase_t0 = 0.0
         self._phase_event: Any = None
         self._phase_end_t = 0.0  # when the last CUDA-timed phase's end event was recorded
+        self._device = True  # this step's phases get CUDA events (one step per device interval)
+        self._next_device_t = 0.0  # the step after the first to end past this is timed on the GPU
         self._marks: list[Mark] = []
         self._phase_cache: dict[str, Phase] = {}
         self._cuda: CudaClock | None = None
@@ -106,8 +108,10 @@ class HookCore:
         self._phases["data"] = self._phases.get("data", 0.0) + (t1 - t0)
 
     def set_cuda(self, clock: CudaClock | None) -> None:
-        """Time phases with ``clock``'s CUDA events and read its allocator statistics at each
-        step's end from now on (``None``: host clock only)."""
+        """Time phases with ``clock``'s CUDA events and read its allocator statistics from now
+        on, on one step per ``clock.device_interval_s``: the host clock times the others, so
+        the events' cost is paid a few times a second, not every step (``None``: host clock
+        only)."""
         self._cuda = clock
 
     def set_extensions(self, extensions: StepExtensions | None) -> None:
@@ -208,12 +212,16 @@ class Step:
         m._phases = {}
         marks = None
         mem: MemoryTuple | Mapping[str, int] | None = None
-        if m._cuda is not None:
+        cuda = m._cuda
+        if cuda is not None:
             marks = m._marks
             m._marks = []
-            mem = m._cuda.memory()
-            if mem is not None:
-                m._last_ooms = mem[4]
+            if m._device:
+                m._next_device_t = t1 + cuda.device_interval_s
+                mem = cuda.memory()
+                if mem is not None:
+                    m._last_ooms = mem[4]
+            m._device = t1 >= m._next_device_t
         if mem is None:
             mem = self._memory
         if m._enabled:
@@ -238,7 +246,7 @@ class Phase:
         m = self._m
         if not m._phase_depth:
             cuda = m._cuda
-            if cuda is not None and not self._host_clock:
+            if cuda is not None and m._device and not self._host_clock:
                 marks = m._marks
                 if marks and perf_counter() - m._phase_end_t < cuda.share_gap_s:
                     m._phase_event = marks[-1][2]

@@ -14,8 +14,12 @@
  */
 
 #define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE /* dl_iterate_phdr, RTLD_DEFAULT */
 #include <Python.h>
+#include <dlfcn.h>
+#include <link.h>
 #include <stddef.h>
+#include <string.h>
 #include <time.h>
 
 #if !defined(__linux__)
@@ -23,7 +27,7 @@
 #endif
 
 static PyObject *str_append, *str_event, *str_memory, *str_share_gap_s, *str_data, *str_begin,
-    *str_end;
+    *str_end, *str_device_interval_s;
 static PyObject *step_kwnames[5]; /* samples, tokens, flops, step, memory */
 
 #define OR_NONE(x) ((x) == NULL ? Py_None : (x))
@@ -43,6 +47,7 @@ typedef struct {
     PyObject_HEAD
     char enabled;
     char started;           /* the first step has begun */
+    char device;            /* this step's phases get CUDA events (one step per device interval) */
     int step_depth;
     int phase_depth;
     int has_pending;
@@ -51,6 +56,7 @@ typedef struct {
     double pending_t0;
     double phase_t0;
     double phase_end_t;     /* when the last CUDA-timed phase's end event was recorded */
+    double next_device_t;   /* the step after the first to end past this is GPU-timed */
     PyObject *phases;       /* dict: phase name -> host seconds */
     PyObject *phase_event;  /* CUDA event of the open phase, or NULL */
     PyObject *marks;        /* list of (name, start, end) */
@@ -115,6 +121,7 @@ HookCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     if (self == NULL)
         return NULL;
     self->enabled = 1;
+    self->device = 1;
     self->phases = PyDict_New();
     self->marks = PyList_New(0);
     self->phase_cache = PyDict_New();
@@ -540,17 +547,28 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         marks = m->marks;
         m->marks = fresh_marks;
-        mem = PyObject_CallMethodNoArgs(m->cuda, str_memory);
-        if (mem == NULL)
-            goto error;
-        if (mem == Py_None) {
-            Py_CLEAR(mem);
-        } else {
-            PyObject *ooms = PySequence_GetItem(mem, 4);
-            if (ooms == NULL)
+        if (m->device) {
+            PyObject *interval = PyObject_GetAttr(m->cuda, str_device_interval_s);
+            if (interval == NULL)
                 goto error;
-            Py_SETREF(m->last_ooms, ooms);
+            double interval_s = PyFloat_AsDouble(interval);
+            Py_DECREF(interval);
+            if (interval_s == -1.0 && PyErr_Occurred())
+                goto error;
+            m->next_device_t = t1 + interval_s;
+            mem = PyObject_CallMethodNoArgs(m->cuda, str_memory);
+            if (mem == NULL)
+                goto error;
+            if (mem == Py_None) {
+                Py_CLEAR(mem);
+            } else {
+                PyObject *ooms = PySequence_GetItem(mem, 4);
+                if (ooms == NULL)
+                    goto error;
+                Py_SETREF(m->last_ooms, ooms);
+            }
         }
+        m->device = t1 >= m->next_device_t;
     }
     if (mem == NULL)
         mem = Py_NewRef(OR_NONE(self->memory));
@@ -646,7 +664,7 @@ Phase_enter(Phase *self, PyObject *unused)
         return NULL;
     }
     if (!m->phase_depth) {
-        if (m->cuda != Py_None && !self->host_clock) {
+        if (m->cuda != Py_None && m->device && !self->host_clock) {
             PyObject *event = NULL;
             Py_ssize_t n = PyList_GET_SIZE(m->marks);
             PyObject *last = n ? PyList_GET_ITEM(m->marks, n - 1) : NULL;
@@ -800,6 +818,304 @@ static PyTypeObject LoaderType = {
     .tp_iternext = (iternextfunc)Loader_next,
 };
 
+/* ---- CudaRuntime ------------------------------------------------------------------- */
+/* CUDA events recorded through the CUDA runtime that torch has already loaded, with the GIL
+ * held. torch.cuda.Event.record() releases the GIL around the call, and next to a thread
+ * running Python the training thread can wait milliseconds to get it back; the runtime call
+ * itself takes a few microseconds. Nothing here loads a library: the symbols are looked up in
+ * what the process has loaded (the global scope, then any loaded libcudart), so a process
+ * without CUDA finds none and cuda_runtime() returns None (the caller keeps torch's events). */
+
+typedef int (*cuda_create_fn)(void **event, unsigned int flags);
+typedef int (*cuda_record_fn)(void *event, void *stream);
+typedef int (*cuda_query_fn)(void *event);
+typedef int (*cuda_elapsed_fn)(float *ms, void *start, void *end);
+typedef int (*cuda_destroy_fn)(void *event);
+typedef int (*cuda_set_device_fn)(int device);
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_NOT_READY 600
+#define EVENT_POOL 1024
+
+typedef struct {
+    cuda_create_fn create;
+    cuda_record_fn record;
+    cuda_query_fn query;
+    cuda_elapsed_fn elapsed;
+    cuda_destroy_fn destroy;
+    cuda_set_device_fn set_device;
+} CudaApi;
+
+typedef struct {
+    PyObject_HEAD
+    CudaApi api;
+    int device;
+    PyObject *current_stream; /* device -> raw cudaStream_t as int, or None: the default stream */
+    long long record_errors;
+    Py_ssize_t pooled;
+    void *pool[EVENT_POOL];
+} CudaRuntime;
+
+static PyTypeObject CudaRuntimeType;
+
+static int
+resolve_api(void *handle, CudaApi *api)
+{
+    api->create = (cuda_create_fn)dlsym(handle, "cudaEventCreateWithFlags");
+    api->record = (cuda_record_fn)dlsym(handle, "cudaEventRecord");
+    api->query = (cuda_query_fn)dlsym(handle, "cudaEventQuery");
+    api->elapsed = (cuda_elapsed_fn)dlsym(handle, "cudaEventElapsedTime");
+    api->destroy = (cuda_destroy_fn)dlsym(handle, "cudaEventDestroy");
+    api->set_device = (cuda_set_device_fn)dlsym(handle, "cudaSetDevice");
+    return api->create && api->record && api->query && api->elapsed && api->destroy &&
+           api->set_device;
+}
+
+typedef struct {
+    CudaApi *api;
+    int found;
+    char path[4096];
+} LoadedSearch;
+
+static int
+find_loaded_cudart(struct dl_phdr_info *info, size_t size, void *data)
+{
+    LoadedSearch *search = data;
+    const char *name = info->dlpi_name;
+    if (name == NULL || !*name)
+        return 0;
+    const char *base = strrchr(name, '/');
+    base = base ? base + 1 : name;
+    if (strncmp(base, "libcudart", 9) != 0)
+        return 0;
+    void *handle = dlopen(name, RTLD_NOW | RTLD_NOLOAD); /* already loaded: never loads one */
+    if (handle == NULL)
+        return 0;
+    if (resolve_api(handle, search->api)) {
+        search->found = 1;
+        snprintf(search->path, sizeof search->path, "%s", name);
+        return 1; /* the handle stays open: its functions are used from now on */
+    }
+    dlclose(handle);
+    return 0;
+}
+
+/* The runtime's functions from the loaded libraries, or 0. *where names where they were found. */
+static int
+lookup_cuda_api(CudaApi *api, char *where, size_t where_size)
+{
+    if (resolve_api(RTLD_DEFAULT, api)) {
+        snprintf(where, where_size, "global scope");
+        return 1;
+    }
+    LoadedSearch search = {api, 0, {0}};
+    dl_iterate_phdr(find_loaded_cudart, &search);
+    if (search.found)
+        snprintf(where, where_size, "%s", search.path);
+    return search.found;
+}
+
+static PyObject *
+hook_cuda_runtime(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "cuda_runtime(device, current_stream)");
+        return NULL;
+    }
+    int device = PyLong_AsLong(args[0]);
+    if (device == -1 && PyErr_Occurred())
+        return NULL;
+    if (args[1] != Py_None && !PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "current_stream must be callable or None");
+        return NULL;
+    }
+    CudaApi api;
+    char where[4096];
+    if (!lookup_cuda_api(&api, where, sizeof where))
+        Py_RETURN_NONE;
+    CudaRuntime *self = PyObject_GC_New(CudaRuntime, &CudaRuntimeType);
+    if (self == NULL)
+        return NULL;
+    self->api = api;
+    self->device = device;
+    self->current_stream = Py_NewRef(args[1]);
+    self->record_errors = 0;
+    self->pooled = 0;
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
+static void *
+as_event(PyObject *handle)
+{
+    void *event = PyLong_AsVoidPtr(handle);
+    if (event == NULL && !PyErr_Occurred())
+        PyErr_SetString(PyExc_ValueError, "not an event of this runtime");
+    return event;
+}
+
+/* record(): a timing event recorded now on the current stream, as an int handle; None when
+ * the runtime refused (counted in record_errors): a phase without events is host-timed. */
+static PyObject *
+CudaRuntime_record(CudaRuntime *self, PyObject *unused)
+{
+    void *stream = NULL;
+    if (self->current_stream != Py_None) {
+        PyObject *device = PyLong_FromLong(self->device);
+        if (device == NULL)
+            return NULL;
+        PyObject *raw = PyObject_CallOneArg(self->current_stream, device);
+        Py_DECREF(device);
+        if (raw == NULL) { /* that private call failed: the default stream from now on */
+            PyErr_Clear();
+            Py_SETREF(self->current_stream, Py_NewRef(Py_None));
+        } else {
+            stream = PyLong_AsVoidPtr(raw);
+            Py_DECREF(raw);
+            if (stream == NULL && PyErr_Occurred())
+                PyErr_Clear();
+        }
+    }
+    void *event = NULL;
+    if (self->pooled)
+        event = self->pool[--self->pooled];
+    else if (self->api.create(&event, 0) != CUDA_SUCCESS) {
+        self->record_errors += 1;
+        Py_RETURN_NONE;
+    }
+    if (self->api.record(event, stream) != CUDA_SUCCESS) {
+        self->record_errors += 1;
+        self->api.destroy(event);
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromVoidPtr(event);
+}
+
+/* query(event): whether the GPU has passed it (sets this thread's device first, as torch
+ * does, so the sender thread never makes a context on another GPU). */
+static PyObject *
+CudaRuntime_query(CudaRuntime *self, PyObject *handle)
+{
+    void *event = as_event(handle);
+    if (event == NULL)
+        return NULL;
+    if (self->api.set_device(self->device) != CUDA_SUCCESS) {
+        PyErr_SetString(PyExc_RuntimeError, "cudaSetDevice failed");
+        return NULL;
+    }
+    int rc = self->api.query(event);
+    if (rc == CUDA_SUCCESS)
+        Py_RETURN_TRUE;
+    if (rc == CUDA_ERROR_NOT_READY)
+        Py_RETURN_FALSE;
+    PyErr_Format(PyExc_RuntimeError, "cudaEventQuery failed (%d)", rc);
+    return NULL;
+}
+
+static PyObject *
+CudaRuntime_elapsed_ms(CudaRuntime *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "elapsed_ms(start, end)");
+        return NULL;
+    }
+    void *start = as_event(args[0]);
+    if (start == NULL)
+        return NULL;
+    void *end = as_event(args[1]);
+    if (end == NULL)
+        return NULL;
+    float ms = 0.0f;
+    int rc = self->api.elapsed(&ms, start, end);
+    if (rc != CUDA_SUCCESS) {
+        PyErr_Format(PyExc_RuntimeError, "cudaEventElapsedTime failed (%d)", rc);
+        return NULL;
+    }
+    return PyFloat_FromDouble((double)ms);
+}
+
+/* release(event): back to the pool once read (destroyed beyond EVENT_POOL). */
+static PyObject *
+CudaRuntime_release(CudaRuntime *self, PyObject *handle)
+{
+    void *event = as_event(handle);
+    if (event == NULL)
+        return NULL;
+    if (self->pooled < EVENT_POOL)
+        self->pool[self->pooled++] = event;
+    else
+        self->api.destroy(event);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+CudaRuntime_get_record_errors(CudaRuntime *self, void *closure)
+{
+    return PyLong_FromLongLong(self->record_errors);
+}
+
+static PyObject *
+CudaRuntime_get_pooled(CudaRuntime *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->pooled);
+}
+
+static int
+CudaRuntime_traverse(CudaRuntime *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->current_stream);
+    return 0;
+}
+
+static int
+CudaRuntime_clear(CudaRuntime *self)
+{
+    Py_CLEAR(self->current_stream);
+    return 0;
+}
+
+static void
+CudaRuntime_dealloc(CudaRuntime *self)
+{
+    PyObject_GC_UnTrack(self);
+    while (self->pooled) /* events handed out and never released stay with the process */
+        self->api.destroy(self->pool[--self->pooled]);
+    CudaRuntime_clear(self);
+    PyObject_GC_Del(self);
+}
+
+static PyMethodDef CudaRuntime_methods[] = {
+    {"record", (PyCFunction)CudaRuntime_record, METH_NOARGS,
+     "record()\n--\n\nA timing event recorded now on the current stream (an int), or None."},
+    {"query", (PyCFunction)CudaRuntime_query, METH_O,
+     "query(event)\n--\n\nWhether the GPU has passed event."},
+    {"elapsed_ms", (PyCFunction)(void (*)(void))CudaRuntime_elapsed_ms, METH_FASTCALL,
+     "elapsed_ms(start, end)\n--\n\nGPU milliseconds between two completed events."},
+    {"release", (PyCFunction)CudaRuntime_release, METH_O,
+     "release(event)\n--\n\nGive a read event back for reuse."},
+    {NULL},
+};
+
+static PyGetSetDef CudaRuntime_getset[] = {
+    {"record_errors", (getter)CudaRuntime_get_record_errors, NULL,
+     "Events the runtime refused to create or record.", NULL},
+    {"pooled", (getter)CudaRuntime_get_pooled, NULL, "Events waiting for reuse.", NULL},
+    {NULL},
+};
+
+static PyTypeObject CudaRuntimeType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "gpumon.client._hook.CudaRuntime",
+    .tp_doc = "CUDA events through the loaded CUDA runtime, the GIL held (see cuda_runtime()).",
+    .tp_basicsize = sizeof(CudaRuntime),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_dealloc = (destructor)CudaRuntime_dealloc,
+    .tp_traverse = (traverseproc)CudaRuntime_traverse,
+    .tp_clear = (inquiry)CudaRuntime_clear,
+    .tp_methods = CudaRuntime_methods,
+    .tp_getset = CudaRuntime_getset,
+};
+
 /* ---- module ------------------------------------------------------------------------- */
 
 static PyObject *
@@ -811,6 +1127,10 @@ hook_perf_counter(PyObject *module, PyObject *unused)
 static PyMethodDef module_methods[] = {
     {"perf_counter", hook_perf_counter, METH_NOARGS,
      "The clock the hook reads: equal to time.perf_counter() on Linux."},
+    {"cuda_runtime", (PyCFunction)(void (*)(void))hook_cuda_runtime, METH_FASTCALL,
+     "cuda_runtime(device, current_stream)\n--\n\n"
+     "Events through the CUDA runtime the process has loaded, or None where it has none.\n"
+     "current_stream(device) gives the raw current stream (None: the default stream)."},
     {NULL},
 };
 
@@ -826,7 +1146,8 @@ PyMODINIT_FUNC
 PyInit__hook(void)
 {
     if (PyType_Ready(&HookCoreType) < 0 || PyType_Ready(&StepType) < 0 ||
-        PyType_Ready(&PhaseType) < 0 || PyType_Ready(&LoaderType) < 0)
+        PyType_Ready(&PhaseType) < 0 || PyType_Ready(&LoaderType) < 0 ||
+        PyType_Ready(&CudaRuntimeType) < 0)
         return NULL;
 #define INTERN(var, text)                               \
     if ((var = PyUnicode_InternFromString(text)) == NULL) \
@@ -838,6 +1159,7 @@ PyInit__hook(void)
     INTERN(str_data, "data");
     INTERN(str_begin, "begin");
     INTERN(str_end, "end");
+    INTERN(str_device_interval_s, "device_interval_s");
     INTERN(step_kwnames[0], "samples");
     INTERN(step_kwnames[1], "tokens");
     INTERN(step_kwnames[2], "flops");

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from time import perf_counter
 from typing import Any
 
@@ -140,6 +140,7 @@ class Sender:
         while self._waiting:
             item = self._waiting[0]
             phases, marks = item[4], item[9]
+            gpu_phases = None
             if marks and self.clock is not None:
                 gpu_phases = self.clock.resolve(marks)
                 if gpu_phases is None and not final and now - item[3] < EVENT_DEADLINE_S:
@@ -147,16 +148,17 @@ class Sender:
                 if gpu_phases:
                     phases = {**phases, **gpu_phases}
             self._waiting.popleft()
-            records.append(self._encode_step(item, phases, unix_offset).encode())
+            records.append(self._encode_step(item, phases, unix_offset, gpu_phases or ()).encode())
         self._send(records, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
         if final:
             while self._backlog:
                 self._count_drop("agent_busy", self._backlog.popleft()[1])
 
-    def _encode_step(self, item: StepTuple, phases: dict[str, float], unix_offset: float) -> str:
+    def _encode_step(self, item: StepTuple, phases: dict[str, float], unix_offset: float,
+                     device_phases: Iterable[str]) -> str:
         seq, step, t0, t1, _, samples, tokens, flops, mem, _, measured = item
         return self._encoder.encode(step, seq, t0 + unix_offset, t1 - t0, phases, samples, tokens,
-                                    flops, mem, measured)
+                                    flops, mem, measured, device_phases)
 
     def _send(self, encoded: list[bytes], budget_s: float) -> None:
         backlog = self._backlog

@@ -197,8 +197,15 @@ def _fast_step(obj: dict[str, object]) -> StepRecord | None:
             if part is not None and not (type(part) is int and 0 <= part <= _MEMB_HIGH):
                 return None
         breakdown = MemoryBreakdown(*parts)
+    dev = obj.get("dev")
+    device_phases = None
+    if dev is not None:
+        if not (type(dev) is list and len(dev) <= len(phases_s)
+                and all(type(n) is str and n in phases_s for n in dev) and len(set(dev)) == len(dev)):
+            return None
+        device_phases = tuple(dev)
     return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
-                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown)
+                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown, device_phases)
 
 
 def _fast_comm(comm: object, slack: float) -> CommStats | None:
@@ -259,8 +266,10 @@ def _check_step(obj: Mapping[str, object]) -> StepRecord:
     comm_stats = None if comm is None else check_comm(comm, duration)
     memb = obj.get("memb")
     breakdown = None if memb is None else check_memory_breakdown(memb)
+    dev = obj.get("dev")
+    device_phases = None if dev is None else check_device_phases(dev, phases_s)
     return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
-                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown)
+                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown, device_phases)
 
 
 def _check_event(obj: Mapping[str, object]) -> EventRecord:
@@ -321,6 +330,20 @@ def check_memory_breakdown(value: object) -> MemoryBreakdown:
     if not isinstance(value, dict):
         raise ProtocolError("bad_memory_breakdown", "not an object")
     return MemoryBreakdown(*[_opt_int(value, name, "memb") for name in MEMORY_COMPONENTS])
+
+
+def check_device_phases(value: object, phases: Mapping[str, float]) -> tuple[str, ...]:
+    """A step's ``dev`` field: distinct names of its own ``phases``; else ``bad_device_phases``."""
+    if not isinstance(value, list):
+        raise ProtocolError("bad_device_phases", "not a list")
+    for name in value:
+        if not (isinstance(name, str) and is_label(name, LABEL_LIMITS["dev"])):
+            raise ProtocolError("bad_device_phases", "phase name")
+        if name not in phases:
+            raise ProtocolError("bad_device_phases", f"{name}: not one of the step's phases")
+    if len(set(value)) != len(value):
+        raise ProtocolError("bad_device_phases", "a phase named twice")
+    return tuple(value)
 
 
 def check_int(value: object, key: str) -> int:

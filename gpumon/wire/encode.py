@@ -56,6 +56,8 @@ def to_wire(record: Record) -> dict[str, object]:
             fields["comm"] = _comm_wire(record.comm)
         if record.memory_breakdown is not None:
             fields["memb"] = _breakdown_wire(record.memory_breakdown)
+        if record.device_phases is not None:
+            fields["dev"] = list(record.device_phases)
     elif isinstance(record, EventRecord):
         out["kind"] = "event"
         fields = {

@@ -60,6 +60,7 @@ DROP_REASONS = (
     "bad_label",
     "bad_comm",
     "bad_memory_breakdown",
+    "bad_device_phases",
 )
 """Every reason ``decode_datagram`` can give for a rejected object or datagram."""
 
@@ -129,8 +130,11 @@ LABEL_LIMITS: dict[str, int] = {
     "client_version": MAX_LABEL_CHARS,
     "gpu": MAX_GPU_CHARS,
     "collective": MAX_COLLECTIVE_CHARS,
+    "dev": MAX_LABEL_CHARS,
 }
-"""Longest value of each label field; every label is ``[A-Za-z0-9_.:/-]+``."""
+"""Longest value of each label field; every label is ``[A-Za-z0-9_.:/-]+``. ``dev`` (the
+phases a step timed on the GPU) lists names of its own ``phases``, each once, so it holds at
+most ``MAX_PHASES``; anything else in it is ``bad_device_phases``."""
 
 _LABEL = re.compile(r"[A-Za-z0-9_.:/-]+")
 

@@ -80,6 +80,10 @@ class StepRecord:
     mem: MemoryStats | None = None
     comm: CommStats | None = None
     memory_breakdown: MemoryBreakdown | None = None
+    device_phases: tuple[str, ...] | None = None
+    """The phases whose seconds are GPU time from CUDA events (the wire's ``dev``); the others,
+    and every phase of a step without it, are host-clock time. A rank on CUDA times its
+    phases on the GPU on a sample of steps only: on the rest they measure kernel launches."""
 
     @property
     def t_end(self) -> float | None:

@@ -68,11 +68,13 @@ class StepEncoder:
         flops: object = None,
         mem: object = None,
         measured: Mapping[str, object] | None = None,
+        device_phases: Iterable[str] = (),
     ) -> str:
         """One step record as JSON text. ``step`` is the caller's step number (``None``, or
         invalid: ``default_step``); ``t_start`` Unix seconds; ``mem`` the five allocator
         readings as a tuple (from CUDA) or a mapping of some of them (given by the caller);
-        ``measured``: fields the monitor's extensions added (``comm``, ``memb``)."""
+        ``measured``: fields the monitor's extensions added (``comm``, ``memb``);
+        ``device_phases``: the names in ``phases`` whose seconds are GPU time (``dev``)."""
         if step is None:
             step = default_step
         elif not (type(step) is int and 0 <= step <= _MAX_STEP):
@@ -81,6 +83,8 @@ class StepEncoder:
         text = self._head % (step, t_start, duration)
         if phases:
             text += self._phases_field(phases, duration)
+            if device_phases:
+                text += self._device_field(device_phases, phases)
         if samples is not None:
             text += self._count_field("samples", samples)
         if tokens is not None:
@@ -110,6 +114,14 @@ class StepEncoder:
             # GPU time of a phase can exceed the host window of its step when the CPU ran ahead.
             seconds = tuple([_clamp(value, duration) for value in seconds])
         return template % seconds
+
+    def _device_field(self, names: Iterable[str], phases: dict[str, float]) -> str:
+        """The ``dev`` field: each name once, and only names the ``phases`` field carries."""
+        listed = [name for name in dict.fromkeys(names) if name in phases]
+        if len(phases) > MAX_PHASES or not listed:  # folded phases: which are GPU time is lost
+            self.invalid_fields += 1
+            return ""
+        return ',"dev":["' + '","'.join(listed) + '"]'
 
     def _phase_template(self, names: tuple[str, ...]) -> str | None:
         """The ``phases`` field with a ``%.9g`` slot per phase, for up to MAX_PHASES names."""

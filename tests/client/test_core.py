@@ -39,6 +39,7 @@ class FakeClock:
     """Stands in for ``_cuda.CudaClock``: numbered events, and memory whose OOM count grows."""
 
     share_gap_s = 1.0  # adjacent phases always share here, however slow the machine
+    device_interval_s = 0.0  # every step is timed on the GPU unless a test says otherwise
 
     def __init__(self) -> None:
         self.events = 0
@@ -467,3 +468,66 @@ def test_both_cores_under_a_monitor_send_the_same_records(monkeypatch: pytest.Mo
     [oom] = [r for r in c_records if isinstance(r, EventRecord)]
     assert (oom.event, oom.step) == ("oom", 43)
     assert c_stats.steps == 5 and c_stats.invalid_fields == 2
+
+
+class SampledClock(FakeClock):
+    """A clock whose device interval the test controls: ``device_interval_s`` long."""
+
+    def __init__(self, interval_s: float) -> None:
+        super().__init__()
+        self.device_interval_s = interval_s
+
+
+def cuda_steps(core: Any, count: int, pause_s: float = 0.0) -> None:
+    for _ in range(count):
+        with core.phase("data"):
+            pass
+        with core.step():
+            with core.phase("forward"):
+                pass
+            with core.phase("backward"):
+                pass
+        if pause_s:
+            time.sleep(pause_s)
+
+
+@pytest.mark.parametrize("base", CORES)
+def test_only_one_step_per_device_interval_gets_cuda_events(base: type) -> None:
+    core = make_core(base)
+    clock = SampledClock(interval_s=3600.0)
+    core.set_cuda(clock)
+    cuda_steps(core, 5)
+    records = list(harness_of(core).buffer)
+    # The first step is timed on the GPU (and reads the allocator); the next four, inside the
+    # interval, on the host clock alone: no event recorded, no statistics read, every phase kept.
+    assert [len(r[9]) for r in records] == [2, 0, 0, 0, 0]
+    assert [r[8] for r in records] == [(100, 200, 150, 0, 0), None, None, None, None]
+    assert clock.events == 3 and clock.reads == 1
+    assert all(list(r[4]) == ["data", "forward", "backward"] for r in records)
+
+
+@pytest.mark.parametrize("base", CORES)
+def test_the_first_step_after_the_interval_is_timed_on_the_gpu(base: type) -> None:
+    core = make_core(base)
+    clock = SampledClock(interval_s=0.05)
+    core.set_cuda(clock)
+    cuda_steps(core, 2)  # well inside 50 ms of each other
+    time.sleep(0.06)
+    cuda_steps(core, 3)
+    # Decided as a step ends, for the next one: the step after the first to end past the interval.
+    assert [len(r[9]) for r in harness_of(core).buffer] == [2, 0, 0, 2, 0]
+    assert clock.reads == 2
+    # A zero interval times every step on the GPU, as before sampling.
+    every = make_core(base)
+    every.set_cuda(SampledClock(interval_s=0.0))
+    cuda_steps(every, 3)
+    assert [len(r[9]) for r in harness_of(every).buffer] == [2, 2, 2]
+
+
+def test_both_cores_sample_the_same_steps() -> None:
+    python, c = make_core(_core.HookCore), make_core(_hook.HookCore)
+    for core in (python, c):
+        core.set_cuda(SampledClock(interval_s=3600.0))
+        cuda_steps(core, 4)
+    assert normalised(c) == normalised(python)
+    assert [bool(r[7]) for r in normalised(c)] == [True, False, False, False]

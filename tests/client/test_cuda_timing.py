@@ -79,9 +79,9 @@ class FakeCuda:
 @pytest.fixture
 def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     fake = FakeCuda()
-    monkeypatch.setattr(
-        _cuda, "detect", lambda reset_peak: _cuda.CudaClock(fake, 0, reset_peak, memory_interval_s=0.0)
-    )
+    # Every step timed on the GPU and reading the allocator: the sampling has tests of its own.
+    monkeypatch.setattr(_cuda, "detect", lambda reset_peak: _cuda.CudaClock(
+        fake, 0, reset_peak, memory_interval_s=0.0, device_interval_s=0.0))
     return fake
 
 

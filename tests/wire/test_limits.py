@@ -82,6 +82,10 @@ def step_records(draw: st.DrawFn) -> dict[str, object]:
         if key not in odd and key not in ("run", "rank", "step") and draw(st.integers(0, 3)) == 0:
             continue  # an optional field left out
         obj[key] = draw(STEP_FIELDS[key](key in odd, slack_of))
+    phases = obj.get("phases")
+    if "dev" in obj and "dev" not in odd and type(phases) is dict:
+        # well-formed: distinct names of the record's own phases
+        obj["dev"] = draw(st.lists(st.sampled_from(sorted(phases)), unique=True)) if phases else []
     return obj
 
 
@@ -139,6 +143,14 @@ STEP_FIELDS: dict[str, Any] = {
 }
 
 
+def _dev(odd: bool, d: float) -> st.SearchStrategy[Any]:
+    names = st.lists(labels | st.sampled_from([3, None, ["forward"]]), max_size=3)
+    return names | st.sampled_from(["forward", {"forward": 1}, ["forward", "forward"]]) if odd else names
+
+
+STEP_FIELDS["dev"] = _dev
+
+
 def verdict(decode: Any, obj: dict[str, object]) -> object:
     try:
         return decode(obj)
@@ -163,11 +175,13 @@ def test_the_fast_path_takes_what_the_client_sends() -> None:
     text = encoder.encode(None, 7, 1.7e9, 0.12, {"forward": 0.05, "backward": 0.06}, 32, 65536, 1.5e15,
                           (1, 2, 3, 0, 0), {"comm": {"exposed": 0.05, "busy": 0.08,
                                                      "ops": {"all_reduce": [4, 1 << 26, 0.07]}},
-                                            "memb": {"parameters": 1 << 30}})
+                                            "memb": {"parameters": 1 << 30}},
+                          device_phases=("backward", "forward"))
     obj = json.loads(text)
     fast = _fast_step(obj)
     assert isinstance(fast, StepRecord) and fast == _check_step(obj)
     assert fast.comm is not None and fast.memory_breakdown is not None and fast.mem is not None
+    assert fast.device_phases == ("backward", "forward")
 
 
 @pytest.mark.parametrize("key", sorted(FIELD_LIMITS))
@@ -192,5 +206,6 @@ def test_every_row_is_applied_at_its_bounds(key: str) -> None:
 
 
 def test_every_label_row_is_a_length() -> None:
-    assert set(LABEL_LIMITS) == {"run", "phase", "event", "client_version", "gpu", "collective"}
+    assert set(LABEL_LIMITS) == {"run", "phase", "event", "client_version", "gpu", "collective",
+                                 "dev"}
     assert all(isinstance(n, int) and n > 0 for n in LABEL_LIMITS.values())
