@@ -15,7 +15,14 @@ hand-timed phase can hold them. Two measurements make up a step's ``comm`` field
   below, so ``busy - exposed`` is what overlapped the step's other work.
 - **exposed**: how long the training thread was held up by them: blocking calls, the launch
   of asynchronous ones, and waits the watcher of a wrapper can see (``ddp.py``: DDP's wait for
-  its gradient buckets at the end of backward). The union of these intervals within the step.
+  its gradient buckets at the end of backward). The union of these intervals within the step,
+  plus the **contention** below.
+- **contention**: collectives on the host (gloo's threads reducing and sending the buckets)
+  take CPUs the training thread's own work then waits for. While they are in flight and it is
+  not blocked on them, the training thread's time off a CPU (wall clock less its CPU time), beyond
+  the rate it spent off a CPU in the same step while none was in flight, lengthened the step as
+  a wait on them would have. It is read from the thread's CPU clock at the edges of its waits
+  and launches, and counted for host-timed collectives only (a GPU's collectives use no CPU).
 
 An operation belongs to the step it is launched in; one still in flight when its step ends
 adds its remaining time to the next step's ``busy`` and is counted (count, bytes, seconds)
@@ -30,10 +37,11 @@ The wrapped functions cost a check of one list when no monitor is watching.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Any
 
 log = logging.getLogger("gpumon.client")
@@ -95,15 +103,18 @@ class Tail:
     (``gradient_as_bucket_view=True``) both are nil.
     """
 
-    __slots__ = ("start", "end", "mirrored")
+    __slots__ = ("start", "end", "cpu_end", "mirrored")
 
     def __init__(self, start: float, mirrored: bool = False) -> None:
         self.start = start
         self.end: float | None = None
+        self.cpu_end: float | None = None  # the waiter's CPU clock at ``end``
         self.mirrored = mirrored
 
     def resumed(self) -> None:
+        """Stamp ``end``; called on the waiting thread."""
         self.end = perf_counter()
+        self.cpu_end = thread_time()
 
     def interval(self, ops: Iterable[Op]) -> tuple[float, float] | None:
         """When the wait was, if it can be told."""
@@ -132,6 +143,7 @@ class CommLedger:
         self._ops: list[Op] = []
         self._blocked: list[tuple[float, float]] = []
         self._tails: list[Tail] = []
+        self._clocks: list[tuple[float, float]] = []  # (wall, thread CPU) of the training thread
         self._t_begin: float | None = None
         self._thread: int | None = None
         self._untimed = False
@@ -152,13 +164,16 @@ class CommLedger:
     def step_begin(self) -> None:
         """A step starts on the calling thread (the training thread)."""
         self._t_begin = perf_counter()
+        self._clocks = [(self._t_begin, thread_time())]
         self._thread = threading.get_ident()
         self._blocked = []
         self._tails = []
         self._untimed = False
 
-    def launched(self, name: str, nbytes: int, t0: float, t1: float, host_timed: bool) -> Op | None:
-        """Record a collective launched over [t0, t1]; None when outside a step."""
+    def launched(self, name: str, nbytes: int, t0: float, t1: float, host_timed: bool,
+                 cpu: tuple[float, float] | None = None) -> Op | None:
+        """Record a collective launched over [t0, t1] (``cpu``: the calling thread's CPU clock
+        at both); None when outside a step."""
         if self._t_begin is None:
             self.outside_steps += 1
             return None
@@ -169,16 +184,21 @@ class CommLedger:
                 self._untimed = True
             if on_training_thread:
                 self._blocked.append((t0, t1))
+                if cpu is not None:
+                    self._clocks += ((t0, cpu[0]), (t1, cpu[1]))
             self._ops.append(op)
             if len(self._ops) > MAX_PENDING_OPS:
                 del self._ops[0]
                 self.dropped_ops += 1
         return op
 
-    def blocked(self, t0: float, t1: float) -> None:
-        """The training thread was held up by communication over [t0, t1]."""
+    def blocked(self, t0: float, t1: float, cpu: tuple[float, float] | None = None) -> None:
+        """The training thread was held up by communication over [t0, t1] (``cpu``: its CPU
+        clock at both)."""
         if self._t_begin is not None:
             self._blocked.append((t0, t1))
+            if cpu is not None:
+                self._clocks += ((t0, cpu[0]), (t1, cpu[1]))
 
     def wait_from(self, start: float, mirrored: bool = False) -> Tail | None:
         """The training thread waits from ``start`` until the step's collectives complete
@@ -191,7 +211,7 @@ class CommLedger:
 
     def step_end(self, fields: dict[str, object]) -> None:
         """Close the step: set ``fields["comm"]`` unless a collective could not be timed."""
-        t_begin, t_end = self._t_begin, perf_counter()
+        t_begin, t_end, cpu_end = self._t_begin, perf_counter(), thread_time()
         self._t_begin = None
         if t_begin is None:
             return
@@ -221,10 +241,13 @@ class CommLedger:
                 self._ops[:0] = carried
         blocked = self._blocked
         unseen_s = 0.0
+        clocks = self._clocks
         for tail in self._tails:
             interval = tail.interval(ops)
             if interval is not None:
                 blocked.append(interval)
+            if tail.end is not None and tail.cpu_end is not None:
+                clocks.append((tail.end, tail.cpu_end))
             unseen_s += tail.unseen_s(ops)
         if self.infer_tail:
             blocked.extend(_inferred_tail(ops))
@@ -232,11 +255,13 @@ class CommLedger:
             self.steps_not_timed += 1
             return
         self.steps_measured += 1
+        clocks.append((t_end, cpu_end))
+        contended = contention_seconds(clocks, busy, blocked)
         # The unseen work happened after the step began and before the last measured moment:
         # that bounds both figures (the ledger's clock reads bracket the record's window by a
         # few µs, within the wire's slack).
         span_s = _last_end(busy + blocked, t_begin, t_end) - t_begin
-        exposed = min(span_s, union_seconds(blocked, t_begin, t_end) + unseen_s)
+        exposed = min(span_s, union_seconds(blocked, t_begin, t_end) + unseen_s + contended)
         fields["comm"] = {
             "exposed": exposed,
             # Work done for communication on the training thread (a hook compressing, DDP
@@ -244,6 +269,32 @@ class CommLedger:
             "busy": min(span_s, max(exposed, union_seconds(busy + blocked, t_begin, t_end) + unseen_s)),
             "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
         }
+
+
+def contention_seconds(clocks: list[tuple[float, float]], busy: list[tuple[float, float]],
+                       blocked: list[tuple[float, float]]) -> float:
+    """Seconds the training thread spent off a CPU, while not blocked, because collectives
+    were in flight (``CommLedger``'s docstring: contention).
+
+    ``clocks`` are (wall, CPU clock) readings of the training thread; between two consecutive
+    ones it either waited on communication (the span touches ``blocked``: left out, the wait
+    is counted already) or worked. A working span's time off a CPU is split by the share of
+    it some collective was in flight (``busy``); the rest sets the off-CPU rate the step had
+    without them, which is subtracted."""
+    quiet_wall = quiet_off = 0.0
+    spans: list[tuple[float, float, float]] = []  # (wall, off a CPU, share in flight)
+    readings = sorted(clocks)
+    for (wa, ca), (wb, cb) in itertools.pairwise(readings):
+        wall = wb - wa
+        if wall <= 0.0 or union_seconds(blocked, wa, wb) > 0.0:
+            continue
+        off = max(0.0, wall - (cb - ca))
+        in_flight = union_seconds(busy, wa, wb) / wall
+        spans.append((wall, off, in_flight))
+        quiet_wall += wall * (1.0 - in_flight)
+        quiet_off += off * (1.0 - in_flight)
+    rate = quiet_off / quiet_wall if quiet_wall > 0.0 else 0.0
+    return max(0.0, sum((off - rate * wall) * in_flight for wall, off, in_flight in spans))
 
 
 def _inferred_tail(ops: Iterable[Op]) -> list[tuple[float, float]]:
@@ -327,11 +378,11 @@ def _wrap(original: Callable[..., Any], name: str, position: int, keyword: str) 
     def collective(*args: Any, **kwargs: Any) -> Any:
         if not _ledgers:
             return original(*args, **kwargs)
-        t0 = perf_counter()
+        c0, t0 = thread_time(), perf_counter()
         result = original(*args, **kwargs)
-        t1 = perf_counter()
+        t1, c1 = perf_counter(), thread_time()
         try:
-            _record(name, _payload(args, kwargs, position, keyword), t0, t1, result)
+            _record(name, _payload(args, kwargs, position, keyword), t0, t1, result, (c0, c1))
         except Exception:  # measuring must never break the collective
             log.debug("gpumon: could not record a %s", name, exc_info=True)
         return result
@@ -348,12 +399,13 @@ def _payload(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, keywo
     return args[position] if len(args) > position else None
 
 
-def _record(name: str, payload: Any, t0: float, t1: float, result: Any) -> None:
+def _record(name: str, payload: Any, t0: float, t1: float, result: Any,
+            cpu: tuple[float, float] | None = None) -> None:
     tensors = payload if isinstance(payload, (list, tuple)) else [] if payload is None else [payload]
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     host_timed = all(t.device.type == "cpu" for t in tensors)
     for ledger in _ledgers:
-        op = ledger.launched(name, nbytes, t0, t1, host_timed)
+        op = ledger.launched(name, nbytes, t0, t1, host_timed, cpu)
         if op is None:
             continue
         get_future = getattr(result, "get_future", None)

@@ -3,10 +3,11 @@
 DDP launches one all-reduce per gradient bucket from inside backward and, once the last
 bucket is launched, waits for all of them before backward returns (its "finalize"). The
 exposed communication is that wait, the hook's own work on the training thread (dividing,
-compressing) and DDP's copies of the gradients into and out of the buckets (``comm.Tail``).
-Against ``1 - t(no_sync) / t(sync)`` measured in the same job (tests/e2e), on CPU it reads
-lower by the slowdown the all-reduce threads cause the backward they overlap, competing with
-it for the same cores.
+compressing), DDP's copies of the gradients into and out of the buckets (``comm.Tail``) and,
+on CPU, the time the backward they overlap lost its CPU to the all-reduce threads
+(``comm``'s contention). The CPU clock of the training thread is read at the edges of the
+hook and of the wait, where it is cheap (~1 µs), so contention is measured without a reading
+inside backward's own work.
 
 The hook registered is a thin wrapper. By default it all-reduces the bucket as DDP itself
 does (the average over the group), on the process group directly. A hook the user registers
@@ -23,7 +24,7 @@ so the step's communication is reported as not measured.
 from __future__ import annotations
 
 import logging
-from time import perf_counter
+from time import perf_counter, thread_time
 from typing import Any
 
 from gpumon.client.comm import CommLedger, Tail, tap_into
@@ -102,13 +103,13 @@ def _watch(ledger: CommLedger, ddp: Any) -> tuple[str, str]:
 
 def _wrapper(ledger: CommLedger, hooks: _Hooks) -> Any:
     def gpumon_timed_comm_hook(state: object, bucket: Any) -> Any:
-        t0 = perf_counter()
+        c0, t0 = thread_time(), perf_counter()
         if hooks.hook is None:
             future = _all_reduce(ledger, hooks.state, bucket, t0)
         else:
             future = hooks.hook(hooks.state, bucket)
-        t1 = perf_counter()
-        ledger.blocked(t0, t1)
+        t1, c1 = perf_counter(), thread_time()
+        ledger.blocked(t0, t1, (c0, c1))
         is_last = getattr(bucket, "is_last", None)
         if is_last is not None and is_last():
             tail = ledger.wait_from(t1, mirrored=True)

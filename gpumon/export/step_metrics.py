@@ -273,8 +273,9 @@ def _comm_families() -> _CommFamilySet:
     op_labels = [*RANK_LABELS, "op"]
     return _CommFamilySet(
         CounterFamily("gpumon_comm_exposed_seconds",
-                      "Time the training thread was blocked on collectives (measured by "
-                      "watch(), or a hand-timed comm phase when larger; never both added).",
+                      "Time collectives held the training thread up: blocked on them, or kept "
+                      "off a CPU by their threads (measured by watch(), or a hand-timed comm "
+                      "phase when larger; never both added).",
                       labels=RANK_LABELS),
         CounterFamily("gpumon_comm_overlapped_seconds",
                       "Time collectives were in flight while the rank kept computing "

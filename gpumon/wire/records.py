@@ -39,9 +39,10 @@ class CollectiveOp:
 class CommStats:
     """Collective communication measured during one step.
 
-    ``exposed_s`` is how long the training thread was blocked waiting on collectives (how much
-    they lengthened the step); ``busy_s`` how long any collective was in flight (the union of
-    their intervals, including what overlapped compute). Both are at most the step's duration.
+    ``exposed_s`` is how long collectives held the training thread up, waiting on them or kept
+    off a CPU by their threads (how much they lengthened the step); ``busy_s`` how long any
+    collective was in flight (the union of their intervals, including what overlapped
+    compute). Both are at most the step's duration.
     """
 
     exposed_s: float

@@ -218,3 +218,47 @@ def test_figures_stay_within_the_step_whatever_the_timings(
     assert 0.0 <= comm["exposed"] <= comm["busy"] <= window + 1e-3
     for count, size, seconds in comm["ops"].values():
         assert count >= 1 and size >= 0 and seconds >= 0.0
+
+
+def test_cpu_lost_while_collectives_overlap_work_is_exposed() -> None:
+    # The training thread's clocks (wall, CPU) over a 100 ms step: 20 ms of forward with no
+    # collective in flight, 2 ms off a CPU (the node's usual rate, 10 %); then a bucket's
+    # launch (blocked, [20, 21] ms) and 40 ms of backward beside it, 14 ms of them off a CPU;
+    # then the wait for it ([61, 90] ms, counted as blocked already); then 10 ms of optimizer.
+    clocks = [(0.0, 0.0), (0.020, 0.018), (0.021, 0.019), (0.061, 0.045), (0.090, 0.046), (0.100, 0.055)]
+    busy = [(0.020, 0.090)]
+    blocked = [(0.020, 0.021), (0.061, 0.090)]
+    from gpumon.client.comm import contention_seconds
+
+    # 14 ms off a CPU in flight, less the 10 % the thread loses anyway (forward and optimizer:
+    # 3 ms of 30 ms) over those 40 ms.
+    assert contention_seconds(clocks, busy, blocked) == pytest.approx(0.014 - 0.1 * 0.040)
+    # No collective in flight: nothing is contention, whatever the thread lost.
+    assert contention_seconds(clocks, [], blocked) == 0.0
+    # Losing less than usual beside the collectives is not negative contention.
+    calm = [(0.0, 0.0), (0.020, 0.010), (0.021, 0.011), (0.061, 0.050), (0.100, 0.080)]
+    assert contention_seconds(calm, busy, blocked) == 0.0
+
+
+def test_a_step_with_contention_counts_it_as_exposed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The training thread's CPU clock runs at 40 % of the wall clock beside the collective,
+    # and stops while it waits; the ledger reads it at the step's edges and the wait's.
+    cpu = iter([0.0, 0.017])  # at the step's begin and end
+    monkeypatch.setattr("gpumon.client.comm.thread_time", lambda: next(cpu))
+    ledger = CommLedger()
+    ledger.step_begin()
+    t = perf_counter()
+    op = ledger.launched("all_reduce", 4, t, t + 0.0001, True, (0.0, 0.00004))
+    assert op is not None
+    ledger.blocked(t + 0.030, t + 0.040, (0.012, 0.012))
+    op.t_done = t + 0.035
+    while perf_counter() < t + 0.045:
+        pass
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    comm = fields["comm"]
+    assert isinstance(comm, dict)
+    # The launch and the wait (10.1 ms), plus the 18 ms lost beside the collective over
+    # [0.1, 30] ms; after the wait, the thread had its CPU (the quiet rate is 0).
+    assert comm["exposed"] == pytest.approx(0.0101 + 0.0299 - 0.01196, abs=0.001)
+    assert comm["exposed"] <= comm["busy"]

@@ -47,10 +47,11 @@ def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
         steps, summary = job.steps(rank), job.summary(rank)
         truth, measured = truth_share(summary), exposed_share(steps)
         assert truth > 0.3, summary  # the job is communication-heavy, as built
-        # The measured share is what the training thread was blocked; the no_sync truth also
-        # counts the all-reduce threads slowing the backward they overlap on two shared cores.
-        # On this machine that puts the measurement 0.09-0.17 under the truth, never over.
-        assert -0.2 <= measured - truth <= 0.05, (rank, measured, truth)
+        # What the training thread waited, plus the CPU it lost to gloo's threads while they
+        # overlapped its backward. Left out: its work running slower beside them while on a CPU
+        # (shared caches): on two shared cores, 0.0-0.10 under the truth, also beside a busy
+        # process.
+        assert abs(measured - truth) <= 0.15, (rank, measured, truth)
         counts = set()
         for step in steps:
             comm = step["comm"]
