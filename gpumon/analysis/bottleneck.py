@@ -13,6 +13,9 @@ utilisation, because communication kernels count as "busy" to NVML.
 Communication is the step's collective wait (``comm.wait_s``): what the client's watcher
 measured, or a hand-timed ``comm`` phase, never both added. Its share is taken out of the
 phases it sat in, so ``compute`` is time the rank worked, not time it waited for a peer.
+The rules read a window's share only up to the rank's typical share (the median over its
+recent windows, this one included): ranks drifting apart for a step (one preempted, the others
+waiting for it in the all-reduce) make one window's wait genuine but no wall the job hits.
 Whether a rank is the run's straggler is decided across ranks (``straggler``); ``classify``
 is told the outcome and flags it, names its cause, and tells the straggler's peers that
 they wait for it.
@@ -21,7 +24,8 @@ they wait for it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -210,6 +214,7 @@ def classify(
     previous_ooms: int | None = None,
     thresholds: Thresholds = DEFAULT,
     memory_remedy: str | None = None,
+    recent_comm: Sequence[float] = (),
 ) -> Verdict:
     """Classify one step (docs/architecture.md §7): primary wall, confidence, time shares, flags and a hint.
 
@@ -221,7 +226,9 @@ def classify(
     of the step and its persistence); ``slower_rank`` names the rank it waits for when its
     verdict is communication. ``memory_remedy`` replaces the generic memory-pressure hint
     when the rank's memory breakdown names what fills it
-    (``gpumon.analysis.memory.attribute_growth``).
+    (``gpumon.analysis.memory.attribute_growth``). ``recent_comm`` are the communication shares
+    of the rank's previous windows: the rules read this window's share at most at the median of
+    those and this one (the shares reported stay as measured).
     """
     th = thresholds
     measured = phase_fractions(step)
@@ -230,6 +237,8 @@ def classify(
         fractions["other"] = 1.0
     data = measured["input"] if measured is not None else None
     comm = measured["comm"] if measured is not None else None
+    rule_comm = comm if comm is None or not recent_comm \
+        else min(comm, statistics.median([*recent_comm, comm]))
 
     step_mfu = None
     if (step.flops is not None and math.isfinite(step.flops) and step.flops >= 0
@@ -263,9 +272,9 @@ def classify(
     if data is not None and data >= th.input_high_fraction:
         primary = Bottleneck.INPUT
         strength = 0.6 + 0.4 * _margin(data, th.input_high_fraction, 0.5)
-    elif comm is not None and comm >= th.comm_high_fraction:
+    elif rule_comm is not None and rule_comm >= th.comm_high_fraction:
         primary = Bottleneck.COMMUNICATION
-        strength = 0.6 + 0.4 * _margin(comm, th.comm_high_fraction, 0.5)
+        strength = 0.6 + 0.4 * _margin(rule_comm, th.comm_high_fraction, 0.5)
     elif busy is not None and busy < th.host_busy_max:
         primary = Bottleneck.HOST
         strength = 0.6 + 0.4 * _margin(th.host_busy_max - busy, 0.0, th.host_busy_max)
@@ -293,7 +302,7 @@ def classify(
             (value, bottleneck, low, high)
             for value, bottleneck, low, high in (
                 (data, Bottleneck.INPUT, th.input_moderate_fraction, th.input_high_fraction),
-                (comm, Bottleneck.COMMUNICATION, th.comm_moderate_fraction,
+                (rule_comm, Bottleneck.COMMUNICATION, th.comm_moderate_fraction,
                  th.comm_high_fraction),
             )
             if value is not None and value >= low

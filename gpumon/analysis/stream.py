@@ -44,6 +44,7 @@ History = Callable[[int, float, float], Sequence[GpuSample]]
 WORK_HISTORY = 24  # steps per rank for the straggler comparison (its medians and quartiles)
 SILENT_STEPS = 10  # a rank this many of its run's typical steps behind the newest is silent
 SILENT_MIN_S = 5.0  # ... and at least this many seconds behind
+COMM_HISTORY = 8  # windows per rank whose median communication share bounds one window's
 PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
 BREAKDOWN_HISTORY = 16  # sampled memory breakdowns per rank: ~80 s at the client's 5 s
 MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
@@ -106,6 +107,8 @@ class _RankTracker:
     breakdowns: deque[tuple[float, MemoryBreakdown]] = field(
         default_factory=lambda: deque(maxlen=BREAKDOWN_HISTORY))
     durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    comm_shares: deque[float] = field(default_factory=lambda: deque(maxlen=COMM_HISTORY))
+    """Communication shares of its latest windows analysed (``classify``'s ``recent_comm``)."""
     last: StepRecord | None = None
     device_shares: dict[str, float] | None = None
     """Phase shares of its latest GPU-timed steps (``device_timing``), for windows without any."""
@@ -287,7 +290,10 @@ class StepAnalyzer:
             previous_ooms=previous.mem.ooms if previous and previous.mem else None,
             thresholds=thresholds,
             memory_remedy=memory.text if memory is not None else None,
+            recent_comm=state.comm_shares,
         )
+        if verdict.fractions["other"] < 1.0:  # its shares were measured (phases or comm)
+            state.comm_shares.append(verdict.fractions["comm"])
         analysis.verdict = verdict
         analysis.verdict_step = last.step
         analysis.bottleneck_steps[verdict.primary.value] += steps

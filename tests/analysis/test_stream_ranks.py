@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import replace
 
 from gpumon.analysis.bottleneck import Bottleneck, Flag
 from gpumon.analysis.straggler import STRAGGLER_MIN_STEPS, SlowerRank, StragglerCause
 from gpumon.analysis.stream import StepAnalyzer, StepVerdict
+from gpumon.analysis.thresholds import DEFAULT
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.wire import CollectiveOp, CommStats, StepRecord
 
@@ -181,3 +183,34 @@ def test_impossible_comm_figures_give_verdicts_not_errors() -> None:
     for v in verdicts:
         assert 0.0 <= v.verdict.confidence <= 1.0
         assert all(0.0 <= share <= 1.0 for share in v.verdict.fractions.values())
+
+
+def test_ranks_drifting_apart_for_a_step_are_no_communication_wall() -> None:
+    # Two balanced ranks; now and then one is preempted for 60 ms of one step, and its peer
+    # waits that long in the all-reduce (a genuine wait, 30 % of that step): a wall it hits in
+    # one window of eight, not the job's. When the waits persist, they are its wall.
+    def drifting(every: int, by_turns: bool) -> list[StepRecord]:
+        out: list[StepRecord] = []
+        t = T0
+        for n in range(64):
+            late = {(n // every) % 2 if by_turns else 0: 0.06} if n % every == 0 else {}
+            out += [replace(s, step=n) for s in sync_run(2, range(1), extra_forward=late, t0=t)]
+            t += out[-1].duration_s
+        return out
+
+    def after_first_window(verdicts: list[StepVerdict], rank: int) -> list[StepVerdict]:
+        # A rank's first window has no typical share yet to be weighed against.
+        return [v for v in verdicts if v.rank == rank][1:]
+
+    analyzer = StepAnalyzer(resolution_s=0.2)
+    verdicts = feed(analyzer, drifting(every=4, by_turns=True))  # one rank late, then the other
+    for rank in (0, 1):
+        mine = after_first_window(verdicts, rank)
+        # the waits are there, and reported as measured
+        assert any(v.verdict.fractions["comm"] >= DEFAULT.comm_high_fraction for v in mine)
+        assert all(v.verdict.primary is not Bottleneck.COMMUNICATION for v in mine)
+
+    analyzer = StepAnalyzer(resolution_s=0.2)
+    verdicts = feed(analyzer, drifting(every=1, by_turns=False))  # rank 0 late on every step
+    peer = after_first_window(verdicts, 1)
+    assert all(v.verdict.primary is Bottleneck.COMMUNICATION for v in peer)

@@ -76,10 +76,13 @@ def test_compute_heavy_ddp_shows_little_exposed_communication(
         assert abs(measured - truth) <= 0.15, (rank, measured, truth)
         assert measured < 0.3
         assert all(s["comm"]["ops"]["all_reduce"][1] == summary["grad_bytes"] for s in steps)
-        # No bound on the share of `communication` verdicts here: two ranks on two shared
-        # cores drift out of step now and then, a peer then genuinely waits a third of a step
-        # or more, and per-step verdicts say communication for those steps (12-62 % of steps
-        # measured on this machine). The run-level figures above are what holds.
+    # The verdicts come from the job as it trains, without the no_sync twins: a twin lets the
+    # ranks drift apart (each times its own, unsynchronised), so the next step of the faster
+    # one genuinely waits for its peer, which no real job does.
+    plain = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--steps", "16"],
+                    run="ddp-compute-plain", expect_steps=2 * 16)
+    for rank in (0, 1):
+        assert share_of(plain.verdicts(rank), "communication") <= 0.10
 
 
 @pytest.mark.parametrize("buckets", ["copied", "bucket-view"])

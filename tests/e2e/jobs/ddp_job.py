@@ -46,6 +46,7 @@ def main() -> None:
     parser.add_argument("--hook-before-watch", action="store_true")
     parser.add_argument("--no-watch", action="store_true")
     parser.add_argument("--bucket-view", action="store_true", help="gradient_as_bucket_view=True")
+    parser.add_argument("--batch", type=int, default=0, help="the model's batch size instead of its own")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -64,6 +65,7 @@ def main() -> None:
         model = nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                               nn.Linear(512, 512))
         batch, width = 8192, 512
+    batch = args.batch or batch
     ddp = DDP(model, gradient_as_bucket_view=args.bucket_view)
     mon = StepMonitor()
     hook = default_hooks.fp16_compress_hook if args.comm_hook == "fp16" else None
