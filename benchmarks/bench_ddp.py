@@ -28,7 +28,11 @@ pass is most of what watching costs; ``--bucket-view`` runs both models with
 watching it: what a Python comm hook costs DDP by itself, for comparison.
 
 ``--control`` watches neither model: the ratio it reads is what this machine reads for no
-difference (on a shared machine, several per cent). ``--ranks 1`` runs the same in a world
+difference. Two DDP models in one process do not run alike: on a quiet 2-core machine the
+control read 1.13 (1.035 with glibc's malloc kept from returning the gradients' memory to the
+kernel every step), so in-process ratios carry that bias. ``--processes K`` avoids it: K pairs
+of separate jobs, one model each, watched and not, the order flipping every pair; the figure
+is the median over pairs of the throughput ratio (``--control`` applies to it as well). ``--ranks 1`` runs the same in a world
 of one: no peer to wait for, so the per-collective figure is the CPU the timing adds, without
 the noise of two ranks scheduling each other's all-reduce.
 
@@ -45,7 +49,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
 from typing import Any
@@ -68,27 +73,20 @@ def main() -> None:
                              "any Python comm hook costs")
     parser.add_argument("--control", action="store_true",
                         help="watch neither model: the ratio this machine reads for no difference")
+    parser.add_argument("--processes", type=int, default=0, metavar="K",
+                        help="K pairs of separate one-model jobs instead of two models in one")
+    parser.add_argument("--steps", type=int, default=40, help="steps of each job with --processes")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--single", choices=("plain", "watched"), help=argparse.SUPPRESS)
     args, _ = parser.parse_known_args()
     if args.worker:
-        worker(args)
+        single_worker(args) if args.single else worker(args)
         return
-    sys.path.insert(0, str(HERE))
-    from bench_hook import drained_socket
-
-    with drained_socket() as (socket_path, finish), tempfile.TemporaryDirectory() as results:
-        env = {**os.environ, "GPUMON_SOCKET": socket_path, "GPUMON_RUN": "bench-ddp",
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "BENCH_DDP_RESULTS": results}
-        from gpumon.testing import free_port
-
-        done = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
-             "--master-port", str(free_port()), __file__, "--worker", *sys.argv[1:]],
-            env=env, capture_output=True, text=True)
-        received = finish()
-        if done.returncode != 0:
-            sys.exit(f"the job failed:\n{done.stdout}\n{done.stderr[-6000:]}")
-        ranks = [json.loads(path.read_text()) for path in Path(results).glob("rank*.json")]
+    if args.processes:
+        in_processes(args)
+        return
+    with _launched(args.ranks, ["--worker", *sys.argv[1:]]) as (ranks, received):
+        pass
     for result in sorted(ranks, key=lambda r: r["rank"]):
         print(f"rank {result['rank']}: job throughput watched/plain {result['job_ratio']:.4f} "
               f"(step {result['job_step_ms']:.1f} ms), per collective {result['per_collective_us']:.1f} µs "
@@ -100,6 +98,70 @@ def main() -> None:
                       "ranks": args.ranks,
                       "job_throughput_ratio": rank0["job_ratio"],
                       "per_collective_us": rank0["per_collective_us"], "records_received": received}))
+
+
+@contextmanager
+def _launched(nproc: int, worker_args: list[str]) -> Iterator[tuple[list[dict[str, Any]], int]]:
+    """Run this file's worker under ``torch.distributed.run``, reporting to a drained socket;
+    yields each rank's result and the records the reader received."""
+    sys.path.insert(0, str(HERE))
+    from bench_hook import drained_socket
+
+    from gpumon.testing import free_port
+
+    with drained_socket() as (socket_path, finish), tempfile.TemporaryDirectory() as results:
+        env = {**os.environ, "GPUMON_SOCKET": socket_path, "GPUMON_RUN": "bench-ddp",
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent), "BENCH_DDP_RESULTS": results}
+        done = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+             "--master-port", str(free_port()), __file__, *worker_args],
+            env=env, capture_output=True, text=True)
+        received = finish()
+        if done.returncode != 0:
+            sys.exit(f"the job failed:\n{done.stdout}\n{done.stderr[-6000:]}")
+        yield [json.loads(path.read_text()) for path in Path(results).glob("rank*.json")], received
+
+
+def in_processes(args: argparse.Namespace) -> None:
+    """``--processes``: pairs of one-model jobs, watched and plain, alternating."""
+    ratios, steps_ms = [], []
+    passed = ["--steps", str(args.steps)] + [flag for flag, on in (
+        ("--control", args.control), ("--stock-hook", args.stock_hook),
+        ("--bucket-view", args.bucket_view)) if on]
+    for pair in range(args.processes):
+        order = ["plain", "watched"] if pair % 2 == 0 else ["watched", "plain"]
+        step_s = {}
+        for single in order:
+            with _launched(args.ranks, ["--worker", "--single", single, *passed]) as (ranks, _):
+                step_s[single] = statistics.median(r["step_s"] for r in ranks)
+        ratios.append(step_s["plain"] / step_s["watched"])
+        steps_ms.append(step_s["plain"] * 1e3)
+        print(f"pair {pair}: plain {step_s['plain'] * 1e3:.1f} ms, watched "
+              f"{step_s['watched'] * 1e3:.1f} ms a step: throughput ratio {ratios[-1]:.4f}")
+    print(json.dumps({"bench": "ddp", "mode": "processes", "control": args.control,
+                      "stock_hook": args.stock_hook, "bucket_view": args.bucket_view,
+                      "ranks": args.ranks, "pairs": args.processes, "steps": args.steps,
+                      "job_throughput_ratio": statistics.median(ratios),
+                      "plain_step_ms": statistics.median(steps_ms)}))
+
+
+def single_worker(args: argparse.Namespace) -> None:
+    """One model, watched or not: the median step time of ``--steps`` steps after warm-up."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    watch: bool | str = False
+    if args.single == "watched":
+        watch = "stock" if args.stock_hook else not args.control
+    arm = Arm(lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]), watched=watch,
+              gradient_as_bucket_view=args.bucket_view)
+    step_s = statistics.median(arm.run(1) for _ in range(args.steps))
+    Path(os.environ["BENCH_DDP_RESULTS"], f"rank{dist.get_rank()}.json").write_text(
+        json.dumps({"rank": dist.get_rank(), "step_s": step_s}))
+    dist.destroy_process_group()
 
 
 def worker(args: argparse.Namespace) -> None:
