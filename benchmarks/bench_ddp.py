@@ -32,9 +32,11 @@ difference. Two DDP models in one process do not run alike: on a quiet 2-core ma
 control read 1.13 (1.035 with glibc's malloc kept from returning the gradients' memory to the
 kernel every step), so in-process ratios carry that bias. ``--processes K`` avoids it: K pairs
 of separate jobs, one model each, watched and not, the order flipping every pair; the figure
-is the median over pairs of the throughput ratio (``--control`` applies to it as well). ``--ranks 1`` runs the same in a world
-of one: no peer to wait for, so the per-collective figure is the CPU the timing adds, without
-the noise of two ranks scheduling each other's all-reduce.
+is the median over pairs of the throughput ratio (``--control`` applies to it as well).
+
+``--ranks 1`` runs the same in a world of one: no peer to wait for, so the per-collective
+figure is the CPU the timing adds, without the noise of two ranks scheduling each other's
+all-reduce.
 
 Prints a line per rank and a JSON line (rank 0's figures, which the other ranks match within
 noise: a DDP step ends together on every rank).
