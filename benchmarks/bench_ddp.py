@@ -32,7 +32,9 @@ difference. Two DDP models in one process do not run alike: on a quiet 2-core ma
 control read 1.13 (1.035 with glibc's malloc kept from returning the gradients' memory to the
 kernel every step), so in-process ratios carry that bias. ``--processes K`` avoids it: K pairs
 of separate jobs, one model each, watched and not, the order flipping every pair; the figure
-is the median over pairs of the throughput ratio (``--control`` applies to it as well).
+is the median over pairs of the throughput ratio (``--control`` applies to it as well), with
+the CPU watching adds a step (training thread; whole process, gloo's threads too): far less
+noisy than the wall clock when two ranks share two cores.
 
 ``--ranks 1`` runs the same in a world of one: no peer to wait for, so the per-collective
 figure is the CPU the timing adds, without the noise of two ranks scheduling each other's
@@ -51,6 +53,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -126,25 +129,33 @@ def _launched(nproc: int, worker_args: list[str]) -> Iterator[tuple[list[dict[st
 
 def in_processes(args: argparse.Namespace) -> None:
     """``--processes``: pairs of one-model jobs, watched and plain, alternating."""
-    ratios, steps_ms = [], []
+    ratios, steps_ms, thread_cpu, process_cpu = [], [], [], []
     passed = ["--steps", str(args.steps)] + [flag for flag, on in (
         ("--control", args.control), ("--stock-hook", args.stock_hook),
         ("--bucket-view", args.bucket_view)) if on]
     for pair in range(args.processes):
         order = ["plain", "watched"] if pair % 2 == 0 else ["watched", "plain"]
-        step_s = {}
+        step_s, cpu = {}, {}
         for single in order:
             with _launched(args.ranks, ["--worker", "--single", single, *passed]) as (ranks, _):
                 step_s[single] = statistics.median(r["step_s"] for r in ranks)
+                cpu[single] = (statistics.median(r["thread_cpu_s"] for r in ranks),
+                               statistics.median(r["process_cpu_s"] for r in ranks))
         ratios.append(step_s["plain"] / step_s["watched"])
         steps_ms.append(step_s["plain"] * 1e3)
+        thread_cpu.append((cpu["watched"][0] - cpu["plain"][0]) * 1e3)
+        process_cpu.append((cpu["watched"][1] - cpu["plain"][1]) * 1e3)
         print(f"pair {pair}: plain {step_s['plain'] * 1e3:.1f} ms, watched "
-              f"{step_s['watched'] * 1e3:.1f} ms a step: throughput ratio {ratios[-1]:.4f}")
+              f"{step_s['watched'] * 1e3:.1f} ms a step: throughput ratio {ratios[-1]:.4f}; "
+              f"CPU added a step: training thread {thread_cpu[-1]:+.2f} ms, "
+              f"process {process_cpu[-1]:+.2f} ms")
     print(json.dumps({"bench": "ddp", "mode": "processes", "control": args.control,
                       "stock_hook": args.stock_hook, "bucket_view": args.bucket_view,
                       "ranks": args.ranks, "pairs": args.processes, "steps": args.steps,
                       "job_throughput_ratio": statistics.median(ratios),
-                      "plain_step_ms": statistics.median(steps_ms)}))
+                      "plain_step_ms": statistics.median(steps_ms),
+                      "thread_cpu_added_ms": statistics.median(thread_cpu),
+                      "process_cpu_added_ms": statistics.median(process_cpu)}))
 
 
 def single_worker(args: argparse.Namespace) -> None:
@@ -160,9 +171,15 @@ def single_worker(args: argparse.Namespace) -> None:
         watch = "stock" if args.stock_hook else not args.control
     arm = Arm(lambda: nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]), watched=watch,
               gradient_as_bucket_view=args.bucket_view)
-    step_s = statistics.median(arm.run(1) for _ in range(args.steps))
-    Path(os.environ["BENCH_DDP_RESULTS"], f"rank{dist.get_rank()}.json").write_text(
-        json.dumps({"rank": dist.get_rank(), "step_s": step_s}))
+    walls, threads, processes = [], [], []
+    for _ in range(args.steps):
+        thread0, process0 = time.thread_time(), time.process_time()
+        walls.append(arm.run(1))
+        threads.append(time.thread_time() - thread0)
+        processes.append(time.process_time() - process0)
+    Path(os.environ["BENCH_DDP_RESULTS"], f"rank{dist.get_rank()}.json").write_text(json.dumps({
+        "rank": dist.get_rank(), "step_s": statistics.median(walls),
+        "thread_cpu_s": statistics.median(threads), "process_cpu_s": statistics.median(processes)}))
     dist.destroy_process_group()
 
 
