@@ -41,6 +41,11 @@ class Job:
         _, verdicts = classify_file(self.recording)
         return [v.verdict for v in verdicts if v.run == self.run and v.rank == rank for _ in v.steps]
 
+    def first_window(self, rank: int) -> tuple[int, ...]:
+        """The steps of ``rank``'s first verdict window."""
+        _, verdicts = classify_file(self.recording)
+        return next(v.steps for v in verdicts if v.run == self.run and v.rank == rank)
+
     def steps(self, rank: int | None = None) -> list[dict[str, Any]]:
         """The recorded step lines of this job (of one rank), in step order."""
         lines = [json.loads(line) for line in self.recording.read_text().splitlines() if line.strip()]

@@ -79,10 +79,13 @@ def test_compute_heavy_ddp_shows_little_exposed_communication(
     # The verdicts come from the job as it trains, without the no_sync twins: a twin lets the
     # ranks drift apart (each times its own, unsynchronised), so the next step of the faster
     # one genuinely waits for its peer, which no real job does.
-    plain = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--steps", "16"],
-                    run="ddp-compute-plain", expect_steps=2 * 16)
+    plain = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--steps", "24"],
+                    run="ddp-compute-plain", expect_steps=2 * 24)
     for rank in (0, 1):
-        assert share_of(plain.verdicts(rank), "communication") <= 0.10
+        # A rank's first window has no typical share to be weighed against (the ranks start
+        # out of step): one window of one or two steps, left out.
+        first = len(plain.first_window(rank))
+        assert share_of(plain.verdicts(rank)[first:], "communication") <= 0.10
 
 
 @pytest.mark.parametrize("buckets", ["copied", "bucket-view"])
