@@ -18,7 +18,7 @@ recent windows, this one included): ranks drifting apart for a step (one preempt
 waiting for it in the all-reduce) make one window's wait genuine but no wall the job hits.
 Whether a rank is the run's straggler is decided across ranks (``straggler``); ``classify``
 is told the outcome and flags it, names its cause, and tells the straggler's peers that
-they wait for it.
+they wait for it. The hint texts a verdict carries live in ``hints``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,15 @@ from enum import Enum
 
 from gpumon.analysis.comm import attributed_phases
 from gpumon.analysis.devices import mfu
+from gpumon.analysis.hints import (
+    CAUSE_HINTS,
+    COMM_BANDWIDTH_HINT,
+    COMM_LATENCY_HINT,
+    COMM_UNKNOWN_HINT,
+    FLAG_HINTS,
+    WAITING_HINT,
+    WALL_HINTS,
+)
 from gpumon.analysis.straggler import SlowerRank, StragglerCause
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import GpuWindow
@@ -113,67 +122,6 @@ _USES: dict[Bottleneck, tuple[str, ...]] = {
     Bottleneck.COMPUTE: ("phases", "gpm", "flops", "samples"),
     Bottleneck.UNKNOWN: _ALL_INPUTS,
 }
-
-_HINTS = {
-    Bottleneck.INPUT: (
-        "data supply: the GPU waits for batches — prefetch (DataLoader prefetch_factor, "
-        "pin_memory), more DataLoader workers, cache decoded samples"
-    ),
-    Bottleneck.HOST: (
-        "host/launch bound: the GPU idles between kernels — CUDA graphs or torch.compile to cut "
-        "launch overhead, larger or fused kernels (a larger batch), fewer host syncs "
-        "(.item(), .cpu(), printing tensors)"
-    ),
-    Bottleneck.MEMORY_BANDWIDTH: (
-        "HBM bandwidth bound — operator fusion (torch.compile, fused kernels, FlashAttention), "
-        "fewer intermediate reads/writes"
-    ),
-    Bottleneck.COMPUTE: (
-        "compute bound — mixed precision (bf16/fp8 tensor cores), kernel work, a larger batch; "
-        "beyond that, more GPUs"
-    ),
-}
-_COMM_BANDWIDTH_HINT = (
-    "communication bound, links near peak bandwidth — gradient compression or lower-precision "
-    "gradients, overlap communication with compute (bucketed all-reduce), topology-aware "
-    "placement (keep tensor parallelism inside NVLink)"
-)
-_COMM_LATENCY_HINT = (
-    "communication bound, links far from peak — waiting on a slower rank or latency-bound small "
-    "messages: look for a straggler, use larger buckets, overlap communication with compute"
-)
-_COMM_UNKNOWN_HINT = (
-    "communication bound (link throughput unknown: no NVLink counters or peak; inter-node "
-    "traffic is not visible to NVML) — overlap communication with compute, gradient compression, "
-    "topology; check for a straggler"
-)
-_WAITING_HINT = (
-    "communication bound, waiting on a slower rank (rank {rank}{silent}): this rank idles in "
-    "the collectives until that one joins — the fix is on that rank (its straggler cause), "
-    "not on the links"
-)
-_CAUSE_HINTS = {
-    StragglerCause.INPUT: "its data wait: check its input shard, loader workers and storage",
-    StragglerCause.COMPUTE: (
-        "its own forward/backward work: uneven batches or sequence lengths, a CPU-starved "
-        "process, a noisy neighbour on its host"
-    ),
-    StragglerCause.GPU: "its GPU: throttled, lower clocks or XID errors — check cooling, power "
-                        "and the GPU's error log",
-    StragglerCause.UNKNOWN: "no phases reported to tell its input from its compute",
-}
-_FLAG_HINTS = {
-    Flag.MEMORY_PRESSURE: (
-        "memory pressure — ZeRO/FSDP sharding, activation checkpointing; a smaller batch shrinks "
-        "only activations"
-    ),
-    Flag.THROTTLED: "clocks throttled (thermal/power slowdown) — check cooling and power",
-    Flag.STRAGGLER: (
-        "straggler: its own work per step (step time less collective wait) well above its "
-        "peers', who wait for it in the collectives"
-    ),
-}
-
 
 def phase_fractions(step: StepRecord) -> dict[str, float] | None:
     """Share of the step per category, or ``None`` when it reported neither (positive)
@@ -317,7 +265,7 @@ def classify(
             and slower_rank.rank != step.rank:
         # Waiting on a peer is established by the comparison itself: link figures add nothing.
         waiting_on = slower_rank.rank
-        hint = _WAITING_HINT.format(
+        hint = WAITING_HINT.format(
             rank=slower_rank.rank, silent=", which stopped reporting" if slower_rank.silent else "")
     elif primary is Bottleneck.COMMUNICATION:
         hint, link_known = _comm_hint(gpu, comm or 0.0, peak_nvlink_bytes_per_second, th)
@@ -326,7 +274,7 @@ def classify(
     elif primary is Bottleneck.UNKNOWN:
         hint = "no rule fired; largest shares: " + _largest_shares(fractions)
     else:
-        hint = _HINTS[primary]
+        hint = WALL_HINTS[primary.value]
     if moderate:
         hint = f"moderately {primary.value}-bound; {hint}"
 
@@ -343,10 +291,10 @@ def classify(
     for flag in (Flag.MEMORY_PRESSURE, Flag.THROTTLED, Flag.STRAGGLER):
         if flag in flags:
             remedy = memory_remedy if flag is Flag.MEMORY_PRESSURE else None
-            hint += "; " + (f"memory pressure — {remedy}" if remedy else _FLAG_HINTS[flag])
+            hint += "; " + (f"memory pressure — {remedy}" if remedy else FLAG_HINTS[flag.value])
     if Flag.STRAGGLER in flags:
         cause = straggler_cause or StragglerCause.UNKNOWN
-        hint += f"; cause: {cause.value} — {_CAUSE_HINTS[cause]}"
+        hint += f"; cause: {cause.value} — {CAUSE_HINTS[cause.value]}"
     return Verdict(primary, confidence, fractions, frozenset(flags), hint, step_mfu, cause,
                    waiting_on)
 
@@ -432,17 +380,17 @@ def _comm_hint(
 ) -> tuple[str, bool]:
     """The communication hint, and whether link throughput could be judged at all."""
     if gpu is None or not peak_nvlink or comm <= 0:
-        return _COMM_UNKNOWN_HINT, False
+        return COMM_UNKNOWN_HINT, False
     rates = [r for r in (gpu.nvlink_tx_bytes_per_second, gpu.nvlink_rx_bytes_per_second)
              if r is not None]
     if not rates:
-        return _COMM_UNKNOWN_HINT, False
+        return COMM_UNKNOWN_HINT, False
     # The window's mean rate, attributed to the exposed communication time. Traffic that
     # overlapped backward is attributed too, so this errs towards "bandwidth".
     during_comm = min(1.0, max(rates) / peak_nvlink / comm)
     if during_comm >= th.link_bandwidth_bound_ratio:
-        return _COMM_BANDWIDTH_HINT, True
-    return _COMM_LATENCY_HINT, True
+        return COMM_BANDWIDTH_HINT, True
+    return COMM_LATENCY_HINT, True
 
 
 def _largest_shares(fractions: Mapping[str, float]) -> str:
