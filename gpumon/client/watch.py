@@ -3,7 +3,8 @@
 Dispatches on what ``model`` is, by type name (nothing is imported for a plain module):
 ``DistributedDataParallel`` → its gradient all-reduces (``ddp``); an FSDP module (``fully_shard``
 or ``FullyShardedDataParallel``, at the root or inside) → its all-gathers and reduce-scatters
-(``comm``'s wrapped collectives); a DeepSpeed engine → listed, not measured yet. Any torch
+(``comm``'s wrapped collectives); a DeepSpeed engine → listed, not measured yet. All three also
+get the training thread's wait for a CPU (``cpu_wait``): what slows a rank slows its peers. Any torch
 module → its sampled memory breakdown (``memory``), with the optimizer's states when one is
 given (a later call with the optimizer adds it). Anything it
 cannot measure it leaves alone and says so once in the log; it never raises into the
@@ -18,6 +19,7 @@ import sys
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumon.client.comm import CommLedger, tap_into
+from gpumon.client.cpu_wait import CpuWaitClock
 
 if TYPE_CHECKING:
     from gpumon.client.monitor import StepMonitor
@@ -133,6 +135,10 @@ def comm_ledger(monitor: StepMonitor) -> CommLedger:
 
 def _watch_communication(monitor: StepMonitor, model: object) -> None:
     kind = kind_of(model)
+    if kind is not None and getattr(monitor, "_cpu_wait", None) is None:
+        # A rank of a distributed run: its peers wait for whatever slows it, host included.
+        monitor._cpu_wait = CpuWaitClock()  # type: ignore[attr-defined]
+        monitor._add_extension(monitor._cpu_wait)  # type: ignore[attr-defined]
     if kind == "ddp":
         from gpumon.client.ddp import watch_ddp
 

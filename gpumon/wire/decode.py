@@ -204,8 +204,12 @@ def _fast_step(obj: dict[str, object]) -> StepRecord | None:
                 and all(type(n) is str and n in phases_s for n in dev) and len(set(dev)) == len(dev)):
             return None
         device_phases = tuple(dev)
+    cpu_wait = obj.get("cpu_wait")
+    if cpu_wait is not None and not (type(cpu_wait) is float and 0.0 <= cpu_wait <= slack):
+        return None
     return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
-                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown, device_phases)
+                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown, device_phases,
+                      cpu_wait)
 
 
 def _fast_comm(comm: object, slack: float) -> CommStats | None:
@@ -268,8 +272,11 @@ def _check_step(obj: Mapping[str, object]) -> StepRecord:
     breakdown = None if memb is None else check_memory_breakdown(memb)
     dev = obj.get("dev")
     device_phases = None if dev is None else check_device_phases(dev, phases_s)
+    cpu_wait = obj.get("cpu_wait")
+    cpu_wait_s = None if cpu_wait is None else check_number(cpu_wait, "cpu_wait", duration)
     return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
-                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown, device_phases)
+                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown, device_phases,
+                      cpu_wait_s)
 
 
 def _check_event(obj: Mapping[str, object]) -> EventRecord:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 
-from gpumon.wire.decode import check_comm, check_memory_breakdown
+from gpumon.wire.decode import check_comm, check_memory_breakdown, check_number
 from gpumon.wire.limits import MAX_DATAGRAM_BYTES, MEMORY_COMPONENTS, PROTOCOL_VERSION
 from gpumon.wire.records import (
     MEM_WIRE_NAMES,
@@ -58,6 +58,7 @@ def to_wire(record: Record) -> dict[str, object]:
             fields["memb"] = _breakdown_wire(record.memory_breakdown)
         if record.device_phases is not None:
             fields["dev"] = list(record.device_phases)
+        fields["cpu_wait"] = record.cpu_wait_s
     elif isinstance(record, EventRecord):
         out["kind"] = "event"
         fields = {
@@ -94,15 +95,17 @@ def encode_record(record: WireRecord | Record) -> bytes:
 
 
 def encode_measured_field(name: str, value: object, duration_s: float) -> str:
-    """``,"name":{...}`` for a measured step field (``comm`` or ``memb``) given in its wire
+    """``,"name":...`` for a measured step field (``comm``, ``memb``, ``cpu_wait``) given in its wire
     shape, written from what the decoder makes of it: what is sent is exactly what the agent
     will accept. Raises ``ProtocolError`` for an unknown name or a value the agent would drop
     (which would cost the whole step record)."""
-    wire: dict[str, object]
+    wire: object
     if name == "comm":
         wire = _comm_wire(check_comm(value, duration_s))
     elif name == "memb":
         wire = _breakdown_wire(check_memory_breakdown(value))
+    elif name == "cpu_wait":
+        wire = check_number(value, name, duration_s)
     else:
         raise ProtocolError("bad_type", f"{name!r} is not a measured step field")
     return f',"{name}":{_ENCODER.encode(wire)}'

@@ -19,7 +19,7 @@ KNOWN_PHASES = ("data", "forward", "backward", "comm", "optimizer")
 """Phases the agent attributes to a wall; any other label counts as ``other``."""
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "other")
 """The parts of a rank's memory the sampled breakdown (``memb``) names, in wire and field order."""
-STEP_MEASURED_FIELDS = ("comm", "memb")
+STEP_MEASURED_FIELDS = ("comm", "memb", "cpu_wait")
 """Optional step fields a watcher on the training thread may add (``encode_measured_field``)."""
 
 MAX_RUN_CHARS = 128
@@ -117,11 +117,13 @@ FIELD_LIMITS: dict[str, Limit] = {
     "comm.count": _in_comm(integer=True, high=MAX_INT),
     "comm.bytes": _in_comm(integer=True, high=MAX_INT),
     "comm.seconds": _in_comm(integer=False, high=MAX_DURATION_S),
+    "cpu_wait": Limit(integer=False, high=MAX_DURATION_S, within_step=True),
     "memb": Limit(integer=True, high=MAX_INT, type_reason="bad_memory_breakdown",
                   value_reason="bad_memory_breakdown"),
 }
 """Every numeric field by name (``mem``, ``memb``: each of their counts; ``phase``: each phase;
-``comm.*``: the figures inside ``comm``)."""
+``comm.*``: the figures inside ``comm``; ``cpu_wait``: seconds the training thread was
+runnable but waiting for a CPU)."""
 
 LABEL_LIMITS: dict[str, int] = {
     "run": MAX_RUN_CHARS,

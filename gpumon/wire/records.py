@@ -85,6 +85,10 @@ class StepRecord:
     """The phases whose seconds are GPU time from CUDA events (the wire's ``dev``); the others,
     and every phase of a step without it, are host-clock time. A rank on CUDA times its
     phases on the GPU on a sample of steps only: on the rest they measure kernel launches."""
+    cpu_wait_s: float | None = None
+    """Seconds of the step its training thread was runnable but waiting for a CPU (the
+    kernel's run delay): time the host took from the rank, not work the rank did. ``None``:
+    not measured."""
 
     @property
     def t_end(self) -> float | None:

@@ -141,6 +141,7 @@ STEP_FIELDS: dict[str, Any] = {
     "mem": _counts("mem", ["allocated", "reserved", "peak", "retries", "ooms"]),
     "comm": _comm,
     "memb": _counts("memb", list(MEMORY_COMPONENTS)),
+    "cpu_wait": lambda odd, d: field("cpu_wait", odd, d),
 }
 
 
@@ -179,14 +180,14 @@ def test_the_fast_path_takes_what_the_client_sends() -> None:
     text = encoder.encode(None, 7, 1.7e9, 0.12, {"forward": 0.05, "backward": 0.06}, 32, 65536, 1.5e15,
                           (1, 2, 3, 0, 0), {"comm": {"exposed": 0.05, "busy": 0.08,
                                                      "ops": {"all_reduce": [4, 1 << 26, 0.07]}},
-                                            "memb": {"parameters": 1 << 30}},
+                                            "memb": {"parameters": 1 << 30}, "cpu_wait": 0.004},
                           device_phases=("backward", "forward"))
     obj = json.loads(text)
     _check_step(obj)  # the first record of a run takes the full check and makes its labels known
     fast = _fast_step(obj)
     assert isinstance(fast, StepRecord) and fast == _check_step(obj)
     assert fast.comm is not None and fast.memory_breakdown is not None and fast.mem is not None
-    assert fast.device_phases == ("backward", "forward")
+    assert fast.device_phases == ("backward", "forward") and fast.cpu_wait_s == 0.004
 
 
 @pytest.mark.parametrize("key", sorted(FIELD_LIMITS))

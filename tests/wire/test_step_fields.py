@@ -1,6 +1,7 @@
-"""The step record's optional ``comm`` (measured collectives) and ``memb`` (sampled memory
-breakdown) fields: decoded into dataclasses, re-encoded unchanged, each bad value dropped with
-its own reason, and carried through a recording and its replay."""
+"""The step record's optional ``comm`` (measured collectives), ``memb`` (sampled memory
+breakdown) and ``cpu_wait`` (the training thread's wait for a CPU) fields: decoded into
+dataclasses, re-encoded unchanged, each bad value dropped with its own reason, and carried
+through a recording and its replay."""
 
 from __future__ import annotations
 
@@ -84,6 +85,18 @@ def test_comm_may_reach_the_duration_within_the_phase_slack() -> None:
     # Clients round; a collective ending as the step ends may measure a hair over it.
     [record], rejected = decode({**STEP, "comm": {"exposed": 0.1211, "busy": 0.1211}})
     assert rejected == [] and record.comm.busy_s == 0.1211
+
+
+def test_cpu_wait_is_seconds_within_the_step() -> None:
+    [record], rejected = decode({**STEP, "cpu_wait": 0.031})
+    assert rejected == [] and record.cpu_wait_s == 0.031
+    assert to_wire(record)["cpu_wait"] == 0.031
+    assert decode_datagram(encode_record(record)).records == [record]
+    [plain], _ = decode(STEP)
+    assert plain.cpu_wait_s is None and "cpu_wait" not in to_wire(plain)
+    for bad, reason in ((0.5, "bad_value"), (-0.01, "bad_value"), (math.nan, "bad_value"),
+                        ("0.01", "bad_type"), (True, "bad_type")):
+        assert decode({**STEP, "cpu_wait": bad}) == ([], [reason]), bad
 
 
 def with_comm(**changes: object) -> dict[str, object]:
