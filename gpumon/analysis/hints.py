@@ -67,6 +67,10 @@ WAITING_HINT = (
 
 CAUSE_HINTS: Mapping[str, str] = {
     "input": "its data wait: check its input shard, loader workers and storage",
+    "host": (
+        "its training thread waits for a CPU: too many threads on its cores (loader workers, "
+        "OMP/intra-op threads) or another process on them — pin ranks to cores, cap threads"
+    ),
     "compute": (
         "its own forward/backward work: uneven batches or sequence lengths, a CPU-starved "
         "process, a noisy neighbour on its host"

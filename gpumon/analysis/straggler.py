@@ -26,8 +26,12 @@ without it doing more of it; those episodes move from rank to rank and fail this
 whereas a rank with more work to do is slower on nearly every step.
 
 Only the straggler is flagged. Its cause is named where the evidence names it: most of its
-extra time spent waiting for data → ``input``; its GPU throttled, clocked lower than its
-peers' or reporting XID errors → ``gpu``; else its own forward/backward work → ``compute``.
+extra time spent waiting for data → ``input``; most of it spent with its training thread
+runnable but waiting for a CPU (the step's ``cpu_wait``, the kernel's run delay) → ``host``:
+the rank does no more work than its peers, its host gives it less CPU (loader workers or
+intra-op threads oversubscribing its cores, another process on them); its GPU throttled,
+clocked lower than its peers' or reporting XID errors → ``gpu``; else its own
+forward/backward work → ``compute``.
 Each peer is told which rank it waits on. Ranks that stopped reporting while their run kept
 stepping, and ranks of an earlier world size, are left out of the comparison: their last
 figures describe a run that no longer exists.
@@ -67,12 +71,16 @@ job still had one such episode pass a 16-step window (on 2 of its 40 steps); non
 INPUT_SHARE_MIN = 0.5
 """Share of a straggler's extra time per step that must be extra data wait for its cause to
 be ``input`` (then the data pipeline, not the rank's compute, is what its peers wait for)."""
+HOST_SHARE_MIN = 0.5
+"""Share of a straggler's extra time per step that must be extra wait for a CPU for its cause
+to be ``host``."""
 
 
 class StragglerCause(str, Enum):
     """Why a straggler is slow, as far as the evidence says."""
 
     INPUT = "input"
+    HOST = "host"
     COMPUTE = "compute"
     GPU = "gpu"
     UNKNOWN = "unknown"
@@ -97,6 +105,8 @@ class RankWork:
     """Upper quartile of its own work over the same steps (``None``: taken as ``own_s``)."""
     step_s: float | None = None
     """Median step time; ``None`` when not known (the extra's share is then not checked)."""
+    cpu_wait_s: float | None = None
+    """Median wait of its training thread for a CPU; ``None`` when not measured."""
     steps: int | None = None
     """Steps the window covers; ``None`` when the figures are not from a window of steps
     (a single comparison: persistence is then not checked)."""
@@ -200,6 +210,10 @@ def _cause(rank: int, works: Mapping[int, RankWork], th: Thresholds) -> Straggle
         peer_data = statistics.fmean(w.data_s or 0.0 for w in peers)
         if culprit.data_s - peer_data >= INPUT_SHARE_MIN * extra:
             return StragglerCause.INPUT
+    if culprit.cpu_wait_s is not None and extra > 0:
+        peer_wait = statistics.fmean(w.cpu_wait_s or 0.0 for w in peers)
+        if culprit.cpu_wait_s - peer_wait >= HOST_SHARE_MIN * extra:
+            return StragglerCause.HOST
     clocks = [w.sm_clock_hz for w in peers if w.sm_clock_hz]
     slow_clock = (culprit.sm_clock_hz is not None and bool(clocks)
                   and culprit.sm_clock_hz < th.straggler_clock_ratio_max

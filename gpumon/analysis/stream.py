@@ -101,6 +101,7 @@ class _RankTracker:
     own_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     """Own work of its latest steps received (analysed or not)."""
     data_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    cpu_wait_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     """Durations of its latest steps received: the share of the step a straggler costs."""
     peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
@@ -170,6 +171,7 @@ class StepAnalyzer:
                     state.analysis.version = next(_versions)
                     state.own_s.clear()
                     state.data_s.clear()
+                    state.cpu_wait_s.clear()
                     state.step_s.clear()
                 state.world = step.world
             state.last_end_t = max(state.last_end_t, step.t_end or received_t)
@@ -177,6 +179,7 @@ class StepAnalyzer:
             # with the analysis, which waits for the GPU samples.
             state.own_s.append(own_work_s(step))
             state.data_s.append(step.phases_s.get("data", 0.0) if step.phases_s else None)
+            state.cpu_wait_s.append(step.cpu_wait_s)
             state.step_s.append(step.duration_s)
             state.pending.append(step)
             if step.memory_breakdown is not None:
@@ -368,9 +371,11 @@ def _rank_work(state: _RankTracker) -> RankWork:
     low, high = (statistics.quantiles(own, n=4, method="inclusive")[::2] if len(own) > 1
                  else (own[0], own[0]))
     data = [d for d in state.data_s if d is not None]
+    waits = [w for w in state.cpu_wait_s if w is not None]
     return RankWork(statistics.median(own), statistics.median(data) if data else None,
                     state.sm_clock_hz, state.gpu_trouble, own_low_s=low, own_high_s=high,
-                    step_s=statistics.median(state.step_s), steps=len(own))
+                    step_s=statistics.median(state.step_s), steps=len(own),
+                    cpu_wait_s=statistics.median(waits) if waits else None)
 
 
 def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:

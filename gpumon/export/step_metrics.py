@@ -325,7 +325,7 @@ class _StragglerFamilySet(NamedTuple):
 def _straggler_families() -> _StragglerFamilySet:
     return _StragglerFamilySet(
         GaugeFamily("gpumon_rank_straggler_cause",
-                    "1 for the cause of a straggler's slowness (input, compute, gpu, unknown), "
+                    "1 for the cause of a straggler's slowness (input, host, compute, gpu, unknown), "
                     "0 for the others; all 0 on a rank that is not its run's straggler.",
                     labels=[*RANK_LABELS, "cause"]),
         CounterFamily("gpumon_rank_world_changes",

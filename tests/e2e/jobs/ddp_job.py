@@ -7,8 +7,9 @@ and not reported, so ``1 - t(no_sync) / t(sync)`` is the share of the step commu
 
 Knobs make the cases the tests need: a communication-heavy model (4 x Linear(2048, 2048),
 batch 2: 64 MiB of gradients per step) or a compute-heavy one (a small MLP, batch 8192); one
-rank doing extra forward work or waiting longer for its batches (on a small model, so that
-is what stands out); a user comm hook; no watch.
+rank doing extra forward work, waiting longer for its batches, or sharing its core with a
+process that only spins (on a small model, so that is what stands out); a user comm hook; no
+watch.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import argparse
 import json
 import os
 import resource
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
@@ -42,6 +45,8 @@ def main() -> None:
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-forward-ms", type=float, default=0.0)
     parser.add_argument("--slow-input-ms", type=float, default=0.0)
+    parser.add_argument("--hog-rank", type=int, default=-1,
+                        help="pin each rank to one core, and a spinning process beside this one")
     parser.add_argument("--comm-hook", choices=("none", "fp16"), default="none")
     parser.add_argument("--hook-before-watch", action="store_true")
     parser.add_argument("--no-watch", action="store_true")
@@ -49,6 +54,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=0, help="the model's batch size instead of its own")
     args = parser.parse_args()
 
+    # Pinned before gloo starts its threads, so that they are pinned too.
+    hog = _share_core(int(os.environ["RANK"]), args.hog_rank) if args.hog_rank >= 0 else None
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -111,16 +118,19 @@ def main() -> None:
     thread_cpu_s: list[float] = []  # CPU time of the training thread: its work, not its waits
     process_cpu_s: list[float] = []  # ... and of the whole process (gloo's threads too)
     preempted: list[int] = []  # times the training thread was switched out while runnable
+    cpu_wait_s: list[float] = []  # ... and for how long: its run delay, from the kernel
     grads: list[torch.Tensor] = []
     for i, x in enumerate(mon.loader(data)):
         t0, c0, p0 = perf_counter(), time.thread_time(), time.process_time()
         switches = resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw
+        delay = _run_delay_s()
         with mon.step(samples=batch):
             train(x, monitored=True)
         synced_s.append(perf_counter() - t0)
         thread_cpu_s.append(time.thread_time() - c0)
         process_cpu_s.append(time.process_time() - p0)
         preempted.append(resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw - switches)
+        cpu_wait_s.append(_run_delay_s() - delay)
         if i == args.steps - 1:
             break
         if args.truth:
@@ -129,9 +139,13 @@ def main() -> None:
     ddp(next(data)).square().mean().backward()
     grads = [p.grad.detach().clone() for p in ddp.parameters() if p.grad is not None]
     mon.close()
+    if hog is not None:
+        hog.kill()
+        hog.wait()
     summary = {
         "rank": rank, "world": world, "synced_s": synced_s, "unsynced_s": unsynced_s,
         "thread_cpu_s": thread_cpu_s, "process_cpu_s": process_cpu_s, "preempted": preempted,
+        "cpu_wait_s": cpu_wait_s,
         "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
         "grads_sha": _digest(grads), "stats": mon.stats.dropped,
         "comm_hook": ddp._get_ddp_logging_data().get("comm_hook", ""),
@@ -139,6 +153,28 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(summary))
     dist.destroy_process_group()
+
+
+def _run_delay_s() -> float:
+    """The calling thread's time spent runnable, waiting for a CPU (Linux's schedstat)."""
+    with open("/proc/thread-self/schedstat") as f:
+        return int(f.read().split()[1]) / 1e9
+
+
+def _share_core(rank: int, hog_rank: int) -> subprocess.Popen[bytes] | None:
+    """Pin this rank to a core of its own; the ``hog_rank`` rank gets a spinning process on
+    its core, so its threads have half of it."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[rank % len(cores)]
+    os.sched_setaffinity(0, {core})
+    if rank != hog_rank:
+        return None
+    # It spins while this rank lives (at most ten minutes), whatever becomes of the rank.
+    spin = (f"import os, time\nend = time.time() + 600\n"
+            f"while os.getppid() == {os.getpid()} and time.time() < end: pass")
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    os.sched_setaffinity(spinner.pid, {core})
+    return spinner
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
