@@ -254,6 +254,16 @@ def _memory_watched_monitor(path: str) -> StepMonitor | None:
     return mon
 
 
+def _cpu_wait_watched_monitor(path: str) -> StepMonitor:
+    """A monitor reading its training thread's wait for a CPU at every step's edges: what
+    ``watch()`` adds to every step of a distributed model, besides its communication."""
+    from gpumon.client.cpu_wait import CpuWaitClock
+
+    mon = StepMonitor(run="bench-cpu-wait", socket_path=path)
+    mon._add_extension(CpuWaitClock())
+    return mon
+
+
 def main() -> None:
     """Run the benchmark and print its table and JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -284,6 +294,8 @@ def main() -> None:
         mon_memory = _memory_watched_monitor(path)
         if mon_memory is not None:
             cases["hooked_loader_memory"] = (hooked_loader(mon_memory), mon_memory.flush)
+        mon_cpu_wait = _cpu_wait_watched_monitor(path)
+        cases["hooked_loader_cpu_wait"] = (hooked_loader(mon_cpu_wait), mon_cpu_wait.flush)
         writer = None
         if args.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -296,6 +308,7 @@ def main() -> None:
             mon_py.close()
         if mon_memory is not None:
             mon_memory.close()
+        mon_cpu_wait.close()
         if writer is not None:
             writer.close()
         time.sleep(0.2)
@@ -314,6 +327,8 @@ def main() -> None:
     if mon_memory is not None:
         results.append({"case": "the same, memory breakdown watched",
                         **compare("bare_loader", "hooked_loader_memory", raw, True)})
+    results.append({"case": "the same, CPU wait watched",
+                    **compare("bare_loader", "hooked_loader_cpu_wait", raw, True)})
     stats = mon.stats
     print(f"{'case':42} {'bare µs':>8} {'with µs':>9} {'cost µs':>8} {'bg µs':>7} {'(wall)':>7} "
           f"{'total µs':>9}")

@@ -99,13 +99,13 @@ def encode_measured_field(name: str, value: object, duration_s: float) -> str:
     shape, written from what the decoder makes of it: what is sent is exactly what the agent
     will accept. Raises ``ProtocolError`` for an unknown name or a value the agent would drop
     (which would cost the whole step record)."""
-    wire: object
+    wire: dict[str, object]
     if name == "comm":
         wire = _comm_wire(check_comm(value, duration_s))
     elif name == "memb":
         wire = _breakdown_wire(check_memory_breakdown(value))
-    elif name == "cpu_wait":
-        wire = check_number(value, name, duration_s)
+    elif name == "cpu_wait":  # a finite float: its repr is its JSON
+        return f',"cpu_wait":{check_number(value, name, duration_s)!r}'
     else:
         raise ProtocolError("bad_type", f"{name!r} is not a measured step field")
     return f',"{name}":{_ENCODER.encode(wire)}'
