@@ -3,7 +3,8 @@
 Each rank reports its steps through ``StepMonitor`` with ``watch(ddp)`` and writes what it
 measured itself, independently of gpumon, to ``OUT/rank<R>.json``: with ``--truth``, every
 reported (synchronising) step is followed by the same step under ``ddp.no_sync()``, timed here
-and not reported, so ``1 - t(no_sync) / t(sync)`` is the share of the step communication cost.
+and not reported, then a barrier (untimed) that re-aligns the ranks, so ``1 - t(no_sync) /
+t(sync)`` is the share of the step communication cost.
 
 Knobs make the cases the tests need: a communication-heavy model (4 x Linear(2048, 2048),
 batch 2: 64 MiB of gradients per step) or a compute-heavy one (a small MLP, batch 8192); one
@@ -104,16 +105,19 @@ def main() -> None:
             opt.zero_grad()
 
     def unsynced(x: torch.Tensor) -> float:
-        t0 = perf_counter()
+        t0, c0 = perf_counter(), time.thread_time()
         with ddp.no_sync():
             train(x, monitored=False)
+        unsynced_cpu_s.append(time.thread_time() - c0)
         return perf_counter() - t0
 
+    unsynced_cpu_s: list[float] = []  # the training thread's CPU time in each no_sync twin
     data = batches()
     for _ in range(args.warmup):  # DDP sizes its buckets after the first step; not reported
         train(next(data), monitored=False)
         if args.truth:
             unsynced(next(data))
+            dist.barrier()
     synced_s, unsynced_s = [], []
     thread_cpu_s: list[float] = []  # CPU time of the training thread: its work, not its waits
     process_cpu_s: list[float] = []  # ... and of the whole process (gloo's threads too)
@@ -135,6 +139,9 @@ def main() -> None:
             break
         if args.truth:
             unsynced_s.append(unsynced(x))
+            # Each rank times its own twin, so they end apart: without this the faster
+            # rank's next synced step would wait for its peer's twin, which no real job does.
+            dist.barrier()
     # The gradients of one more synchronised step, kept for comparing runs.
     ddp(next(data)).square().mean().backward()
     grads = [p.grad.detach().clone() for p in ddp.parameters() if p.grad is not None]
@@ -144,6 +151,7 @@ def main() -> None:
         hog.wait()
     summary = {
         "rank": rank, "world": world, "synced_s": synced_s, "unsynced_s": unsynced_s,
+        "unsynced_cpu_s": unsynced_cpu_s[args.warmup:],
         "thread_cpu_s": thread_cpu_s, "process_cpu_s": process_cpu_s, "preempted": preempted,
         "cpu_wait_s": cpu_wait_s,
         "grad_bytes": sum(p.numel() * p.element_size() for p in ddp.parameters()),
