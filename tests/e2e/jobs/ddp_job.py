@@ -8,8 +8,8 @@ t(sync)`` is the share of the step communication cost.
 
 Knobs make the cases the tests need: a communication-heavy model (4 x Linear(2048, 2048),
 batch 2: 64 MiB of gradients per step) or a compute-heavy one (a small MLP, batch 8192); one
-rank doing extra forward work, waiting longer for its batches, or sharing its core with a
-process that only spins (on a small model, so that is what stands out); a user comm hook; no
+rank doing extra forward work, waiting longer for its batches, or sharing its core with
+two processes that only spin (on a small model, so that is what stands out); a user comm hook; no
 watch.
 """
 
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--slow-forward-ms", type=float, default=0.0)
     parser.add_argument("--slow-input-ms", type=float, default=0.0)
     parser.add_argument("--hog-rank", type=int, default=-1,
-                        help="pin each rank to one core, and a spinning process beside this one")
+                        help="pin each rank to one core, and two spinning processes beside this one")
     parser.add_argument("--comm-hook", choices=("none", "fp16"), default="none")
     parser.add_argument("--hook-before-watch", action="store_true")
     parser.add_argument("--no-watch", action="store_true")
@@ -56,7 +56,7 @@ def main() -> None:
     args = parser.parse_args()
 
     # Pinned before gloo starts its threads, so that they are pinned too.
-    hog = _share_core(int(os.environ["RANK"]), args.hog_rank) if args.hog_rank >= 0 else None
+    hogs = _share_core(int(os.environ["RANK"]), args.hog_rank) if args.hog_rank >= 0 else []
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -146,7 +146,7 @@ def main() -> None:
     ddp(next(data)).square().mean().backward()
     grads = [p.grad.detach().clone() for p in ddp.parameters() if p.grad is not None]
     mon.close()
-    if hog is not None:
+    for hog in hogs:
         hog.kill()
         hog.wait()
     summary = {
@@ -169,20 +169,21 @@ def _run_delay_s() -> float:
         return int(f.read().split()[1]) / 1e9
 
 
-def _share_core(rank: int, hog_rank: int) -> subprocess.Popen[bytes] | None:
-    """Pin this rank to a core of its own; the ``hog_rank`` rank gets a spinning process on
-    its core, so its threads have half of it."""
+def _share_core(rank: int, hog_rank: int) -> list[subprocess.Popen[bytes]]:
+    """Pin this rank to a core of its own; the ``hog_rank`` rank gets two spinning processes
+    on its core, so its threads have a third of it."""
     cores = sorted(os.sched_getaffinity(0))
     core = cores[rank % len(cores)]
     os.sched_setaffinity(0, {core})
     if rank != hog_rank:
-        return None
+        return []
     # It spins while this rank lives (at most ten minutes), whatever becomes of the rank.
     spin = (f"import os, time\nend = time.time() + 600\n"
             f"while os.getppid() == {os.getpid()} and time.time() < end: pass")
-    spinner = subprocess.Popen([sys.executable, "-c", spin])
-    os.sched_setaffinity(spinner.pid, {core})
-    return spinner
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    for spinner in spinners:
+        os.sched_setaffinity(spinner.pid, {core})
+    return spinners
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
