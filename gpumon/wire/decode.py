@@ -16,22 +16,27 @@ generated records.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 
+from gpumon.wire.fields import KNOWN_LABELS as _KNOWN_LABELS
+from gpumon.wire.fields import (
+    check_comm,
+    check_device_phases,
+    check_int,
+    check_label,
+    check_memory_breakdown,
+    check_number,
+)
 from gpumon.wire.limits import (
     FIELD_LIMITS,
-    LABEL_LIMITS,
     MAX_COLLECTIVE_CHARS,
     MAX_COLLECTIVE_KINDS,
     MAX_DATAGRAM_BYTES,
-    MAX_LABEL_CHARS,
     MAX_MESSAGE_CHARS,
     MAX_PHASES,
     MAX_RECORDS_PER_DATAGRAM,
     MEMORY_COMPONENTS,
     PROTOCOL_VERSION,
-    is_label,
     step_slack,
 )
 from gpumon.wire.records import (
@@ -251,7 +256,7 @@ def _check_step(obj: Mapping[str, object]) -> StepRecord:
         if len(phases) > MAX_PHASES:
             raise ProtocolError("bad_value", "too many phases")
         for name, seconds in phases.items():
-            _check_label(name, "phase")
+            check_label(name, "phase")
             phases_s[name] = check_number(seconds, "phase", duration)
     mem = obj.get("mem")
     mem_stats = None
@@ -284,7 +289,7 @@ def _check_event(obj: Mapping[str, object]) -> EventRecord:
     return EventRecord(
         run=run,
         rank=rank,
-        event=_check_label(_required(obj, "event"), "event"),
+        event=check_label(_required(obj, "event"), "event"),
         t=_opt_number(obj, "t"),
         step=_opt_int(obj, "step"),
         pid=_opt_int(obj, "pid"),
@@ -303,84 +308,12 @@ def _check_hello(obj: Mapping[str, object]) -> HelloRecord:
         local_rank=local_rank,
         pid=_opt_int(obj, "pid"),
         gpu=_check_gpu(obj),
-        client_version=None if version is None else _check_label(version, "client_version"),
+        client_version=None if version is None else check_label(version, "client_version"),
     )
 
 
-def check_comm(value: object, duration_s: float) -> CommStats:
-    """A step's ``comm`` field for a step of ``duration_s``; anything wrong in it is ``bad_comm``."""
-    if not isinstance(value, dict):
-        raise ProtocolError("bad_comm", "not an object")
-    exposed = check_number(value.get("exposed"), "comm.exposed", duration_s)
-    busy = check_number(value.get("busy"), "comm.busy", duration_s)
-    ops_value = value.get("ops")
-    ops: list[CollectiveOp] = []
-    if ops_value is not None:
-        if not isinstance(ops_value, dict):
-            raise ProtocolError("bad_comm", "ops")
-        if len(ops_value) > MAX_COLLECTIVE_KINDS:
-            raise ProtocolError("bad_comm", "too many collective kinds")
-        for name, figures in ops_value.items():
-            if not (isinstance(name, str) and is_label(name, LABEL_LIMITS["collective"])):
-                raise ProtocolError("bad_comm", "collective name")
-            if not isinstance(figures, list) or len(figures) != 3:
-                raise ProtocolError("bad_comm", f"{name}: expected [count, bytes, seconds]")
-            count = check_int(figures[0], "comm.count")
-            size = check_int(figures[1], "comm.bytes")
-            ops.append(CollectiveOp(name, count, size, check_number(figures[2], "comm.seconds")))
-            _remember(name)
-    return CommStats(exposed, busy, tuple(ops))
-
-
-def check_memory_breakdown(value: object) -> MemoryBreakdown:
-    """A step's ``memb`` field; anything wrong in it is ``bad_memory_breakdown``."""
-    if not isinstance(value, dict):
-        raise ProtocolError("bad_memory_breakdown", "not an object")
-    return MemoryBreakdown(*[_opt_int(value, name, "memb") for name in MEMORY_COMPONENTS])
-
-
-def check_device_phases(value: object, phases: Mapping[str, float]) -> tuple[str, ...]:
-    """A step's ``dev`` field: distinct names of its own ``phases``; else ``bad_device_phases``."""
-    if not isinstance(value, list):
-        raise ProtocolError("bad_device_phases", "not a list")
-    for name in value:
-        if not (isinstance(name, str) and is_label(name, LABEL_LIMITS["dev"])):
-            raise ProtocolError("bad_device_phases", "phase name")
-        if name not in phases:
-            raise ProtocolError("bad_device_phases", f"{name}: not one of the step's phases")
-    if len(set(value)) != len(value):
-        raise ProtocolError("bad_device_phases", "a phase named twice")
-    return tuple(value)
-
-
-def check_int(value: object, key: str) -> int:
-    """``value`` as the integer field ``key`` of ``FIELD_LIMITS``, else ``ProtocolError``."""
-    limit = FIELD_LIMITS[key]
-    if type(value) is not int:  # bool is an int subclass: not accepted
-        raise ProtocolError(limit.type_reason, key)
-    if not limit.low <= value <= limit.high:
-        raise ProtocolError(limit.value_reason, key)
-    return value
-
-
-def check_number(value: object, key: str, duration_s: float = 0.0) -> float:
-    """``value`` as the number field ``key`` of ``FIELD_LIMITS`` (in a step of ``duration_s``
-    when its bound is the step's), else ``ProtocolError``."""
-    limit = FIELD_LIMITS[key]
-    if type(value) is not int and type(value) is not float:
-        raise ProtocolError(limit.type_reason, key)
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond float range
-        raise ProtocolError(limit.value_reason, key) from None
-    high = limit.high_for(duration_s)
-    if not (math.isfinite(number) and limit.low <= number <= high) or (limit.below and number == high):
-        raise ProtocolError(limit.value_reason, key)
-    return number
-
-
 def _check_identity(obj: Mapping[str, object]) -> tuple[str, int, int | None, int | None]:
-    run = _check_label(_required(obj, "run"), "run")
+    run = check_label(_required(obj, "run"), "run")
     rank = check_int(_required(obj, "rank"), "rank")
     world = _opt_int(obj, "world")
     local_rank = _opt_int(obj, "local_rank")
@@ -426,28 +359,5 @@ def _check_gpu(obj: Mapping[str, object]) -> str | int | None:
     if value is None:
         return None
     if isinstance(value, str):
-        return _check_label(value, "gpu")
+        return check_label(value, "gpu")
     return check_int(value, "gpu")
-
-
-_KNOWN_LABELS: set[str] = set()
-"""Labels of at most ``MAX_LABEL_CHARS`` already validated (run, phase and collective names
-and GPU UUIDs repeat in every record), for the fast path; bounded."""
-_KNOWN_LABELS_MAX = 4096
-
-
-def _check_label(value: object, key: str) -> str:
-    if not isinstance(value, str):
-        raise ProtocolError("bad_type", key)
-    max_chars = LABEL_LIMITS[key]
-    if value in _KNOWN_LABELS and len(value) <= max_chars:
-        return value
-    if not is_label(value, max_chars):
-        raise ProtocolError("bad_label", key)
-    _remember(value)
-    return value
-
-
-def _remember(label: str) -> None:
-    if len(label) <= MAX_LABEL_CHARS and len(_KNOWN_LABELS) < _KNOWN_LABELS_MAX:
-        _KNOWN_LABELS.add(label)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 
-from gpumon.wire.decode import check_comm, check_memory_breakdown, check_number
+from gpumon.wire.fields import check_comm, check_memory_breakdown, check_number
 from gpumon.wire.limits import MAX_DATAGRAM_BYTES, MEMORY_COMPONENTS, PROTOCOL_VERSION
 from gpumon.wire.records import (
     MEM_WIRE_NAMES,

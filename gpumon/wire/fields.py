@@ -1,0 +1,129 @@
+"""The full check of single fields, shared by the decoder's full check and the client's encoder.
+
+Numbers against their row of ``limits.FIELD_LIMITS``; labels against ``LABEL_LIMITS``, with the
+labels already validated remembered for the decoder's fast path (``KNOWN_LABELS``); and the
+measured step fields (``comm``, ``memb``, ``dev``), each refused with its own reason. Every
+function returns the checked value or raises ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from gpumon.wire.limits import (
+    FIELD_LIMITS,
+    LABEL_LIMITS,
+    MAX_COLLECTIVE_KINDS,
+    MAX_LABEL_CHARS,
+    MEMORY_COMPONENTS,
+    is_label,
+)
+from gpumon.wire.records import CollectiveOp, CommStats, MemoryBreakdown, ProtocolError
+
+__all__ = [
+    "KNOWN_LABELS",
+    "check_comm",
+    "check_device_phases",
+    "check_int",
+    "check_label",
+    "check_memory_breakdown",
+    "check_number",
+    "remember_label",
+]
+
+
+def check_comm(value: object, duration_s: float) -> CommStats:
+    """A step's ``comm`` field for a step of ``duration_s``; anything wrong in it is ``bad_comm``."""
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_comm", "not an object")
+    exposed = check_number(value.get("exposed"), "comm.exposed", duration_s)
+    busy = check_number(value.get("busy"), "comm.busy", duration_s)
+    ops_value = value.get("ops")
+    ops: list[CollectiveOp] = []
+    if ops_value is not None:
+        if not isinstance(ops_value, dict):
+            raise ProtocolError("bad_comm", "ops")
+        if len(ops_value) > MAX_COLLECTIVE_KINDS:
+            raise ProtocolError("bad_comm", "too many collective kinds")
+        for name, figures in ops_value.items():
+            if not (isinstance(name, str) and is_label(name, LABEL_LIMITS["collective"])):
+                raise ProtocolError("bad_comm", "collective name")
+            if not isinstance(figures, list) or len(figures) != 3:
+                raise ProtocolError("bad_comm", f"{name}: expected [count, bytes, seconds]")
+            count = check_int(figures[0], "comm.count")
+            size = check_int(figures[1], "comm.bytes")
+            ops.append(CollectiveOp(name, count, size, check_number(figures[2], "comm.seconds")))
+            remember_label(name)
+    return CommStats(exposed, busy, tuple(ops))
+
+
+def check_memory_breakdown(value: object) -> MemoryBreakdown:
+    """A step's ``memb`` field; anything wrong in it is ``bad_memory_breakdown``."""
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_memory_breakdown", "not an object")
+    parts = [value.get(name) for name in MEMORY_COMPONENTS]
+    return MemoryBreakdown(*[None if part is None else check_int(part, "memb") for part in parts])
+
+
+def check_device_phases(value: object, phases: Mapping[str, float]) -> tuple[str, ...]:
+    """A step's ``dev`` field: distinct names of its own ``phases``; else ``bad_device_phases``."""
+    if not isinstance(value, list):
+        raise ProtocolError("bad_device_phases", "not a list")
+    for name in value:
+        if not (isinstance(name, str) and is_label(name, LABEL_LIMITS["dev"])):
+            raise ProtocolError("bad_device_phases", "phase name")
+        if name not in phases:
+            raise ProtocolError("bad_device_phases", f"{name}: not one of the step's phases")
+    if len(set(value)) != len(value):
+        raise ProtocolError("bad_device_phases", "a phase named twice")
+    return tuple(value)
+
+
+def check_int(value: object, key: str) -> int:
+    """``value`` as the integer field ``key`` of ``FIELD_LIMITS``, else ``ProtocolError``."""
+    limit = FIELD_LIMITS[key]
+    if type(value) is not int:  # bool is an int subclass: not accepted
+        raise ProtocolError(limit.type_reason, key)
+    if not limit.low <= value <= limit.high:
+        raise ProtocolError(limit.value_reason, key)
+    return value
+
+
+def check_number(value: object, key: str, duration_s: float = 0.0) -> float:
+    """``value`` as the number field ``key`` of ``FIELD_LIMITS`` (in a step of ``duration_s``
+    when its bound is the step's), else ``ProtocolError``."""
+    limit = FIELD_LIMITS[key]
+    if type(value) is not int and type(value) is not float:
+        raise ProtocolError(limit.type_reason, key)
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float range
+        raise ProtocolError(limit.value_reason, key) from None
+    high = limit.high_for(duration_s)
+    if not (math.isfinite(number) and limit.low <= number <= high) or (limit.below and number == high):
+        raise ProtocolError(limit.value_reason, key)
+    return number
+
+
+KNOWN_LABELS: set[str] = set()
+"""Labels of at most ``MAX_LABEL_CHARS`` already validated (run, phase and collective names
+and GPU UUIDs repeat in every record), for the fast path; bounded."""
+KNOWN_LABELS_MAX = 4096
+
+
+def check_label(value: object, key: str) -> str:
+    if not isinstance(value, str):
+        raise ProtocolError("bad_type", key)
+    max_chars = LABEL_LIMITS[key]
+    if value in KNOWN_LABELS and len(value) <= max_chars:
+        return value
+    if not is_label(value, max_chars):
+        raise ProtocolError("bad_label", key)
+    remember_label(value)
+    return value
+
+
+def remember_label(label: str) -> None:
+    if len(label) <= MAX_LABEL_CHARS and len(KNOWN_LABELS) < KNOWN_LABELS_MAX:
+        KNOWN_LABELS.add(label)
