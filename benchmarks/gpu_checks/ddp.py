@@ -1,6 +1,7 @@
 """``watch()`` on a world-size-1 DDP job: one GPU is enough to run the communication
-measurement's code path on NCCL (the DDP comm hook around the default all-reduce, the bucket
-timestamps), which CPU tests on gloo cannot reach.
+measurement's code path on NCCL (the DDP comm hook around the default all-reduce, the CUDA
+events at each bucket's launch and completion and around DDP's wait at the end of backward,
+resolved by the sender once the GPU has passed them), which CPU tests on gloo cannot reach.
 
 ``torch.distributed`` is initialised in this process (``MASTER_ADDR=127.0.0.1``, a free port,
 ``backend="nccl"`` on CUDA; gloo for a dry run without CUDA), a small MLP is wrapped in
@@ -105,9 +106,13 @@ def section_ddp(report: Report, result: dict[str, Any], torch: Any, agent: Agent
                 torch.cuda.synchronize()
             result["wall_s"] = time.perf_counter() - t0
             mon.flush()
-            result["client_stats"] = jsonable(mon.stats)
         finally:
             mon.close()
+        result["client_stats"] = jsonable(mon.stats)
+        # On NCCL the comm figures come from CUDA events the sender resolves once the GPU has
+        # passed them: none may have been given up on.
+        report.check("ddp.gpu_timed_fields_resolved", getattr(mon.stats, "gpu_fields_missed", 0) == 0,
+                     {"gpu_fields_missed": getattr(mon.stats, "gpu_fields_missed", None)})
     time.sleep(2.5)  # the agent writes what it received to the recording
     check_records(report, result, steps, grad_bytes)
     metrics = parse_metrics(agent.scrape(10.0))

@@ -132,29 +132,38 @@ class CudaClock:
         except Exception:  # a statistics hiccup must never reach the training loop
             return None
 
+    def passed(self, event: Any) -> bool:
+        """Whether the GPU has reached ``event`` (never waits)."""
+        return bool(event.query() if self.runtime is None else self.runtime.query(event))
+
+    def elapsed_s(self, start: Any, end: Any) -> float:
+        """GPU seconds from ``start`` to ``end``, both passed (negative if ``end`` came first)."""
+        if self.runtime is None:
+            return float(start.elapsed_time(end)) / 1000.0
+        return float(self.runtime.elapsed_ms(start, end)) / 1000.0
+
+    def release(self, event: Any) -> None:
+        """Give a passed event back for reuse."""
+        if self.runtime is None:
+            self._pool.append(event)
+        else:
+            self.runtime.release(event)
+
     def resolve(self, marks: list[Mark]) -> dict[str, float] | None:
         """GPU seconds per phase once every event has completed, else ``None`` (not yet)."""
-        runtime = self.runtime
         phases: dict[str, float] = {}
         try:
-            if runtime is None:
-                if not all(end.query() for _, _, end in marks):
-                    return None
-                for name, start, end in marks:
-                    phases[name] = phases.get(name, 0.0) + start.elapsed_time(end) / 1000.0
-            else:
-                if not all(runtime.query(end) for _, _, end in marks):
-                    return None
-                for name, start, end in marks:
-                    phases[name] = phases.get(name, 0.0) + runtime.elapsed_ms(start, end) / 1000.0
+            if not all(self.passed(end) for _, _, end in marks):
+                return None
+            for name, start, end in marks:
+                phases[name] = phases.get(name, 0.0) + self.elapsed_s(start, end)
         except Exception:
             return {}
-        give_back = self._pool.append if runtime is None else runtime.release
         previous_end = None
         for _, start, end in marks:
             if start is not previous_end:  # a shared boundary goes back to the pool once
-                give_back(start)
-            give_back(end)
+                self.release(start)
+            self.release(end)
             previous_end = end
         return phases
 

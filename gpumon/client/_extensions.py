@@ -6,8 +6,9 @@ registered with ``StepMonitor._add_extension``. Both run on the training thread,
 and the end of every outermost step (``step_end`` also after a step an exception left: its
 fields are discarded, but the extension may have to undo what ``step_begin`` set up).
 ``step_end`` may set ``fields["comm"]`` / ``fields["memb"]`` in their wire shape
-(docs/architecture.md §6); the sender checks them as the agent would and leaves out, and
-counts, what the agent would refuse.
+(docs/architecture.md §6), or a ``Deferred`` the sender resolves once the GPU has passed
+its events; the sender checks them as the agent would and leaves out, and counts, what the
+agent would refuse.
 
 The hook's core holds a ``StepExtensions`` only while one extension is registered, so a monitor
 without extensions makes no call into Python for them. An extension that raises never
@@ -23,6 +24,19 @@ from typing import Protocol
 MAX_CONSECUTIVE_FAILURES = 3
 """Failures in a row after which an extension is no longer called: a watcher broken by an
 API it did not expect must not cost every step an exception."""
+
+
+class Deferred(Protocol):
+    """A measured field the GPU has still to reach (figures from CUDA events): the sender
+    holds the step's record until ``ready()``, then sends ``value()`` (``None``: the field is
+    left out), or gives up after its deadline and calls ``abandon()``. Both run on the
+    sender's thread and never wait."""
+
+    def ready(self) -> bool: ...
+
+    def value(self) -> object | None: ...
+
+    def abandon(self) -> None: ...
 
 
 class StepExtension(Protocol):

@@ -65,6 +65,7 @@ class Sender:
                                     hello.gpu)
         self.clock: CudaClock | None = None
         self.records_sent = 0
+        self.deferred_missed = 0  # GPU-timed fields left out: events not passed in time
         self.datagrams_sent = 0
         self.dropped: dict[str, int] = {}
         self._buffer = buffer
@@ -139,24 +140,45 @@ class Sender:
             self._waiting.append(item)
         while self._waiting:
             item = self._waiting[0]
-            phases, marks = item[4], item[9]
+            phases, marks, measured = item[4], item[9], item[10]
+            late = final or now - item[3] >= EVENT_DEADLINE_S
+            deferred = _deferred(measured)
+            if deferred and not late and not all(field.ready() for field in deferred.values()):
+                break  # the GPU has not got there yet; later steps are behind it
             gpu_phases = None
             if marks and self.clock is not None:
                 gpu_phases = self.clock.resolve(marks)
-                if gpu_phases is None and not final and now - item[3] < EVENT_DEADLINE_S:
-                    break  # the GPU has not got there yet; later steps are behind it
+                if gpu_phases is None and not late:
+                    break
                 if gpu_phases:
                     phases = {**phases, **gpu_phases}
+            if deferred:
+                measured = self._resolve(measured, deferred)
             self._waiting.popleft()
-            records.append(self._encode_step(item, phases, unix_offset, gpu_phases or ()).encode())
+            records.append(self._encode_step(item, phases, unix_offset, gpu_phases or (), measured).encode())
         self._send(records, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
         if final:
             while self._backlog:
                 self._count_drop("agent_busy", self._backlog.popleft()[1])
 
+    def _resolve(self, measured: dict[str, object] | None,
+                 deferred: dict[str, Any]) -> dict[str, object] | None:
+        """``measured`` with each ``Deferred`` field replaced by its value, or left out (and
+        counted) where the GPU did not reach its events in time or the value is missing."""
+        resolved = dict(measured or {})
+        for key, field in deferred.items():
+            del resolved[key]
+            value = field.value() if field.ready() else None
+            if value is None:
+                field.abandon()
+                self.deferred_missed += 1
+            else:
+                resolved[key] = value
+        return resolved or None
+
     def _encode_step(self, item: StepTuple, phases: dict[str, float], unix_offset: float,
-                     device_phases: Iterable[str]) -> str:
-        seq, step, t0, t1, _, samples, tokens, flops, mem, _, measured = item
+                     device_phases: Iterable[str], measured: dict[str, object] | None) -> str:
+        seq, step, t0, t1, _, samples, tokens, flops, mem, _, _ = item
         return self._encoder.encode(step, seq, t0 + unix_offset, t1 - t0, phases, samples, tokens,
                                     flops, mem, measured, device_phases)
 
@@ -195,3 +217,10 @@ class Sender:
 
     def _count_drop(self, reason: str, count: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+
+def _deferred(measured: dict[str, object] | None) -> dict[str, Any]:
+    """The fields of ``measured`` the GPU has still to resolve (``Deferred``)."""
+    if not measured:
+        return {}
+    return {key: field for key, field in measured.items() if hasattr(field, "ready")}

@@ -4,7 +4,8 @@ Under DDP, FSDP and ZeRO the collectives run inside backward, overlapped with it
 hand-timed phase can hold them. Two measurements make up a step's ``comm`` field:
 
 - **busy**: when each collective was in flight. ``torch.distributed``'s collective functions
-  (the calls DDP comm hooks, FSDP and user code make) are wrapped once per process; a call
+  (the calls DDP comm hooks, FSDP and user code make) are wrapped once per process
+  (``comm_tap``); a call
   stamps its launch, and its completion is stamped when it returns (a blocking call) or by a
   callback on its ``Work``'s future (``async_op=True``; the callback runs before anything
   waiting on the work's chained futures is woken, so the stamp is the completion, not the
@@ -27,56 +28,38 @@ hand-timed phase can hold them. Two measurements make up a step's ``comm`` field
 An operation belongs to the step it is launched in; one still in flight when its step ends
 adds its remaining time to the next step's ``busy`` and is counted (count, bytes, seconds)
 there, so nothing is counted twice. Collectives launched outside any step (evaluation,
-checkpointing, the trainer's barriers) are not counted. Collectives on a device whose work
-the host clock does not see (CUDA: the call returns once the work is queued) are not timed
-that way: a step with one carries no ``comm`` field (not measured) rather than a wrong one.
+checkpointing, the trainer's barriers) are not counted.
 
-The wrapped functions cost a check of one list when no monitor is watching.
+**On a GPU** (NCCL) a collective call returns once its work is queued and the training thread
+never waits for it: the host clock sees neither. There both figures come from CUDA events
+(``DeviceComm``), where the watcher records them: an event on the launching stream as each
+collective is launched and one on the stream its completion callback runs on (which the
+collective's end gates), and around DDP's finalize, one as backward's last kernel is queued
+and one after the stream was made to wait for every bucket and copy them back. The GPU time
+between those two is the exposed communication: how long the stream's work stood still for
+the collectives. The step's record is sent once the GPU has passed its events (the sender
+waits for them as for the phases' events). Collectives on a GPU with no such events (a
+function called outside DDP's hook, FSDP on CUDA), or a step that mixes them with host-timed
+ones, give the step no ``comm`` field (not measured) rather than a wrong one.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import logging
 import threading
 from collections.abc import Callable, Iterable
 from time import perf_counter, thread_time
 from typing import Any
 
-log = logging.getLogger("gpumon.client")
-
 MAX_PENDING_OPS = 4096
 """Operations kept in flight across step ends; beyond that the oldest are dropped and counted
 (a collective that never completes, such as a peer that died, must not grow memory)."""
 
-COLLECTIVES: dict[str, tuple[str, int, str]] = {
-    # function name: (wire name, position of the payload argument, its keyword); -1: none
-    "all_reduce": ("all_reduce", 0, "tensor"),
-    "all_reduce_coalesced": ("all_reduce", 0, "tensors"),
-    "broadcast": ("broadcast", 0, "tensor"),
-    "reduce": ("reduce", 0, "tensor"),
-    "all_gather": ("all_gather", 0, "tensor_list"),
-    "all_gather_into_tensor": ("all_gather", 0, "output_tensor"),
-    "all_gather_single": ("all_gather", 0, "output_tensor"),
-    "_all_gather_base": ("all_gather", 0, "output_tensor"),
-    "reduce_scatter": ("reduce_scatter", 1, "input_list"),
-    "reduce_scatter_tensor": ("reduce_scatter", 1, "input"),
-    "reduce_scatter_single": ("reduce_scatter", 1, "input"),
-    "_reduce_scatter_base": ("reduce_scatter", 1, "input"),
-    "all_to_all": ("all_to_all", 1, "input_tensor_list"),
-    "all_to_all_single": ("all_to_all", 1, "input"),
-    "gather": ("gather", 0, "tensor"),
-    "scatter": ("scatter", 0, "tensor"),
-    "barrier": ("barrier", -1, ""),
-}
-"""The ``torch.distributed`` functions measured, and how each names its payload."""
-
-
 class Op:
     """One collective: launched on some thread, completed (``t_done``) on another."""
 
-    __slots__ = ("name", "nbytes", "t0", "t1", "t_done", "counted_until", "on_training_thread")
+    __slots__ = ("name", "nbytes", "t0", "t1", "t_done", "counted_until", "on_training_thread",
+                 "events")
 
     def __init__(self, name: str, nbytes: int, t0: float, t1: float, on_training_thread: bool) -> None:
         self.name = name
@@ -86,10 +69,18 @@ class Op:
         self.t_done: float | None = None
         self.counted_until = t0  # busy time before this was reported with an earlier step
         self.on_training_thread = on_training_thread
+        self.events: list[Any] | None = None  # CUDA events at launch and completion, on a GPU
 
     def done(self, _future: object = None) -> None:
         """Stamp the completion (called from the thread that completes the work)."""
         self.t_done = perf_counter()
+
+    def device_done(self, clock: Any) -> None:
+        """Stamp the completion on the GPU: an event on the current stream, which the work's
+        end gates (a CUDA future's callback runs on streams made to wait for it)."""
+        self.t_done = perf_counter()
+        if self.events is not None:
+            self.events[1] = clock.event()
 
 
 class Tail:
@@ -103,18 +94,27 @@ class Tail:
     (``gradient_as_bucket_view=True``) both are nil.
     """
 
-    __slots__ = ("start", "end", "cpu_end", "mirrored")
+    __slots__ = ("start", "end", "cpu_end", "mirrored", "clock", "events")
 
-    def __init__(self, start: float, mirrored: bool = False) -> None:
+    def __init__(self, start: float, mirrored: bool = False, clock: Any = None) -> None:
         self.start = start
         self.end: float | None = None
         self.cpu_end: float | None = None  # the waiter's CPU clock at ``end``
         self.mirrored = mirrored
+        self.clock = clock  # a CudaClock when the wait is on a GPU stream
+        self.events: list[Any] = [None, None]
+
+    def waiting(self) -> None:
+        """On a GPU: the wait's start, once the last work it follows is queued."""
+        if self.clock is not None:
+            self.events[0] = self.clock.event()
 
     def resumed(self) -> None:
         """Stamp ``end``; called on the waiting thread."""
         self.end = perf_counter()
         self.cpu_end = thread_time()
+        if self.clock is not None:
+            self.events[1] = self.clock.event()
 
     def interval(self, ops: Iterable[Op]) -> tuple[float, float] | None:
         """When the wait was, if it can be told."""
@@ -138,7 +138,9 @@ class CommLedger:
     completes the work. ``step_end`` adds ``fields["comm"]`` in the wire shape.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device_clock: Callable[[], Any] | None = None) -> None:
+        self.device_clock = device_clock or (lambda: None)
+        """The monitor's ``CudaClock`` once it has one, for collectives on a GPU."""
         self._lock = threading.Lock()  # launches from several threads (a hook's chained collective)
         self._ops: list[Op] = []
         self._blocked: list[tuple[float, float]] = []
@@ -147,6 +149,7 @@ class CommLedger:
         self._t_begin: float | None = None
         self._thread: int | None = None
         self._untimed = False
+        self._device_timed = False
         self.blind = False
         """Some watched communication cannot be seen (a built-in C++ comm hook): report none."""
         self.infer_tail = False
@@ -169,11 +172,13 @@ class CommLedger:
         self._blocked = []
         self._tails = []
         self._untimed = False
+        self._device_timed = False
 
     def launched(self, name: str, nbytes: int, t0: float, t1: float, host_timed: bool,
-                 cpu: tuple[float, float] | None = None) -> Op | None:
+                 cpu: tuple[float, float] | None = None, device_start: Any = None) -> Op | None:
         """Record a collective launched over [t0, t1] (``cpu``: the calling thread's CPU clock
-        at both); None when outside a step."""
+        at both); None when outside a step. One on a GPU (not ``host_timed``) is timed by its
+        events, ``device_start`` the one recorded at its launch (else it is not timed)."""
         if self._t_begin is None:
             self.outside_steps += 1
             return None
@@ -181,7 +186,11 @@ class CommLedger:
         op = Op(name, nbytes, t0, t1, on_training_thread)
         with self._lock:
             if not host_timed:
-                self._untimed = True
+                if device_start is None:
+                    self._untimed = True
+                else:
+                    op.events = [device_start, None]
+                    self._device_timed = True
             if on_training_thread:
                 self._blocked.append((t0, t1))
                 if cpu is not None:
@@ -205,7 +214,7 @@ class CommLedger:
         (see ``Tail`` for ``mirrored``)."""
         if self._t_begin is None:
             return None
-        tail = Tail(start, mirrored)
+        tail = Tail(start, mirrored, self.device_clock() if self._device_timed else None)
         self._tails.append(tail)
         return tail
 
@@ -217,6 +226,9 @@ class CommLedger:
             return
         with self._lock:
             ops, self._ops = self._ops, []
+        if self._device_timed:
+            self._device_step_end(fields, ops, t_end - t_begin)
+            return
         busy: list[tuple[float, float]] = []
         kinds: dict[str, list[Any]] = {}
         carried = []
@@ -267,6 +279,93 @@ class CommLedger:
             # Work done for communication on the training thread (a hook compressing, DDP
             # copying buckets back) is communication time too: busy covers what is exposed.
             "busy": min(span_s, max(exposed, union_seconds(busy + blocked, t_begin, t_end) + unseen_s)),
+            "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
+        }
+
+
+    def _device_step_end(self, fields: dict[str, object], ops: list[Op], duration_s: float) -> None:
+        """A step whose collectives ran on a GPU: its ``comm`` is read from their events."""
+        clock = self.device_clock()
+        host_ops = [op for op in ops if op.events is None]
+        if self._untimed or self.blind or host_ops or clock is None or not self._tails:
+            # Mixed with host-timed collectives, or no wait to read the exposed time from.
+            self.steps_not_timed += 1
+            return
+        self.steps_measured += 1
+        fields["comm"] = DeviceComm(clock, ops, self._tails, duration_s)
+
+
+class DeviceComm:
+    """A step's ``comm`` from CUDA events (the module docstring: on a GPU); a ``Deferred``
+    the sender resolves once the GPU has passed every event."""
+
+    __slots__ = ("_clock", "_ops", "_tails", "_duration_s", "_events")
+
+    def __init__(self, clock: Any, ops: list[Op], tails: list[Tail], duration_s: float) -> None:
+        self._clock = clock
+        self._ops = ops
+        self._tails = tails
+        self._duration_s = duration_s
+        self._events = [e for op in ops for e in op.events or ()] + [e for t in tails for e in t.events]
+
+    def ready(self) -> bool:
+        if any(e is None for e in self._events):  # a completion not seen yet: not ready
+            return False
+        try:
+            return all(self._clock.passed(e) for e in self._events)
+        except Exception:
+            return True  # value() finds the failure and leaves the field out
+
+    def value(self) -> dict[str, object] | None:
+        """The wire's ``comm`` figures in GPU seconds, bounded by the step's duration."""
+        try:
+            figures = self._figures()
+        except Exception:
+            figures = None
+        self.abandon()
+        return figures
+
+    def abandon(self) -> None:
+        """Give the events back (those the GPU has passed: the rest may still be recorded)."""
+        clock = self._clock
+        for event in self._events:
+            if event is not None:
+                try:
+                    if clock.passed(event):
+                        clock.release(event)
+                except Exception:
+                    pass
+        self._events = []
+
+    def _figures(self) -> dict[str, object] | None:
+        clock = self._clock
+        origin = self._events[0]
+
+        def at(event: Any) -> float:
+            return float(clock.elapsed_s(origin, event))
+
+        busy: list[tuple[float, float]] = []
+        kinds: dict[str, list[Any]] = {}
+        for op in self._ops:
+            start, end = (at(e) for e in op.events)  # type: ignore[union-attr]
+            busy.append((start, end))
+            figures = kinds.setdefault(op.name, [0, 0, 0.0])
+            figures[0] += 1
+            figures[1] += op.nbytes
+            figures[2] += max(0.0, end - start)
+        waits = [(at(t.events[0]), at(t.events[1])) for t in self._tails]
+        lo = min(a for a, _ in busy + waits)
+        hi = max(b for _, b in busy + waits)
+        unseen_s = 0.0
+        for tail, (_, resumed) in zip(self._tails, waits, strict=True):
+            ends = [b for _, b in busy if b <= resumed]
+            if tail.mirrored and ends:
+                unseen_s += resumed - max(ends)
+        duration = self._duration_s
+        exposed = min(duration, union_seconds(waits, lo, hi) + unseen_s)
+        return {
+            "exposed": exposed,
+            "busy": min(duration, max(exposed, union_seconds(busy + waits, lo, hi) + unseen_s)),
             "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
         }
 
@@ -322,97 +421,3 @@ def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) ->
             total += stop - start
             reach = stop
     return total
-
-
-# --- the wrapped torch.distributed functions ---------------------------------------------
-
-_ledgers: list[CommLedger] = []
-"""The ledgers the wrapped functions report to (one per watching monitor, usually one)."""
-_installed = False
-_install_lock = threading.Lock()
-
-
-def tap_into(ledger: CommLedger) -> bool:
-    """Report this process's ``torch.distributed`` collectives to ``ledger``; False if the
-    functions could not be wrapped (no ``torch.distributed``)."""
-    if not install_tap():
-        return False
-    if ledger not in _ledgers:
-        _ledgers.append(ledger)
-    return True
-
-
-def untap(ledger: CommLedger) -> None:
-    """Stop reporting to ``ledger`` (the wrappers stay, passing straight through)."""
-    if ledger in _ledgers:
-        _ledgers.remove(ledger)
-
-
-def install_tap() -> bool:
-    """Wrap the collective functions of ``torch.distributed`` once per process."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return True
-        try:
-            import torch.distributed as dist
-            from torch.distributed import distributed_c10d
-        except ImportError:
-            return False
-        if not dist.is_available():
-            return False
-        for fn_name, (wire_name, position, keyword) in COLLECTIVES.items():
-            original = getattr(distributed_c10d, fn_name, None)
-            if original is None or getattr(original, "__gpumon_wrapped__", False):
-                continue  # not in this torch version: not measured
-            wrapped = _wrap(original, wire_name, position, keyword)
-            setattr(distributed_c10d, fn_name, wrapped)
-            if getattr(dist, fn_name, None) is original:
-                setattr(dist, fn_name, wrapped)
-        _installed = True
-        return True
-
-
-def _wrap(original: Callable[..., Any], name: str, position: int, keyword: str) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def collective(*args: Any, **kwargs: Any) -> Any:
-        if not _ledgers:
-            return original(*args, **kwargs)
-        c0, t0 = thread_time(), perf_counter()
-        result = original(*args, **kwargs)
-        t1, c1 = perf_counter(), thread_time()
-        try:
-            _record(name, _payload(args, kwargs, position, keyword), t0, t1, result, (c0, c1))
-        except Exception:  # measuring must never break the collective
-            log.debug("gpumon: could not record a %s", name, exc_info=True)
-        return result
-
-    collective.__gpumon_wrapped__ = True  # type: ignore[attr-defined]
-    return collective
-
-
-def _payload(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, keyword: str) -> Any:
-    if position < 0:
-        return None
-    if keyword in kwargs:
-        return kwargs[keyword]
-    return args[position] if len(args) > position else None
-
-
-def _record(name: str, payload: Any, t0: float, t1: float, result: Any,
-            cpu: tuple[float, float] | None = None) -> None:
-    tensors = payload if isinstance(payload, (list, tuple)) else [] if payload is None else [payload]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    host_timed = all(t.device.type == "cpu" for t in tensors)
-    for ledger in _ledgers:
-        op = ledger.launched(name, nbytes, t0, t1, host_timed, cpu)
-        if op is None:
-            continue
-        get_future = getattr(result, "get_future", None)
-        if get_future is None:  # returned after completing (or not part of the group)
-            op.t_done = t1
-            continue
-        try:
-            get_future().add_done_callback(op.done)
-        except RuntimeError:  # this backend gives no future for this op: completion unknown
-            op.t_done = t1

@@ -5,7 +5,8 @@ bucket is launched, waits for all of them before backward returns (its "finalize
 exposed communication is that wait, the hook's own work on the training thread (dividing,
 compressing), DDP's copies of the gradients into and out of the buckets (``comm.Tail``) and,
 on CPU, the time the backward they overlap lost its CPU to the all-reduce threads
-(``comm``'s contention). The CPU clock of the training thread is read at the edges of the
+(``comm``'s contention). On a GPU the same wait is read from CUDA events instead (``comm``:
+on a GPU). The CPU clock of the training thread is read at the edges of the
 hook and of the wait, where it is cheap (~1 µs), so contention is measured without a reading
 inside backward's own work.
 
@@ -27,7 +28,8 @@ import logging
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm import CommLedger, Tail, tap_into
+from gpumon.client.comm import CommLedger, Tail
+from gpumon.client.comm_tap import tap_into
 
 log = logging.getLogger("gpumon.client")
 
@@ -134,13 +136,19 @@ def _all_reduce(ledger: CommLedger, group: Any, bucket: Any, t0: float) -> Any:
     copy, and no difference)."""
     tensor = bucket.buffer()
     tensor.mul_(1.0 / group.size())
+    on_host = tensor.device.type == "cpu"
+    clock = None if on_host or not ledger.in_step else ledger.device_clock()
+    start = None if clock is None else clock.event()
     work = group.allreduce([tensor])
     op = ledger.launched("all_reduce", tensor.numel() * tensor.element_size(), t0, perf_counter(),
-                         tensor.device.type == "cpu")
+                         on_host, device_start=start)
 
     def averaged(future: Any) -> Any:
         if op is not None:
-            op.t_done = perf_counter()
+            if clock is None:
+                op.t_done = perf_counter()
+            else:
+                op.device_done(clock)
         return future.value()[0]
 
     return work.get_future().then(averaged)
@@ -153,6 +161,9 @@ def _stamp_after_backward(tail: Tail) -> None:
     gradients) as an autograd-engine callback when the last bucket is ready, after this
     hook returns; a callback queued now runs before it, and one queued by that callback
     runs after it (the engine runs callbacks added while running callbacks, in order).
+    Both run on the stream backward was called on, once its last kernel is queued: on a
+    GPU, the first records the wait's start event and the second its end, after DDP made
+    that stream wait for the buckets.
     Outside backward (DDP's join hooks) or on an engine without this, the completion of
     the step's collectives ends the wait instead.
     """
@@ -162,6 +173,7 @@ def _stamp_after_backward(tail: Tail) -> None:
         engine = torch.autograd.Variable._execution_engine
 
         def after_finalize_is_queued() -> None:
+            tail.waiting()
             engine.queue_callback(tail.resumed)
 
         engine.queue_callback(after_finalize_is_queued)

@@ -72,6 +72,9 @@ class ClientStats:
     dropped: dict[str, int] = field(default_factory=dict)
     invalid_fields: int = 0
     extension_errors: int = 0
+    gpu_fields_missed: int = 0
+    """Measured fields timed on the GPU (a step's ``comm`` under NCCL) left out because the
+    GPU had not passed their events in time."""
 
 
 class StepMonitor:
@@ -210,6 +213,7 @@ class StepMonitor:
             datagrams_sent=sender.datagrams_sent,
             dropped=dict(sender.dropped),
             invalid_fields=sender.invalid_fields,
+            gpu_fields_missed=sender.deferred_missed,
             extension_errors=0 if self._step_extensions is None else self._step_extensions.errors,
         )
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumon.client.comm import CommLedger, tap_into
+from gpumon.client.comm import CommLedger
+from gpumon.client.comm_tap import tap_into
 from gpumon.client.cpu_wait import CpuWaitClock
 
 if TYPE_CHECKING:
@@ -127,7 +129,8 @@ def comm_ledger(monitor: StepMonitor) -> CommLedger:
     """The monitor's communication ledger, registered as a step extension on first use."""
     ledger: CommLedger | None = getattr(monitor, "_comm_ledger", None)
     if ledger is None:
-        ledger = CommLedger()
+        owner = weakref.ref(monitor)  # the monitor holds the ledger: no cycle back to it
+        ledger = CommLedger(device_clock=lambda: getattr(owner(), "_cuda", None))
         monitor._comm_ledger = ledger  # type: ignore[attr-defined]
         monitor._add_extension(ledger)
     return ledger

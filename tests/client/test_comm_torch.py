@@ -19,8 +19,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gpumon.client import StepMonitor, comm
-from gpumon.client.comm import CommLedger, tap_into, untap
+from gpumon.client import StepMonitor, comm_tap
+from gpumon.client.comm import CommLedger
+from gpumon.client.comm_tap import tap_into, untap
 from gpumon.client.ddp import HOOKED, INFERRED, NOT_MEASURED, watch_ddp
 from gpumon.client.transport import MemoryTransport
 from gpumon.client.watch import find_wrapper, kind_of
@@ -95,7 +96,7 @@ def test_without_a_watching_ledger_nothing_is_recorded() -> None:
     fields: dict[str, object] = {}
     led.step_end(fields)
     assert fields["comm"] == {"exposed": 0.0, "busy": 0.0, "ops": {}}
-    assert comm._ledgers == []
+    assert comm_tap._ledgers == []
 
 
 def _model() -> nn.Module:
