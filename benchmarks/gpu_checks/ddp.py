@@ -9,8 +9,10 @@ resolved by the sender once the GPU has passed them), which CPU tests on gloo ca
 through the hook against the agent. The checks read the agent's ``--record`` file: every step
 after the first carries a ``comm`` field (exposed and busy seconds within the step, per-op
 count, bytes and seconds), and the all-reduce bytes of a step equal the model's gradient bytes
-(each gradient reduced once, even though ``watch`` was called twice). A gpumon without
-``StepMonitor.watch`` makes the section "not available", not an error.
+(each gradient reduced once, even though ``watch`` was called twice). Then the throughput
+of a watched DDP model against an identical one not watched, alternating blocks: at least
+0.99 on the GPU. A gpumon without ``StepMonitor.watch`` makes the section "not available",
+not an error.
 """
 
 from __future__ import annotations
@@ -109,6 +111,7 @@ def section_ddp(report: Report, result: dict[str, Any], torch: Any, agent: Agent
         finally:
             mon.close()
         result["client_stats"] = jsonable(mon.stats)
+        throughput(report, result, torch, agent, device)
         # On NCCL the comm figures come from CUDA events the sender resolves once the GPU has
         # passed them: none may have been given up on.
         report.check("ddp.gpu_timed_fields_resolved", getattr(mon.stats, "gpu_fields_missed", 0) == 0,
@@ -155,3 +158,66 @@ def check_records(report: Report, result: dict[str, Any], steps: int, grad_bytes
         "median_step_s": statistics.median(r["duration"] for r in with_comm),
     }
     report.check("ddp.comm_figures", None, result["comm"])
+
+
+AB_RUN = "gpu-node-check-ddp-ab"
+AB_TARGET = 0.99
+"""Throughput with ``watch()`` against without, on the GPU (issue target; on CPU gloo the
+extra pass over the gradients a comm hook costs is most of a memory-bound step)."""
+
+
+def throughput(report: Report, result: dict[str, Any], torch: Any, agent: AgentProcess,
+               device: str) -> None:
+    """Two identical DDP models, one watched, both stepped through the same monitor (so the
+    hook's own cost is on both): blocks of steps alternate between them, the order flipping
+    every round, and the figure is the median over rounds of watched ÷ plain throughput."""
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gpumon.client import StepMonitor
+
+    cuda = device == "cuda"
+    width, layers, batch, rounds, block = (4096, 4, 2048, 10, 8) if cuda else (256, 2, 16, 3, 3)
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(m for _ in range(layers) for m in (nn.Linear(width, width),
+                                                                    nn.ReLU()))).to(device)
+        ddp_model = DistributedDataParallel(model, device_ids=[0] if cuda else None)
+        models.append((ddp_model, torch.optim.SGD(ddp_model.parameters(), lr=1e-4)))
+    mon = StepMonitor(AB_RUN, socket_path=str(agent.socket_path))
+    x = torch.randn(batch, width, device=device)
+
+    def run_block(ddp_model: Any, optimizer: Any) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(block):
+            with mon.step(samples=batch):
+                with mon.phase("forward"):
+                    loss = ddp_model(x).square().mean()
+                with mon.phase("backward"):
+                    loss.backward()
+                with mon.phase("optimizer"):
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        return block / (time.perf_counter() - t0)
+
+    try:
+        mon.watch(models[1][0], models[1][1])
+        for pair in models:  # warm-up: buckets built, kernels chosen
+            run_block(*pair)
+        ratios = []
+        for i in range(rounds):
+            order = (0, 1) if i % 2 == 0 else (1, 0)
+            rate = {k: run_block(*models[k]) for k in order}
+            ratios.append(rate[1] / rate[0])
+    finally:
+        mon.close()
+    ratio = statistics.median(ratios)
+    result["throughput"] = {"watched_over_plain": ratio, "rounds": [round(r, 4) for r in ratios],
+                            "width": width, "batch": batch, "block_steps": block}
+    report.check("ddp.watch_throughput_ratio", ratio >= AB_TARGET if cuda else None,
+                 result["throughput"])
