@@ -3,8 +3,9 @@
 DDP launches one all-reduce per gradient bucket from inside backward and, once the last
 bucket is launched, waits for all of them before backward returns (its "finalize"). The
 exposed communication is that wait, the hook's own work on the training thread (dividing,
-compressing), DDP's copies of the gradients into and out of the buckets (``comm.Tail``) and,
-on CPU, the time the backward they overlap lost its CPU to the all-reduce threads
+compressing), DDP's copies of the gradients into the buckets (timed on CPU by two autograd
+hooks around DDP's own; on a GPU taken to cost what the copy back costs, ``comm.Tail``) and
+out of them, and, on CPU, the time the backward they overlap lost its CPU to the all-reduce threads
 (``comm``'s contention). On a GPU the same wait is read from CUDA events instead (``comm``:
 on a GPU). The CPU clock of the training thread is read at the edges of the
 hook and of the wait, where it is cheap (~1 µs), so contention is measured without a reading
@@ -25,6 +26,7 @@ so the step's communication is reported as not measured.
 from __future__ import annotations
 
 import logging
+import weakref
 from time import perf_counter, thread_time
 from typing import Any
 
@@ -90,7 +92,7 @@ def _watch(ledger: CommLedger, ddp: Any) -> tuple[str, str]:
 
         group = dist.group.WORLD
     hooks = _Hooks(None, group)
-    wrapper = _wrapper(ledger, hooks)
+    wrapper = _wrapper(ledger, hooks, copies_timed=_time_copies_into_buckets(ledger, ddp))
     try:
         reducer_register(None, wrapper)
     except (RuntimeError, ValueError, TypeError) as exc:
@@ -103,7 +105,7 @@ def _watch(ledger: CommLedger, ddp: Any) -> tuple[str, str]:
     return HOOKED, ""
 
 
-def _wrapper(ledger: CommLedger, hooks: _Hooks) -> Any:
+def _wrapper(ledger: CommLedger, hooks: _Hooks, copies_timed: bool) -> Any:
     def gpumon_timed_comm_hook(state: object, bucket: Any) -> Any:
         c0, t0 = thread_time(), perf_counter()
         if hooks.hook is None:
@@ -114,7 +116,7 @@ def _wrapper(ledger: CommLedger, hooks: _Hooks) -> Any:
         ledger.blocked(t0, t1, (c0, c1))
         is_last = getattr(bucket, "is_last", None)
         if is_last is not None and is_last():
-            tail = ledger.wait_from(t1, mirrored=True)
+            tail = ledger.wait_from(t1, mirrored=not copies_timed)
             if tail is not None:
                 _stamp_after_backward(tail)
         return future
@@ -122,6 +124,49 @@ def _wrapper(ledger: CommLedger, hooks: _Hooks) -> Any:
     # DDP checks a hook's annotations against its own types; postponed ones are strings.
     gpumon_timed_comm_hook.__annotations__ = {}
     return gpumon_timed_comm_hook
+
+
+def _time_copies_into_buckets(ledger: CommLedger, ddp: Any) -> bool:
+    """On CPU, time DDP copying each gradient into its bucket (its own autograd hook on the
+    gradient's accumulator, inside backward) as work the training thread does for
+    communication; True if every gradient's copy is timed.
+
+    Each parameter gets a hook that runs once its gradient is accumulated, before DDP's
+    (which makes the copy, and launches the bucket's all-reduce when it completes one), and
+    one on the accumulator that runs after DDP's: the span between them is the copy, ~0.03 ms
+    where DDP makes none (``no_sync``, ``gradient_as_bucket_view=True``). Two Python calls of
+    ~2 µs a parameter a step. On a GPU the copy is a kernel the events around DDP's wait
+    account for (``comm.Tail``), so nothing is registered there."""
+    try:
+        from torch.autograd.graph import get_gradient_edge
+    except ImportError:
+        return False
+    params = [p for p in ddp.module.parameters() if p.requires_grad]
+    if not params or any(p.device.type != "cpu" for p in params):
+        return False
+    try:
+        nodes = [get_gradient_edge(p).node for p in params]
+        if not all(hasattr(p, "register_post_accumulate_grad_hook") for p in params):
+            return False
+    except (AttributeError, RuntimeError):
+        return False
+    start = [0.0, 0.0]  # wall and CPU clock when the gradient being copied was accumulated
+    module = weakref.ref(ddp)  # the hooks live on its parameters: no cycle back to it
+
+    def accumulated(_param: Any) -> None:
+        start[0], start[1] = perf_counter(), thread_time()
+
+    def copied(_grad_inputs: Any, _grad_outputs: Any) -> None:
+        syncing = getattr(module(), "require_backward_grad_sync", False)  # False under no_sync()
+        if ledger.in_step and start[0] and syncing:
+            c1, t1 = thread_time(), perf_counter()
+            ledger.blocked(start[0], t1, (start[1], c1))
+            start[0] = 0.0
+
+    for param, node in zip(params, nodes, strict=True):
+        param.register_post_accumulate_grad_hook(accumulated)
+        node.register_hook(copied)
+    return True
 
 
 def _all_reduce(ledger: CommLedger, group: Any, bucket: Any, t0: float) -> Any:

@@ -43,19 +43,19 @@ def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
 ) -> None:
     job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--truth", "--steps", str(STEPS)],
                   run="ddp-comm", expect_steps=2 * STEPS)
+    gaps = []
     for rank in (0, 1):
         steps, summary = job.steps(rank), job.summary(rank)
         truth, measured = truth_share(summary), exposed_share(steps)
         assert truth > 0.3, summary  # the job is communication-heavy, as built
-        # What the training thread waited, plus the CPU it lost to gloo's threads while they
-        # overlapped its backward. Left out: its work running slower beside them while on a CPU
-        # (shared caches; its CPU time per synced step is 30-45 ms above its twin's): on two
-        # shared cores 0.02-0.12 under the truth, 0.02-0.09 beside two spinning processes.
-        # (Before the job re-aligned its ranks after each twin, a loaded run read 0.22 under:
-        # the rank whose twin ended first waited for its peer's in the next synced step.)
-        # On a loaded machine the slowdown grows: one run read 0.17 under, so the ±0.15 the
-        # job should read is not reliably shown here, and under-reading is bounded at 0.25.
-        assert -0.25 <= measured - truth <= 0.15, (rank, measured, truth)
+        # What the training thread waited and worked for the all-reduce (DDP's copies into
+        # the buckets included), plus the CPU it lost to gloo's threads while they overlapped
+        # its backward. Left out: its work running slower beside them while on a CPU (shared
+        # caches). Measured on two shared cores: -0.07 to 0.00 alone, -0.19 to +0.13 beside
+        # one to three spinning processes, where the truth itself moves: the two ranks' truths
+        # of one run differed by up to 0.24 (each times its own no_sync twins).
+        assert abs(measured - truth) <= 0.25, (rank, measured, truth)
+        gaps.append(measured - truth)
         counts = set()
         for step in steps:
             comm = step["comm"]
@@ -66,6 +66,9 @@ def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
             assert seconds > 0
         assert counts == {3}  # 64 MiB in DDP's 25 MiB buckets
         assert share_of(job.verdicts(rank), "communication") >= 0.8
+    # The job's exposed share against the job's truth, both ranks' together: -0.11 to +0.07
+    # in the runs above.
+    assert abs(statistics.mean(gaps)) <= 0.15, gaps
 
 
 def test_compute_heavy_ddp_shows_little_exposed_communication(
