@@ -55,6 +55,21 @@ MAX_PENDING_OPS = 4096
 """Operations kept in flight across step ends; beyond that the oldest are dropped and counted
 (a collective that never completes, such as a peer that died, must not grow memory)."""
 
+NO_EVENT = object()
+"""Stands for a CUDA event that could not be recorded: the step's ``DeviceComm`` is then
+ready at once and has no value (its ``comm`` field is left out and counted)."""
+
+
+def record_event(clock: Any) -> Any:
+    """A CUDA event recorded now on the current stream, or ``NO_EVENT``: recording runs inside
+    DDP's hook, its futures' callbacks and autograd's callbacks, where an error would fail the
+    training step."""
+    try:
+        return clock.event()
+    except Exception:
+        return NO_EVENT
+
+
 class Op:
     """One collective: launched on some thread, completed (``t_done``) on another."""
 
@@ -80,7 +95,7 @@ class Op:
         end gates (a CUDA future's callback runs on streams made to wait for it)."""
         self.t_done = perf_counter()
         if self.events is not None:
-            self.events[1] = clock.event()
+            self.events[1] = record_event(clock)
 
 
 class Tail:
@@ -107,14 +122,14 @@ class Tail:
     def waiting(self) -> None:
         """On a GPU: the wait's start, once the last work it follows is queued."""
         if self.clock is not None:
-            self.events[0] = self.clock.event()
+            self.events[0] = record_event(self.clock)
 
     def resumed(self) -> None:
         """Stamp ``end``; called on the waiting thread."""
         self.end = perf_counter()
         self.cpu_end = thread_time()
         if self.clock is not None:
-            self.events[1] = self.clock.event()
+            self.events[1] = record_event(self.clock)
 
     def interval(self, ops: Iterable[Op]) -> tuple[float, float] | None:
         """When the wait was, if it can be told."""
@@ -309,6 +324,8 @@ class DeviceComm:
         self._events = [e for op in ops for e in op.events or ()] + [e for t in tails for e in t.events]
 
     def ready(self) -> bool:
+        if any(e is NO_EVENT for e in self._events):
+            return True  # value() is None: the field is left out, and counted
         if any(e is None for e in self._events):  # a completion not seen yet: not ready
             return False
         try:
@@ -318,10 +335,12 @@ class DeviceComm:
 
     def value(self) -> dict[str, object] | None:
         """The wire's ``comm`` figures in GPU seconds, bounded by the step's duration."""
-        try:
-            figures = self._figures()
-        except Exception:
-            figures = None
+        figures = None
+        if not any(e is NO_EVENT for e in self._events):
+            try:
+                figures = self._figures()
+            except Exception:
+                pass
         self.abandon()
         return figures
 
@@ -329,7 +348,7 @@ class DeviceComm:
         """Give the events back (those the GPU has passed: the rest may still be recorded)."""
         clock = self._clock
         for event in self._events:
-            if event is not None:
+            if event is not None and event is not NO_EVENT:
                 try:
                     if clock.passed(event):
                         clock.release(event)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm import CommLedger
+from gpumon.client.comm import CommLedger, record_event
 
 log = logging.getLogger("gpumon.client")
 
@@ -143,7 +143,7 @@ def _record_on_device(ledger: CommLedger, clock: Any, name: str, nbytes: int, t0
     """An asynchronous collective on a GPU: an event now marks its launch (its stream waits
     for the work queued before it, and nothing after it is queued yet), one in its future's
     callback its completion. A blocking call gives no future: it is not timed."""
-    op = ledger.launched(name, nbytes, t0, t1, False, device_start=clock.event())
+    op = ledger.launched(name, nbytes, t0, t1, False, device_start=record_event(clock))
     if op is None:
         return
     try:

@@ -30,7 +30,7 @@ import weakref
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm import CommLedger, Tail
+from gpumon.client.comm import CommLedger, Tail, record_event
 from gpumon.client.comm_tap import tap_into
 
 log = logging.getLogger("gpumon.client")
@@ -183,7 +183,7 @@ def _all_reduce(ledger: CommLedger, group: Any, bucket: Any, t0: float) -> Any:
     tensor.mul_(1.0 / group.size())
     on_host = tensor.device.type == "cpu"
     clock = None if on_host or not ledger.in_step else ledger.device_clock()
-    start = None if clock is None else clock.event()
+    start = None if clock is None else record_event(clock)
     work = group.allreduce([tensor])
     op = ledger.launched("all_reduce", tensor.numel() * tensor.element_size(), t0, perf_counter(),
                          on_host, device_start=start)

@@ -35,12 +35,15 @@ class FakeGpu:
         self.reached = -1.0  # events at or before this time have passed
         self.recorded: list[FakeEvent] = []
         self.released: list[FakeEvent] = []
+        self.broken = False  # recording raises, as after a CUDA error
 
     def at(self, t: float) -> FakeGpu:
         self.time = t
         return self
 
     def event(self) -> FakeEvent:
+        if self.broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         event = FakeEvent(self.time)
         self.recorded.append(event)
         return event
@@ -204,3 +207,21 @@ def test_a_gpu_that_never_gets_there_costs_the_field_not_the_record(
     assert steps[0].comm is None and steps[0].samples == 8 and "forward" in steps[0].phases_s
     assert mon.stats.gpu_fields_missed == 1
     assert gpu.released == []  # nothing the GPU may still write is handed out again
+
+
+def test_events_that_cannot_be_recorded_cost_the_field_never_the_step(
+        gpu_monitor: tuple[StepMonitor, MemoryTransport, FakeGpu, CommLedger]) -> None:
+    mon, transport, gpu, ledger = gpu_monitor
+    with mon.step(samples=8):
+        gpu.broken = True  # from the completion on: inside a future's callback on a GPU
+        op = ledger.launched("all_reduce", MIB, 0.0, 0.0, False, device_start=FakeEvent(0.0))
+        assert op is not None
+        op.device_done(gpu)  # must not raise into the collective's callback
+        tail = ledger.wait_from(0.0)
+        assert tail is not None
+        tail.waiting()
+        tail.resumed()  # nor into autograd's
+    mon.flush()  # ready at once: nothing to wait for
+    steps = steps_of(transport)
+    assert [s.step for s in steps] == [0] and steps[0].comm is None and steps[0].samples == 8
+    assert mon.stats.gpu_fields_missed == 1
