@@ -47,6 +47,7 @@ class _Hooks:
         self.hook = hook
         self.state = state
         self.user_registered = False
+        self.copies_timed = False  # DDP's copies into the buckets are timed (on CPU)
 
 
 def watch_ddp(ledger: CommLedger, ddp: Any) -> str:
@@ -92,7 +93,7 @@ def _watch(ledger: CommLedger, ddp: Any) -> tuple[str, str]:
 
         group = dist.group.WORLD
     hooks = _Hooks(None, group)
-    wrapper = _wrapper(ledger, hooks, copies_timed=_time_copies_into_buckets(ledger, ddp))
+    wrapper = _wrapper(ledger, hooks)
     try:
         reducer_register(None, wrapper)
     except (RuntimeError, ValueError, TypeError) as exc:
@@ -102,10 +103,11 @@ def _watch(ledger: CommLedger, ddp: Any) -> tuple[str, str]:
     # wrapper (which expects buckets), only a hook the user registered.
     hooks_list[:] = [entry for entry in hooks_list if entry[0] is not wrapper]
     _take_over_registration(ddp, hooks, default_hooks)
+    hooks.copies_timed = _time_copies_into_buckets(ledger, ddp)
     return HOOKED, ""
 
 
-def _wrapper(ledger: CommLedger, hooks: _Hooks, copies_timed: bool) -> Any:
+def _wrapper(ledger: CommLedger, hooks: _Hooks) -> Any:
     def gpumon_timed_comm_hook(state: object, bucket: Any) -> Any:
         c0, t0 = thread_time(), perf_counter()
         if hooks.hook is None:
@@ -116,7 +118,7 @@ def _wrapper(ledger: CommLedger, hooks: _Hooks, copies_timed: bool) -> Any:
         ledger.blocked(t0, t1, (c0, c1))
         is_last = getattr(bucket, "is_last", None)
         if is_last is not None and is_last():
-            tail = ledger.wait_from(t1, mirrored=not copies_timed)
+            tail = ledger.wait_from(t1, mirrored=not hooks.copies_timed)
             if tail is not None:
                 _stamp_after_backward(tail)
         return future
