@@ -240,7 +240,7 @@ def _take_over_registration(ddp: Any, hooks: _Hooks, default_hooks: Any) -> None
     def _register_builtin_comm_hook(comm_hook_type: Any) -> None:
         import torch.distributed as dist
 
-        kinds = dist.BuiltinCommHookType  # type: ignore[attr-defined]
+        kinds = dist.BuiltinCommHookType
         builtin = {kinds.ALLREDUCE: default_hooks.allreduce_hook,
                    kinds.FP16_COMPRESS: default_hooks.fp16_compress_hook}
         hook = builtin.get(comm_hook_type)

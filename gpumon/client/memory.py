@@ -130,7 +130,7 @@ class MemoryBreakdownSampler:
         """Watch ``model`` (and ``optimizer``) too; what is watched already is not added twice."""
         for ref, obj in ((self._models, model), (self._optimizers, optimizer)):
             if obj is not None and not any(r() is obj for r in ref):
-                ref.append(weakref.ref(obj))  # type: ignore[arg-type]
+                ref.append(weakref.ref(obj))
 
     def _live(self) -> tuple[Model, list[torch.optim.Optimizer]] | None:
         models = [m for m in (r() for r in self._models) if m is not None]

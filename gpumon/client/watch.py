@@ -61,7 +61,7 @@ def _watch_memory(monitor: StepMonitor, model: object, optimizer: Any) -> None:
         return  # not a torch module: nothing to break down
     from gpumon.client.memory import watch_memory
 
-    watch_memory(monitor, model, _torch_optimizer(optimizer))  # type: ignore[arg-type]
+    watch_memory(monitor, model, _torch_optimizer(optimizer))
 
 
 def _torch_optimizer(optimizer: Any) -> Any:

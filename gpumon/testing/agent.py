@@ -91,6 +91,10 @@ def agent_env(lib_dir: Path | None = None, scenario: Path | None = None,
     return env
 
 
+class _Exited(Exception):
+    """The agent process ended while it was awaited."""
+
+
 def start_agent(tmp_path: Path, *args: str, env: Mapping[str, str] | None = None,
                 wait_ready: bool = True, port: int | None = None,
                 log_path: Path | None = None, socket_path: Path | None = None,
@@ -111,10 +115,15 @@ def start_agent(tmp_path: Path, *args: str, env: Mapping[str, str] | None = None
                                    cwd=IMPORT_ROOT, start_new_session=new_session)
     agent = AgentProcess(process, port, socket_path, log_path)
     if wait_ready:
+
+        def ready() -> bool:
+            if process.poll() is not None:
+                raise _Exited  # an agent that exited will not become ready: stop waiting
+            return http_get(agent.url + "/readyz")[0] == 200
+
         try:
-            wait_for(lambda: process.poll() is None and http_get(agent.url + "/readyz")[0] == 200,
-                     timeout=ready_timeout, what="agent readiness")
-        except AssertionError:
+            wait_for(ready, timeout=ready_timeout, what="agent readiness")
+        except (AssertionError, _Exited):
             agent.stop()
             raise AssertionError(f"agent did not become ready (exit status "
                                  f"{process.returncode}); log:\n{agent.log()}") from None

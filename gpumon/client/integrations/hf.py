@@ -25,7 +25,7 @@ from gpumon.client.monitor import StepMonitor
 from gpumon.client.watch import find_wrapper
 
 
-class GpumonTrainerCallback(TrainerCallback):
+class GpumonTrainerCallback(TrainerCallback):  # type: ignore[misc]  # transformers is not analysed: Any
     """Reports every optimizer step of a ``transformers.Trainer`` to the gpumon agent.
 
     Args:

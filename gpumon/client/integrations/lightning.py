@@ -17,13 +17,13 @@ from typing import Any
 try:
     import lightning.pytorch as pl
 except ImportError:  # the standalone package of Lightning < 2
-    import pytorch_lightning as pl  # type: ignore[no-redef]
+    import pytorch_lightning as pl
 
 from gpumon.client._phases import PhaseSequence, batch_size
 from gpumon.client.monitor import StepMonitor
 
 
-class GpumonCallback(pl.Callback):
+class GpumonCallback(pl.Callback):  # type: ignore[misc]  # Lightning is not analysed: Any
     """Reports every training batch to the gpumon agent as a step with its phases.
 
     Args:
