@@ -94,19 +94,7 @@ def section_ddp(report: Report, result: dict[str, Any], torch: Any, agent: Agent
             report.check("ddp.watch_returns_the_model", watched is ddp and again is ddp,
                          {"first": type(watched).__name__, "second": type(again).__name__})
             x = torch.randn(batch, width, device=device)
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                with mon.step(samples=batch):
-                    with mon.phase("forward"):
-                        loss = ddp(x).square().mean()
-                    with mon.phase("backward"):
-                        loss.backward()
-                    with mon.phase("optimizer"):
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            result["wall_s"] = time.perf_counter() - t0
+            result["wall_s"] = steps / train(torch, mon, ddp, optimizer, x, steps)
             mon.flush()
         finally:
             mon.close()
@@ -123,6 +111,27 @@ def section_ddp(report: Report, result: dict[str, Any], torch: Any, agent: Agent
                           if dict(labels).get("run") == DDP_RUN
                           and ("comm" in name or "collective" in name or "busbw" in name)})
     report.check("ddp.comm_series_exported", None, comm_series)
+
+
+def train(torch: Any, mon: Any, model: Any, optimizer: Any, x: Any, steps: int) -> float:
+    """``steps`` training steps through ``mon``'s hook, phases and all; steps per second, the
+    GPU's work included (synchronised at both ends on CUDA)."""
+    cuda = x.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        with mon.step(samples=x.shape[0]):
+            with mon.phase("forward"):
+                loss = model(x).square().mean()
+            with mon.phase("backward"):
+                loss.backward()
+            with mon.phase("optimizer"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+    if cuda:
+        torch.cuda.synchronize()
+    return steps / (time.perf_counter() - t0)
 
 
 def check_records(report: Report, result: dict[str, Any], steps: int, grad_bytes: int) -> None:
@@ -189,21 +198,7 @@ def throughput(report: Report, result: dict[str, Any], torch: Any, agent: AgentP
     x = torch.randn(batch, width, device=device)
 
     def run_block(ddp_model: Any, optimizer: Any) -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(block):
-            with mon.step(samples=batch):
-                with mon.phase("forward"):
-                    loss = ddp_model(x).square().mean()
-                with mon.phase("backward"):
-                    loss.backward()
-                with mon.phase("optimizer"):
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.synchronize()
-        return block / (time.perf_counter() - t0)
+        return train(torch, mon, ddp_model, optimizer, x, block)
 
     try:
         mon.watch(models[1][0], models[1][1])
