@@ -21,10 +21,21 @@ def spin(seconds: float) -> None:
         pass
 
 
+def stolen_s(core: int) -> float:
+    """Seconds the hypervisor has kept ``core`` (a virtual CPU) from running, so far."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        fields = line.split()
+        if fields[0] == f"cpu{core}":
+            return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    return 0.0
+
+
 def test_a_thread_sharing_its_core_waits_and_the_step_says_how_long() -> None:
     """Two spinning processes pinned with this one to one core: the measured thread is
     runnable, not running, most of the time. Ground truth: wall time less its own CPU time,
-    which for a thread that only spins is exactly its wait for the core."""
+    which for a thread that only spins is its wait for the core, and, in a virtual machine,
+    the time the host took the core from it (steal: not a wait the guest's kernel sees, so
+    not run delay; a loaded host stole 57 ms of a 0.55 s window once)."""
     if not hasattr(os, "sched_setaffinity"):
         pytest.fail("cpu_wait is a Linux measurement; this test needs Linux")
     before = os.sched_getaffinity(0)
@@ -36,11 +47,13 @@ def test_a_thread_sharing_its_core_waits_and_the_step_says_how_long() -> None:
         os.sched_setaffinity(0, {core})
         clock = CpuWaitClock()
         fields: dict[str, object] = {}
+        stolen = stolen_s(core)
         w0, c0 = time.perf_counter(), time.thread_time()
         clock.step_begin()
         spin(0.3)
         clock.step_end(fields)
         off_cpu = (time.perf_counter() - w0) - (time.thread_time() - c0)
+        stolen = stolen_s(core) - stolen + 0.01  # counted in ticks of 10 ms
     finally:
         os.sched_setaffinity(0, before)
         for rival in rivals:
@@ -49,7 +62,8 @@ def test_a_thread_sharing_its_core_waits_and_the_step_says_how_long() -> None:
     wait = fields["cpu_wait"]
     assert isinstance(wait, float)
     assert off_cpu > 0.1  # it did share the core
-    assert abs(wait - off_cpu) <= 0.02 + 0.1 * off_cpu, (wait, off_cpu)
+    assert off_cpu - stolen - 0.02 - 0.1 * off_cpu <= wait <= off_cpu + 0.02 + 0.1 * off_cpu, \
+        (wait, off_cpu, stolen)
 
 
 def test_a_thread_alone_on_its_core_barely_waits() -> None:
