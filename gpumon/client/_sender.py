@@ -168,9 +168,12 @@ class Sender:
         resolved = dict(measured or {})
         for key, field in deferred.items():
             del resolved[key]
-            value = field.value() if field.ready() else None
-            if value is None:
+            if field.ready():
+                value = field.value()
+            else:
                 field.abandon()
+                value = None
+            if value is None:
                 self.deferred_missed += 1
             else:
                 resolved[key] = value

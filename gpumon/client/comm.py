@@ -297,11 +297,10 @@ class CommLedger:
             "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
         }
 
-
     def _device_step_end(self, fields: dict[str, object], ops: list[Op], duration_s: float) -> None:
         """A step whose collectives ran on a GPU: its ``comm`` is read from their events."""
         clock = self.device_clock()
-        host_ops = [op for op in ops if op.events is None]
+        host_ops = any(op.events is None for op in ops)
         if self._untimed or self.blind or host_ops or clock is None or not self._tails:
             # Mixed with host-timed collectives, or no wait to read the exposed time from.
             self.steps_not_timed += 1
@@ -314,29 +313,37 @@ class DeviceComm:
     """A step's ``comm`` from CUDA events (the module docstring: on a GPU); a ``Deferred``
     the sender resolves once the GPU has passed every event."""
 
-    __slots__ = ("_clock", "_ops", "_tails", "_duration_s", "_events")
+    __slots__ = ("_clock", "_ops", "_tails", "_duration_s", "_released")
 
     def __init__(self, clock: Any, ops: list[Op], tails: list[Tail], duration_s: float) -> None:
         self._clock = clock
         self._ops = ops
         self._tails = tails
         self._duration_s = duration_s
-        self._events = [e for op in ops for e in op.events or ()] + [e for t in tails for e in t.events]
+        self._released = False
+
+    def _events(self) -> list[Any]:
+        """Every event of the step, read afresh: a completion's is recorded by a callback that
+        may run after the step ended (``None`` until then)."""
+        if self._released:
+            return []
+        return [e for op in self._ops for e in op.events or ()] + [e for t in self._tails for e in t.events]
 
     def ready(self) -> bool:
-        if any(e is NO_EVENT for e in self._events):
+        events = self._events()
+        if any(e is NO_EVENT for e in events):
             return True  # value() is None: the field is left out, and counted
-        if any(e is None for e in self._events):  # a completion not seen yet: not ready
+        if any(e is None for e in events):  # a completion not seen yet: not ready
             return False
         try:
-            return all(self._clock.passed(e) for e in self._events)
+            return all(self._clock.passed(e) for e in events)
         except Exception:
             return True  # value() finds the failure and leaves the field out
 
     def value(self) -> dict[str, object] | None:
         """The wire's ``comm`` figures in GPU seconds, bounded by the step's duration."""
         figures = None
-        if not any(e is NO_EVENT for e in self._events):
+        if not any(e is NO_EVENT for e in self._events()):
             try:
                 figures = self._figures()
             except Exception:
@@ -347,18 +354,18 @@ class DeviceComm:
     def abandon(self) -> None:
         """Give the events back (those the GPU has passed: the rest may still be recorded)."""
         clock = self._clock
-        for event in self._events:
+        for event in self._events():
             if event is not None and event is not NO_EVENT:
                 try:
                     if clock.passed(event):
                         clock.release(event)
                 except Exception:
                     pass
-        self._events = []
+        self._released = True
 
     def _figures(self) -> dict[str, object] | None:
         clock = self._clock
-        origin = self._events[0]
+        origin = self._events()[0]
 
         def at(event: Any) -> float:
             return float(clock.elapsed_s(origin, event))
