@@ -225,3 +225,28 @@ def test_events_that_cannot_be_recorded_cost_the_field_never_the_step(
     steps = steps_of(transport)
     assert [s.step for s in steps] == [0] and steps[0].comm is None and steps[0].samples == 8
     assert mon.stats.gpu_fields_missed == 1
+
+
+def test_a_completion_recorded_after_the_step_ended_is_waited_for() -> None:
+    # A collective's completion callback may run after its step has ended (on the thread
+    # that completes the work): the step's figures wait for it, then carry it.
+    gpu = FakeGpu()
+    ledger = CommLedger(device_clock=lambda: gpu)
+    ledger.step_begin()
+    op = ledger.launched("all_reduce", MIB, 0.0, 0.0, False, device_start=gpu.at(0.010).event())
+    assert op is not None
+    tail = ledger.wait_from(0.0)
+    assert tail is not None
+    tail.waiting()
+    tail.resumed()
+    time.sleep(0.05)
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    comm = fields["comm"]
+    assert isinstance(comm, DeviceComm)
+    gpu.reached = 1.0
+    assert not comm.ready()  # the completion is not recorded yet
+    op.device_done(gpu.at(0.030))
+    assert comm.ready()
+    value = comm.value()
+    assert value is not None and value["ops"] == {"all_reduce": [1, MIB, pytest.approx(0.020)]}
