@@ -76,16 +76,21 @@ def test_compute_heavy_ddp_shows_little_exposed_communication(
 ) -> None:
     job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--truth", "--steps", "16"],
                   run="ddp-compute", expect_steps=2 * 16)
+    gaps = []
     for rank in (0, 1):
         steps, summary = job.steps(rank), job.summary(rank)
         # The truth is a median of noisy twins; so is the measured share here: a few steps in
         # which one rank waited for its peer move a sum of 16 steps by 0.15 (a full run read
-        # 0.138 against a truth of -0.021), not a median.
+        # 0.138 against a truth of -0.021), not a median. One rank's truth alone moves too: a
+        # loaded CI run read 0.21 against a measured 0.018 (its twins ran fast), so one rank is
+        # held to 0.25 and the job, both ranks together, to 0.15, as the comm-heavy job is.
         truth, measured = truth_share(summary), statistics.median(_share(s) for s in steps)
         assert truth < 0.3, summary  # compute-heavy as built
-        assert abs(measured - truth) <= 0.15, (rank, measured, truth)
+        assert abs(measured - truth) <= 0.25, (rank, measured, truth)
+        gaps.append(measured - truth)
         assert measured < 0.3
         assert all(s["comm"]["ops"]["all_reduce"][1] == summary["grad_bytes"] for s in steps)
+    assert abs(statistics.mean(gaps)) <= 0.15, gaps
     # The verdicts come from the job as it trains, without the no_sync twins: a twin lets the
     # ranks drift apart (each times its own, unsynchronised), so the next step of the faster
     # one genuinely waits for its peer, which no real job does.
