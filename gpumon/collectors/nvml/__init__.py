@@ -1,7 +1,8 @@
 """NVML collector: the only package of gpumon that imports ``pynvml`` (nvidia-ml-py).
 
 ``device`` reads one GPU (every call through one query helper: NOT_SUPPORTED is a remembered
-absence, a missing symbol falls back to the older one, a GPU off the bus raises ``GpuLost``);
+absence, a missing symbol falls back to the older one, learnt once per process, a GPU off
+the bus raises ``GpuLost``);
 ``source`` discovers the node's GPUs, polls each on its own thread and watches XID events.
 """
 

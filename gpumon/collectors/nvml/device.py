@@ -3,12 +3,15 @@
 Every call goes through :meth:`NvmlDevice._query`, which turns NOT_SUPPORTED into a
 remembered absence (the metric is never asked again and never exported as 0), falls back
 to an older symbol when the driver lacks a newer one, and raises :class:`GpuLost` when the
-GPU has fallen off the bus. Units are converted to base units here.
+GPU has fallen off the bus. A symbol the driver lacks is learnt once for the process (the
+library is the same for every GPU) and said once, by its name. Units are converted to base
+units here.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +60,54 @@ _ARCHITECTURES = {
 }
 
 
+@dataclass(frozen=True)
+class Versioned:
+    """A call through a newer NVML entry point (``symbol``), and the older call that reads
+    the same on a driver without it."""
+
+    symbol: str
+    newer: Callable[..., Any]
+    older: Callable[..., Any]
+
+
+_missing_symbols: set[str] = set()
+"""Entry points this process's NVML library lacks: learnt once, never asked again."""
+_missing_lock = threading.Lock()
+
+
+def missing_symbols() -> frozenset[str]:
+    """The newer entry points found missing in the loaded NVML library so far."""
+    with _missing_lock:
+        return frozenset(_missing_symbols)
+
+
+def _learn_missing(symbol: str) -> None:
+    with _missing_lock:
+        if symbol in _missing_symbols:
+            return
+        _missing_symbols.add(symbol)
+    log.info("%s is missing in this NVML driver: using the older call on every GPU", symbol)
+
+
+# Calls through entry points older drivers lack, with the older call that reads the same.
+_MEMORY_INFO = Versioned(
+    "nvmlDeviceGetMemoryInfo_v2",
+    lambda h: pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2),
+    pynvml.nvmlDeviceGetMemoryInfo)
+_TEMPERATURE = Versioned(
+    "nvmlDeviceGetTemperatureV",
+    lambda h: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
+    lambda h: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))
+_CLOCK_EVENT_REASONS = Versioned(
+    "nvmlDeviceGetCurrentClocksEventReasons",
+    pynvml.nvmlDeviceGetCurrentClocksEventReasons,
+    pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
+_PROCESSES = Versioned(
+    "nvmlDeviceGetComputeRunningProcesses_v3",
+    pynvml.nvmlDeviceGetComputeRunningProcesses_v3,
+    pynvml.nvmlDeviceGetComputeRunningProcesses_v2)
+
+
 class NvmlUnavailable(Exception):
     """NVML cannot be used on this node (no library, no driver, version mismatch)."""
 
@@ -67,6 +118,10 @@ class GpuLost(Exception):
 
 class _Unsupported(Exception):
     """Internal: the call is not supported for this GPU."""
+
+
+class _MissingSymbol(Exception):
+    """Internal: the driver's library lacks the newer entry point of a versioned call."""
 
 
 def error_name(exc: BaseException) -> str:
@@ -140,25 +195,37 @@ class NvmlDevice:
         self.static = self._read_static()
 
     # -- the one query helper -------------------------------------------------
-    def _query(self, group: str, fn: Callable[..., Any], *args: Any,
-               fallback: Callable[..., Any] | None = None) -> Any:
-        """Call NVML; NOT_SUPPORTED marks ``group`` absent for good, GPU_IS_LOST raises."""
+    def _query(self, group: str, fn: Callable[..., Any] | Versioned, *args: Any) -> Any:
+        """Call NVML; NOT_SUPPORTED marks ``group`` absent for good, GPU_IS_LOST raises.
+
+        A :class:`Versioned` call uses its newer symbol unless the library is known to lack
+        it; the first time it is found missing, the older call answers from then on.
+        """
         if group in self._unsupported:
             raise _Unsupported(group)
+        if isinstance(fn, Versioned):
+            if fn.symbol not in _missing_symbols:
+                try:
+                    return self._call(group, fn.newer, args, versioned=True)
+                except _MissingSymbol:
+                    _learn_missing(fn.symbol)
+            fn = fn.older
+        return self._call(group, fn, args, versioned=False)
+
+    def _call(self, group: str, fn: Callable[..., Any], args: tuple[Any, ...],
+              versioned: bool) -> Any:
         try:
             return fn(self._handle, *args)
         except pynvml.NVMLLibraryMismatchError:
             # pynvml's unversioned wrappers say "mismatch" when the versioned symbol is
             # missing (an older driver): the same situation as FUNCTION_NOT_FOUND.
-            if fallback is not None:
-                return self._query(group, fallback, *args)
+            if versioned:
+                raise _MissingSymbol from None
             self._unsupported.add(group)
             raise _Unsupported(group) from None
         except pynvml.NVMLError as exc:
-            if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND and fallback is not None:
-                log.info("GPU %d: %s missing in this driver, using the older call",
-                         self.index, getattr(fn, "__name__", fn))
-                return self._query(group, fallback, *args)
+            if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND and versioned:
+                raise _MissingSymbol from None
             if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED,
                              pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
                 self._unsupported.add(group)
@@ -168,10 +235,9 @@ class NvmlDevice:
             self._on_error("nvml", error_name(exc))
             raise _Unsupported(group) from exc
 
-    def _optional(self, group: str, fn: Callable[..., Any], *args: Any,
-                  fallback: Callable[..., Any] | None = None) -> Any:
+    def _optional(self, group: str, fn: Callable[..., Any] | Versioned, *args: Any) -> Any:
         try:
-            return self._query(group, fn, *args, fallback=fallback)
+            return self._query(group, fn, *args)
         except _Unsupported:
             return None
 
@@ -212,11 +278,7 @@ class NvmlDevice:
         )
 
     def _memory_info(self) -> Any:
-        return self._optional(
-            "memory",
-            lambda h: pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2),
-            fallback=pynvml.nvmlDeviceGetMemoryInfo,
-        )
+        return self._optional("memory", _MEMORY_INFO)
 
     def _field_values(self, group: str, field_ids: list[int | tuple[int, int]]) -> dict[int, int]:
         """Batch-read fields; entries that fail individually are left out."""
@@ -253,21 +315,13 @@ class NvmlDevice:
         power_mw = self._optional("power", pynvml.nvmlDeviceGetPowerUsage)
         if power_mw is not None:
             values["power_watts"] = power_mw / 1000.0
-        temp = self._optional(
-            "temperature",
-            lambda h: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
-            fallback=lambda h: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU),
-        )
+        temp = self._optional("temperature", _TEMPERATURE)
         if temp is not None:
             values["temperature_celsius"] = float(temp)
         clock = self._optional("clock", pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM)
         if clock is not None:
             values["sm_clock_hz"] = clock * 1e6
-        reasons = self._optional(
-            "clock_events",
-            pynvml.nvmlDeviceGetCurrentClocksEventReasons,
-            fallback=pynvml.nvmlDeviceGetCurrentClocksThrottleReasons,
-        )
+        reasons = self._optional("clock_events", _CLOCK_EVENT_REASONS)
         if reasons is not None:
             values["clock_event_reasons"] = {
                 name: bool(reasons & bit) for name, bit in CLOCK_EVENT_REASONS.items()
@@ -345,11 +399,7 @@ class NvmlDevice:
 
     def _slow_values(self) -> dict[str, Any]:
         values: dict[str, Any] = {}
-        processes = self._optional(
-            "processes",
-            pynvml.nvmlDeviceGetComputeRunningProcesses_v3,
-            fallback=pynvml.nvmlDeviceGetComputeRunningProcesses_v2,
-        )
+        processes = self._optional("processes", _PROCESSES)
         if processes is not None:
             values["process_memory_bytes"] = {
                 p.pid: int(p.usedGpuMemory) for p in processes if p.usedGpuMemory is not None
