@@ -1,12 +1,13 @@
 """The rank store: per-(run, rank) step totals, fed by the ingest socket and read by scrapes.
 
-Bounded, and fair between the users who send: a (run, rank) that stops reporting expires
-after a TTL, and a cap on live pairs bounds the number of series. When the cap is reached, a
-sender (uid) holding less than its share of it (the cap over the uids holding pairs) still
-gets in: the least recently reporting pair of the uid holding the most is evicted. A uid at
-its share may replace only its own pairs that have gone quiet; otherwise its new pair is
-rejected (``too_many_ranks``). So one sender flooding fake pairs, or a sweep of many short
-runs, never locks out another user's next job.
+Bounded, and fair between the users and the processes that send: a (run, rank) that stops
+reporting expires after a TTL, and a cap on live pairs bounds the number of series. When
+the cap is reached, a user holding less than its share of it, or a process holding less
+than its share of its user's pairs, still gets in by evicting the least recently reporting
+pair of the biggest holder; a sender at its share may replace only its user's pairs that
+have gone quiet; otherwise its new pair is rejected, the reason naming the rule
+(``gpumon.collectors.sender_shares``). So one process flooding fake pairs, or a sweep of
+many short runs, never locks out the next job, even of the same uid.
 
 A (run, rank) belongs to the uid that first reported it until it expires: records for it
 from another uid are dropped (``not_owner``), so a member of the socket's group cannot
@@ -27,13 +28,12 @@ from gpumon.agent.collectives import CommTotals
 from gpumon.analysis.comm import wait_s
 from gpumon.analysis.stream import RankKey
 from gpumon.collectors.samples import SenderCredentials
+from gpumon.collectors.sender_shares import SenderShares
 from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, MemoryBreakdown, Record, StepRecord
 
 # Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
 # large-model steps; le="+Inf" is added on export.
 DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
-
-Uid = int | None  # None: a sender the kernel gave no credentials for (library use)
 
 IDLE_EVICT_S = 60.0
 """A pair silent this long may give its place to a new pair of the same sender."""
@@ -137,9 +137,9 @@ class RankStore:
     def __init__(self, ttl_s: float = 300.0, max_ranks: int = 1024) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[RankKey, RankTotals] = {}
-        # Least recently reporting first: all pairs, and each sender's own.
+        # Least recently reporting first: all pairs (each sender's own: in the shares).
         self._recent: OrderedDict[RankKey, None] = OrderedDict()
-        self._by_uid: dict[Uid, OrderedDict[RankKey, None]] = {}
+        self._shares: SenderShares[RankKey] = SenderShares(max_ranks, IDLE_EVICT_S)
         self._gone: list[RankKey] = []  # removed while ingesting, for the next expire()
         self.ttl_s = ttl_s
         self.max_ranks = max_ranks
@@ -163,13 +163,13 @@ class RankStore:
                     self.dropped_total[reason] += 1
                     continue
                 if state is None:
-                    state = self._admit(key, sender.uid, monotonic)
+                    state = self._admit(key, sender, monotonic)
                     if state is None:
-                        self.dropped_total["too_many_ranks"] += 1
                         continue
+                else:
+                    self._shares.touch(key, (sender.uid, sender.pid))
                 state.last_seen_monotonic = monotonic
                 self._recent.move_to_end(key)
-                self._by_uid[state.uid].move_to_end(key)
                 # The kernel's word for which process this is; the record's only without it.
                 pid = sender.pid if sender.pid is not None else record.pid
                 if pid is not None:
@@ -195,49 +195,33 @@ class RankStore:
         with self._lock:
             self.dropped_total[reason] += count
 
-    def _admit(self, key: RankKey, uid: Uid, monotonic: float) -> RankTotals | None:
-        """A new pair owned by ``uid``, making room under the cap if it fairly can."""
+    def _admit(self, key: RankKey, sender: SenderCredentials,
+               monotonic: float) -> RankTotals | None:
+        """A new pair of ``sender``, making room under the cap if it fairly can (else the
+        refusal is counted and None returned)."""
         if len(self._ranks) >= self.max_ranks:
             self._gone += self._expire_locked(monotonic)
+        holder = (sender.uid, sender.pid)
         if len(self._ranks) >= self.max_ranks:
-            victim = self._victim(uid, monotonic)
-            if victim is None:
+            self._shares.max_pairs = self.max_ranks
+            evicted, reason = self._shares.make_room(
+                holder, monotonic, lambda k: self._ranks[k].last_seen_monotonic)
+            if evicted is None:
+                self.dropped_total[reason] += 1
                 return None
-            evicted, reason = victim
             self._forget(evicted)
             self._gone.append(evicted)
             self.evicted_total[reason] += 1
         state = self._ranks[key] = RankTotals(run=key[0], rank=key[1],
-                                             last_seen_monotonic=monotonic, uid=uid)
+                                             last_seen_monotonic=monotonic, uid=sender.uid)
         self._recent[key] = None
-        self._by_uid.setdefault(uid, OrderedDict())[key] = None
+        self._shares.add(key, holder)
         return state
 
-    def _victim(self, uid: Uid, monotonic: float) -> tuple[RankKey, str] | None:
-        """The pair to evict for a new one of ``uid`` (and why), or None to refuse it."""
-        held = {u: len(keys) for u, keys in self._by_uid.items()}
-        share = self.max_ranks // (len(held) + (uid not in held))
-        if held.get(uid, 0) < share:
-            # Someone holds more than a share: their least recently reporting pair goes.
-            holder = max(held, key=lambda u: (held[u], -self._oldest_seen(u)))
-            return next(iter(self._by_uid[holder])), "over_share"
-        own = self._by_uid.get(uid)
-        if own:
-            oldest = next(iter(own))
-            if monotonic - self._ranks[oldest].last_seen_monotonic >= IDLE_EVICT_S:
-                return oldest, "idle"
-        return None
-
-    def _oldest_seen(self, uid: Uid) -> float:
-        return self._ranks[next(iter(self._by_uid[uid]))].last_seen_monotonic
-
     def _forget(self, key: RankKey) -> None:
-        state = self._ranks.pop(key)
+        del self._ranks[key]
         del self._recent[key]
-        own = self._by_uid[state.uid]
-        del own[key]
-        if not own:
-            del self._by_uid[state.uid]
+        self._shares.remove(key)
 
     def expire(self, monotonic: float) -> list[RankKey]:
         """Forget ranks silent for longer than the TTL; returns which went (also those

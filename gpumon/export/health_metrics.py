@@ -40,8 +40,9 @@ def eviction_families(evicted: dict[str, int]) -> Iterator[Metric]:
     family = CounterFamily(
         "gpumon_ingest_ranks_evicted",
         "Live (run, rank) pairs evicted to make room for another under max_ranks: "
-        "over_share (their sender held more than its share of the cap), idle (the same "
-        "sender's pair that had been silent longest).", labels=["reason"])
+        "over_share (their user held more than its share of the cap), process_over_share "
+        "(their process held more than its share of its user's pairs), idle (the same "
+        "user's pair that had been silent longest).", labels=["reason"])
     for reason, count in sorted(evicted.items()):
         family.add_metric([reason], float(count))
     yield family
