@@ -1,40 +1,9 @@
 """The slow rank of a synchronous run: found from who waits for whom, and why it is slow.
 
-In synchronous data parallelism every rank's step lasts the same: the collectives end only
-when the last rank joins them, so a slow rank's extra work shows up as its peers' *wait*
-(under DDP, FSDP and ZeRO inside their backward pass). Summing forward + backward +
-optimizer cannot find it — that sum is the same on every rank. What differs is each rank's
-**own work**, its step time minus the time it was blocked on collectives (``comm.wait_s``):
-the slow rank waits least, its peers wait for it.
-
-A rank's score is its peers' mean own work ÷ its own (1 = like its peers; below
-``Thresholds.straggler_score_max``, 0.75, it is the straggler). Peers, not the whole run: with
-two ranks the run's median is their mean, which halves every difference. The same ratio is
-computed across nodes by the recording rule ``run_rank:gpumon_rank_straggler_score:ratio5m``.
-(TraceML blames the rank with the least visible backward; nvidia-resiliency-ext leaves NCCL
-kernels out of its scores because their time is waiting, and flags below 0.75 of the
-reference.)
-
-A low score is not enough. The straggler's extra own work must also be a material share of
-its step (``Thresholds.straggler_extra_share_min``, a tenth): where own work is a small part
-of the step, scheduling noise makes large ratios that no fix would turn into a shorter step.
-And it must persist: the comparison must cover ``STRAGGLER_MIN_STEPS`` of the rank's recent
-steps, and over them the rank must be slower most of the time, not on a few long steps (its
-lower-quartile own work above its peers' upper quartile). On an oversubscribed host a rank's
-training thread can wait for a core for seconds at a time, which stretches its own work
-without it doing more of it; those episodes move from rank to rank and fail this test,
-whereas a rank with more work to do is slower on nearly every step.
-
-Only the straggler is flagged. Its cause is named where the evidence names it: most of its
-extra time spent waiting for data → ``input``; most of it spent with its training thread
-runnable but waiting for a CPU (the step's ``cpu_wait``, the kernel's run delay) → ``host``:
-the rank does no more work than its peers, its host gives it less CPU (loader workers or
-intra-op threads oversubscribing its cores, another process on them); its GPU throttled,
-clocked lower than its peers' or reporting XID errors → ``gpu``; else its own
-forward/backward work → ``compute``.
-Each peer is told which rank it waits on. Ranks that stopped reporting while their run kept
-stepping, and ranks of an earlier world size, are left out of the comparison: their last
-figures describe a run that no longer exists.
+Each rank's own work (step time less its collective wait, ``own_work_s``) is compared with its
+peers' (``straggler_scores``); ``judge_run`` flags the one rank whose own work is materially and
+persistently above theirs and names its cause. The rule, its thresholds and their reasons:
+docs/architecture.md §7 rule 8.
 """
 
 from __future__ import annotations
