@@ -1,25 +1,37 @@
 """Watchers that add measured fields to step records (collective communication, the memory
-breakdown): the monitor's internal extension point.
+breakdown, the wait for a CPU): the monitor's one extension point, ``StepMonitor.extensions``.
 
-An extension is any object with ``step_begin() -> None`` and ``step_end(fields) -> None``,
-registered with ``StepMonitor._add_extension``. Both run on the training thread, at the start
-and the end of every outermost step (``step_end`` also after a step an exception left: its
-fields are discarded, but the extension may have to undo what ``step_begin`` set up).
-``step_end`` may set ``fields["comm"]`` / ``fields["memb"]`` in their wire shape
-(docs/architecture.md §6), or a ``Deferred`` the sender resolves once the GPU has passed
-its events; the sender checks them as the agent would and leaves out, and counts, what the
-agent would refuse.
+A watcher attaches to a monitor with ``monitor.extensions.attach(Kind, factory)``: the
+monitor's extension of class ``Kind``, made by ``factory()`` (default ``Kind()``) and registered
+on the first call, returned as it is on every later one (one extension of each class per
+monitor, so watching twice registers nothing twice). ``monitor.extensions.device_clock()`` is
+the monitor's CUDA clock once CUDA is seen in use, else ``None``; it holds no reference to the
+monitor, so an extension a process-wide hook keeps never keeps its monitor alive. Watchers use
+these two and nothing else of the monitor.
+
+An extension is any object with ``step_begin() -> None`` and ``step_end(fields) -> None``.
+Both run on the training thread, at the start and the end of every outermost step from the
+next one on (``step_end`` also after a step an exception left: its fields are discarded, but
+the extension may have to undo what ``step_begin`` set up). ``step_end`` may set
+``fields["comm"]`` / ``fields["memb"]`` / ``fields["cpu_wait"]`` in their wire shape
+(docs/architecture.md §6), or a ``Deferred`` the sender resolves once the GPU has passed its
+events; the sender checks them as the agent would and leaves out, and counts, what the agent
+would refuse.
 
 The hook's core holds a ``StepExtensions`` only while one extension is registered, so a monitor
 without extensions makes no call into Python for them. An extension that raises never
-reaches the training loop: the error is counted, and after ``MAX_CONSECUTIVE_FAILURES`` in a
-row that extension is switched off.
+reaches the training loop: the error is counted (``ClientStats.extension_errors``), and after
+``MAX_CONSECUTIVE_FAILURES`` in a row that extension is switched off for good.
 """
-
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from gpumon.client._cuda import CudaClock
+
+E = TypeVar("E", bound="StepExtension")
 
 MAX_CONSECUTIVE_FAILURES = 3
 """Failures in a row after which an extension is no longer called: a watcher broken by an
@@ -103,3 +115,60 @@ class StepExtensions:
             del self._failures[key]
             if not self._active and self._on_empty is not None:
                 self._on_empty()
+
+
+class DeviceClock:
+    """Call it for the monitor's CUDA clock, or ``None`` while CUDA is not seen in use."""
+
+    __slots__ = ("clock",)
+
+    def __init__(self) -> None:
+        self.clock: CudaClock | None = None
+
+    def __call__(self) -> CudaClock | None:
+        return self.clock
+
+
+class Extensions:
+    """``StepMonitor.extensions``: where watchers attach to a monitor (see the module docstring).
+
+    ``activate`` is the core's ``set_extensions``: it gets the calls to make around each step,
+    or ``None`` once nothing is left to call.
+    """
+
+    def __init__(self, activate: Callable[[StepExtensions | None], None]) -> None:
+        self._activate = activate
+        self._attached: dict[type, StepExtension] = {}
+        self._calls = StepExtensions(on_empty=lambda: activate(None))
+        self._closed = False
+        self.device_clock = DeviceClock()
+        """The monitor's CUDA clock, looked up at each call (``None`` without CUDA)."""
+
+    def attach(self, kind: type[E], factory: Callable[[], E] | None = None) -> E:
+        """The monitor's extension of class ``kind``: made by ``factory()`` (default
+        ``kind()``) and called around every step from the next one on, the first time;
+        the same object, and nothing else done, every later time. On a closed monitor it is
+        made but never called."""
+        existing = self._attached.get(kind)
+        if isinstance(existing, kind):
+            return existing
+        extension = kind() if factory is None else factory()
+        self._attached[kind] = extension
+        if not self._closed:
+            self._calls.add(extension)
+            self._activate(self._calls)
+        return extension
+
+    def get(self, kind: type[E]) -> E | None:
+        """The monitor's extension of class ``kind``, or ``None`` if none is attached."""
+        existing = self._attached.get(kind)
+        return existing if isinstance(existing, kind) else None
+
+    @property
+    def errors(self) -> int:
+        """Exceptions raised by the extensions so far (none reached the training loop)."""
+        return self._calls.errors
+
+    def close(self) -> None:
+        """Attach nothing to the core any more (the monitor closed)."""
+        self._closed = True

@@ -4,6 +4,10 @@ The monitor holds a core (``HookCore``: in C where it was built, else ``_core``'
 Python) that the training thread runs through: it only reads clocks and appends one tuple per
 step to a bounded buffer. A daemon thread (``_sender``) encodes and sends them. Nothing here
 ever blocks the training loop or raises from the transport.
+
+Watchers (``watch()``, the memory sampler, the simulator's ranks) add measured fields to each
+step through ``monitor.extensions`` alone (``attach(Kind, factory)``, ``device_clock()``;
+``gpumon.client._extensions``), never through the monitor's private attributes.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import gpumon
 from gpumon.client import _core, _cuda
-from gpumon.client._extensions import StepExtension, StepExtensions
+from gpumon.client._extensions import Extensions
 from gpumon.client._sender import Sender, StepTuple
 from gpumon.client.identity import resolve_identity, resolve_socket_path
 from gpumon.client.transport import Transport, UnixDatagramTransport
@@ -134,10 +138,13 @@ class StepMonitor:
         self._reset_peak = reset_peak_memory
         self._closed = False
         self._cuda: _cuda.CudaClock | None = None
-        self._step_extensions: StepExtensions | None = None
         self._buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         # The hot-path state, touched only by the training thread.
         self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
+        self.extensions = Extensions(self._core.set_extensions)
+        """Where watchers attach what they measure in each step:
+        ``extensions.attach(Kind, factory)`` and ``extensions.device_clock()`` (see
+        ``gpumon.client._extensions``)."""
         # The three calls of the loop go straight to the core: a Python method in between
         # adds a frame to each, 0.3 µs on a step with three phases (about a fifth of the C
         # core's cost, measured in one process alternating both). The methods below carry
@@ -214,7 +221,7 @@ class StepMonitor:
             dropped=dict(sender.dropped),
             invalid_fields=sender.invalid_fields,
             gpu_fields_missed=sender.deferred_missed,
-            extension_errors=0 if self._step_extensions is None else self._step_extensions.errors,
+            extension_errors=self.extensions.errors,
         )
 
     @property
@@ -257,6 +264,7 @@ class StepMonitor:
             if mem is not None and last_ooms is not None and mem[4] > last_ooms:
                 self._event("oom", "an out-of-memory error ended the last step", core.steps)
         self._closed = True
+        self.extensions.close()
         core.stop()
         self._finalizer()
 
@@ -277,17 +285,6 @@ class StepMonitor:
         """Count ``t1 - t0`` (perf_counter) as waiting for input before the next step, for
         frameworks that fetch batches themselves."""
         self._core.data_wait(t0, t1)
-
-    def _add_extension(self, extension: StepExtension) -> None:
-        """Call ``extension.step_begin()`` and ``.step_end(fields)`` around every step from
-        the next one on; the fields it sets go into that step's record (see ``_extensions``)."""
-        if self._closed:
-            return
-        if self._step_extensions is None:
-            core = self._core  # nothing left to call: back to no calls at all
-            self._step_extensions = StepExtensions(on_empty=lambda: core.set_extensions(None))
-        self._step_extensions.add(extension)
-        self._core.set_extensions(self._step_extensions)
 
     def _event(self, name: str, message: str | None, step: int) -> None:
         """Queue an event record (e.g. ``oom``) for the next flush."""
@@ -310,6 +307,7 @@ class StepMonitor:
         if clock is None:
             return
         self._cuda = clock
+        self.extensions.device_clock.clock = clock
         self._core.set_cuda(clock)
         self._sender.clock = clock
         if self._gpu is None:
@@ -346,6 +344,7 @@ def _after_fork_in_child() -> None:
     # The parent's sender thread does not exist here and the parent's records are not ours.
     for monitor in list(_live_monitors):
         monitor._closed = True
+        monitor.extensions.close()
         monitor._core.stop()
         monitor._buffer.clear()
 
