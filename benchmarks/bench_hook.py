@@ -260,7 +260,7 @@ def _cpu_wait_watched_monitor(path: str) -> StepMonitor:
     from gpumon.client.cpu_wait import CpuWaitClock
 
     mon = StepMonitor(run="bench-cpu-wait", socket_path=path)
-    mon._add_extension(CpuWaitClock())
+    mon.extensions.attach(CpuWaitClock)
     return mon
 
 

@@ -42,6 +42,10 @@ COLLECTIVES: dict[str, tuple[str, int, str]] = {
 """The ``torch.distributed`` functions measured, and how each names its payload."""
 
 
+WRAPPED_MARK = "__gpumon_wrapped__"
+"""The attribute that marks a function as one of these wrappers (so a second copy of this
+module, or a reload, never wraps a wrapper)."""
+
 _ledgers: list[CommLedger] = []
 """The ledgers the wrapped functions report to (one per watching monitor, usually one)."""
 _installed = False
@@ -79,7 +83,7 @@ def install_tap() -> bool:
             return False
         for fn_name, (wire_name, position, keyword) in COLLECTIVES.items():
             original = getattr(distributed_c10d, fn_name, None)
-            if original is None or getattr(original, "__gpumon_wrapped__", False):
+            if original is None or getattr(original, WRAPPED_MARK, False):
                 continue  # not in this torch version: not measured
             wrapped = _wrap(original, wire_name, position, keyword)
             setattr(distributed_c10d, fn_name, wrapped)
@@ -103,7 +107,7 @@ def _wrap(original: Callable[..., Any], name: str, position: int, keyword: str) 
             log.debug("gpumon: could not record a %s", name, exc_info=True)
         return result
 
-    collective.__gpumon_wrapped__ = True  # type: ignore[attr-defined]
+    setattr(collective, WRAPPED_MARK, True)
     return collective
 
 

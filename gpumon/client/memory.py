@@ -65,11 +65,8 @@ def watch_memory(monitor: StepMonitor, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdownSampler:
     """The monitor's sampler, registered as a step extension on first use, now also watching
     ``model`` and ``optimizer`` (again: nothing changes)."""
-    sampler: MemoryBreakdownSampler | None = getattr(monitor, "_memory_sampler", None)
-    if sampler is None:
-        sampler = MemoryBreakdownSampler(interval_s=_interval_from_env())
-        monitor._memory_sampler = sampler  # type: ignore[attr-defined]
-        monitor._add_extension(sampler)
+    sampler = monitor.extensions.attach(
+        MemoryBreakdownSampler, lambda: MemoryBreakdownSampler(interval_s=_interval_from_env()))
     sampler.add(model, optimizer)
     return sampler
 

@@ -1,6 +1,8 @@
 """``StepMonitor.watch(model, optimizer)``: hand the monitor what it cannot see from the loop.
 
-Dispatches on what ``model`` is, by type name (nothing is imported for a plain module):
+Dispatches on what ``model`` is through one table, ``WRAPPERS``: a row per wrapper class
+(looked up by module and name, so nothing is imported for a plain module), with its kind and
+the function that watches it; a new wrapper is one more row. Today:
 ``DistributedDataParallel`` → its gradient all-reduces (``ddp``); an FSDP module (``fully_shard``
 or ``FullyShardedDataParallel``, at the root or inside) → its all-gathers and reduce-scatters
 (``comm``'s wrapped collectives); a DeepSpeed engine → listed, not measured yet. All three also
@@ -8,7 +10,8 @@ get the training thread's wait for a CPU (``cpu_wait``): what slows a rank slows
 module → its sampled memory breakdown (``memory``), with the optimizer's states when one is
 given (a later call with the optimizer adds it). Anything it
 cannot measure it leaves alone and says so once in the log; it never raises into the
-training code. Calling it again with the same model does nothing.
+training code. Calling it again with the same model does nothing: each watcher attaches
+through ``monitor.extensions.attach``, which registers one extension of each class per monitor.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from __future__ import annotations
 import gc
 import logging
 import sys
-import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpumon.client.comm import CommLedger
@@ -29,17 +33,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("gpumon.client")
 
 M = TypeVar("M")
-
-KINDS = (
-    ("ddp", "torch.nn.parallel.distributed", "DistributedDataParallel"),
-    ("deepspeed", "deepspeed.runtime.engine", "DeepSpeedEngine"),
-    ("fsdp", "torch.distributed.fsdp", "FSDPModule"),  # fully_shard
-    ("fsdp", "torch.distributed._composable.fsdp", "FSDPModule"),  # fully_shard, torch < 2.6
-    ("fsdp", "torch.distributed.fsdp", "FullyShardedDataParallel"),
-)
-"""What ``watch`` recognises: (kind, module, class); a module not imported yet is not looked
-at (the model cannot be one of its classes)."""
-
 
 def watch(monitor: StepMonitor, model: M, optimizer: Any = None) -> M:
     """Measure what ``model`` (and ``optimizer``) do in each of ``monitor``'s steps; returns
@@ -79,30 +72,35 @@ def _torch_optimizer(optimizer: Any) -> Any:
 def kind_of(model: object) -> str | None:
     """``"ddp"``, ``"fsdp"`` (also a plain module with FSDP modules inside), ``"deepspeed"``,
     or None for anything else."""
-    for kind, cls in _classes():
+    wrapper = _wrapper_of(model)
+    return None if wrapper is None else wrapper.kind
+
+
+def _wrapper_of(model: object) -> Wrapper | None:
+    """The row of ``WRAPPERS`` ``model`` is an instance of, else the first row marked ``nests``
+    one of its submodules is an instance of, else None."""
+    found = _loaded()
+    for wrapper, cls in found:
         if isinstance(model, cls):
-            return kind
+            return wrapper
+    nesting = [(wrapper, cls) for wrapper, cls in found if wrapper.nests]
     modules = getattr(model, "modules", None)
-    fsdp = tuple(cls for kind, cls in _classes() if kind == "fsdp")
-    if fsdp and callable(modules) and any(isinstance(sub, fsdp) for sub in modules()):
-        return "fsdp"
+    if nesting and callable(modules):
+        for sub in modules():
+            for wrapper, cls in nesting:
+                if isinstance(sub, cls):
+                    return wrapper
     return None
 
 
-def _classes() -> list[tuple[str, type]]:
+def _loaded() -> list[tuple[Wrapper, type]]:
+    """The rows of ``WRAPPERS`` whose module is imported, with their class."""
     found = []
-    for kind, module, name in KINDS:
-        cls = getattr(sys.modules.get(module), name, None)
+    for wrapper in WRAPPERS:
+        cls = getattr(sys.modules.get(wrapper.module), wrapper.name, None)
         if isinstance(cls, type):
-            found.append((kind, cls))
+            found.append((wrapper, cls))
     return found
-
-
-WRAPPER_CLASSES = (
-    ("torch.nn.parallel.distributed", "DistributedDataParallel"),
-    ("torch.distributed.fsdp.fully_sharded_data_parallel", "FullyShardedDataParallel"),
-    ("deepspeed.runtime.engine", "DeepSpeedEngine"),
-)
 
 
 def find_wrapper(model: object) -> object | None:
@@ -112,10 +110,7 @@ def find_wrapper(model: object) -> object | None:
     ``trainer.model``, not the wrapper Accelerate made). One pass over the objects the garbage
     collector tracks, once per training run: ~0.1 s in a process holding 300,000 of them.
     """
-    classes: tuple[type, ...] = tuple(
-        cls for module, name in WRAPPER_CLASSES
-        if (cls := getattr(sys.modules.get(module), name, None)) is not None
-    )
+    classes = tuple(cls for wrapper, cls in _loaded() if wrapper.holds_model)
     if not classes:
         return None
     for obj in gc.get_objects():
@@ -126,28 +121,65 @@ def find_wrapper(model: object) -> object | None:
 
 
 def comm_ledger(monitor: StepMonitor) -> CommLedger:
-    """The monitor's communication ledger, registered as a step extension on first use."""
-    ledger: CommLedger | None = getattr(monitor, "_comm_ledger", None)
-    if ledger is None:
-        owner = weakref.ref(monitor)  # the monitor holds the ledger: no cycle back to it
-        ledger = CommLedger(device_clock=lambda: getattr(owner(), "_cuda", None))
-        monitor._comm_ledger = ledger  # type: ignore[attr-defined]
-        monitor._add_extension(ledger)
-    return ledger
+    """The monitor's communication ledger, attached as a step extension on first use."""
+    device_clock = monitor.extensions.device_clock  # not the monitor: a tap keeps the ledger
+    return monitor.extensions.attach(CommLedger, lambda: CommLedger(device_clock=device_clock))
 
 
 def _watch_communication(monitor: StepMonitor, model: object) -> None:
-    kind = kind_of(model)
-    if kind is not None and getattr(monitor, "_cpu_wait", None) is None:
-        # A rank of a distributed run: its peers wait for whatever slows it, host included.
-        monitor._cpu_wait = CpuWaitClock()  # type: ignore[attr-defined]
-        monitor._add_extension(monitor._cpu_wait)  # type: ignore[attr-defined]
-    if kind == "ddp":
-        from gpumon.client.ddp import watch_ddp
+    wrapper = _wrapper_of(model)
+    if wrapper is None:
+        return
+    # A rank of a distributed run: its peers wait for whatever slows it, host included.
+    monitor.extensions.attach(CpuWaitClock)
+    wrapper.watch(monitor, model)
 
-        watch_ddp(comm_ledger(monitor), model)
-    elif kind == "fsdp":
-        if not tap_into(comm_ledger(monitor)):
-            log.warning("gpumon: torch.distributed is not available: FSDP communication not measured")
-    elif kind == "deepspeed":
-        log.warning("gpumon: DeepSpeed engines are not measured yet")
+
+def _watch_ddp(monitor: StepMonitor, model: object) -> None:
+    from gpumon.client.ddp import watch_ddp
+
+    watch_ddp(comm_ledger(monitor), model)
+
+
+def _watch_fsdp(monitor: StepMonitor, model: object) -> None:
+    if not tap_into(comm_ledger(monitor)):
+        log.warning("gpumon: torch.distributed is not available: FSDP communication not measured")
+
+
+def _watch_deepspeed(monitor: StepMonitor, model: object) -> None:
+    log.warning("gpumon: DeepSpeed engines are not measured yet")
+
+
+@dataclass(frozen=True, slots=True)
+class Wrapper:
+    """A distributed wrapper ``watch()`` recognises, and how it watches one."""
+
+    kind: str
+    """What ``kind_of`` answers: ``ddp``, ``fsdp``, ``deepspeed``."""
+    module: str
+    """Where the class lives; a module not imported yet is not looked at (the model cannot
+    be one of its classes)."""
+    name: str
+    """The class's name in ``module``."""
+    watch: Callable[[StepMonitor, Any], None]
+    """Attaches what measures its communication (after the wait for a CPU, which every
+    wrapper gets)."""
+    holds_model: bool
+    """Its ``.module`` is the user's model: ``find_wrapper`` looks for it."""
+    nests: bool = False
+    """May sit inside a plain module (FSDP's units): ``kind_of`` looks at the submodules too."""
+
+
+WRAPPERS: tuple[Wrapper, ...] = (
+    Wrapper("ddp", "torch.nn.parallel.distributed", "DistributedDataParallel", _watch_ddp,
+            holds_model=True),
+    Wrapper("deepspeed", "deepspeed.runtime.engine", "DeepSpeedEngine", _watch_deepspeed,
+            holds_model=True),
+    Wrapper("fsdp", "torch.distributed.fsdp", "FSDPModule", _watch_fsdp,  # fully_shard
+            holds_model=False, nests=True),
+    Wrapper("fsdp", "torch.distributed._composable.fsdp", "FSDPModule", _watch_fsdp,  # torch < 2.6
+            holds_model=False, nests=True),
+    Wrapper("fsdp", "torch.distributed.fsdp", "FullyShardedDataParallel", _watch_fsdp,
+            holds_model=True, nests=True),
+)
+"""Every wrapper ``watch()`` knows, in the order they are tried: a new one is one row."""

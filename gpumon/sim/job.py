@@ -11,7 +11,7 @@ GPU do (the time-weighted mix of data wait, kernels, waiting on peers and the al
 the agent sees consistent hardware and timings.
 
 The collectives are reported as a watched DDP job reports them: a step extension of the
-rank's monitor (``StepMonitor._add_extension``, the hook ``watch()`` uses) adds the step's
+rank's monitor (``monitor.extensions.attach``, the seam ``watch()`` uses) adds the step's
 ``comm`` field — the time blocked on the all-reduce, the time buckets were in flight, and
 the all-reduce's count and bytes — to the record, through the same sender, wire format and
 agent as a real job's.
@@ -398,8 +398,7 @@ class SimulatedJob:
         monitor = StepMonitor(run=self.run, socket_path=self.socket_path, rank=rank,
                               world=self.world, local_rank=local_rank,
                               gpu=self._gpus[local_rank].uuid)
-        comm = _MeasuredComm()
-        monitor._add_extension(comm)
+        comm = monitor.extensions.attach(_MeasuredComm)
         try:
             for cycle in monitor.loader(self._batches(rank)):
                 step = cycle.steps[rank]

@@ -159,8 +159,7 @@ def gpu_monitor() -> Iterator[tuple[StepMonitor, MemoryTransport, FakeGpu, CommL
     transport = MemoryTransport()
     mon = StepMonitor(run="device-comm", transport=transport, rank=0, world=2)
     gpu = FakeGpu()
-    ledger = CommLedger(device_clock=lambda: gpu)
-    mon._add_extension(ledger)
+    ledger = mon.extensions.attach(CommLedger, lambda: CommLedger(device_clock=lambda: gpu))
     yield mon, transport, gpu, ledger
     mon.close()
 

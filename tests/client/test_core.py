@@ -417,7 +417,7 @@ def monitor_script(mon: Any) -> None:
                     pass
             with mon.phase("backward"):
                 pass
-    mon._add_extension(CommEveryStep())
+    mon.extensions.attach(CommEveryStep)
     with mon.phase("comm"):
         pass
     with mon.step(step=41, memory={"allocated": 5, "bogus": 1}):

@@ -89,10 +89,9 @@ def run_steps(mon: StepMonitor, n: int) -> None:
 
 def test_fields_an_extension_sets_reach_the_agent(mon: StepMonitor, transport: MemoryTransport) -> None:
     run_steps(mon, 1)  # before registration: no fields
-    counting = Counting()
-    mon._add_extension(counting)
-    mon._add_extension(Breakdown())
-    mon._add_extension(counting)  # again: still called once per step
+    counting = mon.extensions.attach(Counting)
+    mon.extensions.attach(Breakdown)
+    assert mon.extensions.attach(Counting) is counting  # again: still called once per step
     run_steps(mon, 3)
     mon.flush()
     steps = steps_of(transport)
@@ -108,8 +107,7 @@ def test_fields_an_extension_sets_reach_the_agent(mon: StepMonitor, transport: M
 
 
 def test_nested_steps_call_extensions_once(mon: StepMonitor, transport: MemoryTransport) -> None:
-    counting = Counting()
-    mon._add_extension(counting)
+    counting = mon.extensions.attach(Counting)
     with mon.step():
         with mon.step():
             pass
@@ -119,8 +117,8 @@ def test_nested_steps_call_extensions_once(mon: StepMonitor, transport: MemoryTr
 def test_fields_reach_the_agent_through_the_real_socket(receiver: Receiver) -> None:
     mon = StepMonitor(run="ext-socket", socket_path=str(receiver.path), rank=0, world=1)
     try:
-        mon._add_extension(Counting())
-        mon._add_extension(Breakdown())
+        mon.extensions.attach(Counting)
+        mon.extensions.attach(Breakdown)
         run_steps(mon, 5)
         mon.flush()
         steps = receiver.wait_for_steps(5)
@@ -134,8 +132,7 @@ def test_fields_reach_the_agent_through_the_real_socket(receiver: Receiver) -> N
 def test_a_failed_step_still_ends_its_extensions_and_sends_nothing(
     mon: StepMonitor, transport: MemoryTransport
 ) -> None:
-    counting = Counting()
-    mon._add_extension(counting)
+    counting = mon.extensions.attach(Counting)
     with pytest.raises(KeyError):
         with mon.step():
             raise KeyError("boom")
@@ -150,9 +147,8 @@ def test_a_failed_step_still_ends_its_extensions_and_sends_nothing(
 def test_an_extension_that_keeps_failing_is_switched_off(
     mon: StepMonitor, transport: MemoryTransport, where: str
 ) -> None:
-    failing, counting = Failing(where), Counting()
-    mon._add_extension(failing)
-    mon._add_extension(counting)
+    failing = mon.extensions.attach(Failing, lambda: Failing(where))
+    mon.extensions.attach(Counting)
     run_steps(mon, MAX_CONSECUTIVE_FAILURES + 4)  # never raises into the loop
     mon.flush()
     steps = steps_of(transport)
@@ -167,8 +163,7 @@ def test_an_extension_that_keeps_failing_is_switched_off(
 def test_an_occasional_failure_costs_only_that_steps_field(
     mon: StepMonitor, transport: MemoryTransport
 ) -> None:
-    failing = Failing("end", times=MAX_CONSECUTIVE_FAILURES - 1)
-    mon._add_extension(failing)
+    mon.extensions.attach(Failing, lambda: Failing("end", times=MAX_CONSECUTIVE_FAILURES - 1))
     run_steps(mon, MAX_CONSECUTIVE_FAILURES + 2)
     mon.flush()
     breakdowns = [s.memory_breakdown for s in steps_of(transport)]
@@ -203,7 +198,7 @@ class Sets:
 def test_a_field_the_agent_would_refuse_is_left_out_not_the_record(
     mon: StepMonitor, transport: MemoryTransport, bad: dict[str, object]
 ) -> None:
-    mon._add_extension(Sets({**bad, "memb": bad.get("memb", {"gradients": 7})}))
+    mon.extensions.attach(Sets, lambda: Sets({**bad, "memb": bad.get("memb", {"gradients": 7})}))
     with mon.step():
         pass
     mon.flush()
@@ -238,22 +233,21 @@ def test_no_extension_no_calls(mon: StepMonitor) -> None:
     assert not [c for c in calls if c.startswith("_extensions.py")]
     if IMPLEMENTATION == "c":  # the C core calls into Python for nothing at all
         assert calls == [c for c in calls if c.startswith("test_extensions.py")]
-    mon._add_extension(Counting())
+    mon.extensions.attach(Counting)
     calls = python_calls_during(lambda: run_steps(mon, 50))
     assert calls.count("_extensions.py:StepExtensions.begin") == 50
 
 
 def test_all_extensions_switched_off_means_no_calls_again(mon: StepMonitor) -> None:
-    mon._add_extension(Failing("begin"))
+    mon.extensions.attach(Failing, lambda: Failing("begin"))
     run_steps(mon, MAX_CONSECUTIVE_FAILURES)
     calls = python_calls_during(lambda: run_steps(mon, 20))
     assert not [c for c in calls if c.startswith("_extensions.py")]
 
 
 def test_closed_monitor_calls_no_extension(mon: StepMonitor) -> None:
-    counting = Counting()
-    mon._add_extension(counting)
+    counting = mon.extensions.attach(Counting)
     mon.close()
-    mon._add_extension(Counting())
+    late = mon.extensions.attach(Breakdown)  # made, never called
     run_steps(mon, 3)
-    assert counting.calls == []
+    assert counting.calls == [] and isinstance(late, Breakdown)

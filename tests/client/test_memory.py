@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpumon.client import StepMonitor
-from gpumon.client.memory import INTERVAL_ENV
+from gpumon.client.memory import INTERVAL_ENV, MemoryBreakdownSampler
 from gpumon.client.transport import MemoryTransport
 from gpumon.wire import MemoryBreakdown, StepRecord
 
@@ -127,7 +127,7 @@ def test_watch_on_anything_else_is_harmless_and_an_optimizer_given_later_is_adde
     mon = StepMonitor(run="w", transport=transport, rank=0, world=1)
     thing = object()
     assert mon.watch(thing) is thing  # not a module: nothing registered
-    assert getattr(mon, "_memory_sampler", None) is None
+    assert mon.extensions.get(MemoryBreakdownSampler) is None
     model = nn.Linear(8, 8)
     mon.watch(model)  # no optimizer yet (a framework hands it over later)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
