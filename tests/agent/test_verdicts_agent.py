@@ -6,15 +6,12 @@ import json
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from gpumon.agent import Agent
 from gpumon.sim.gpus import Activity
 from tests.helpers import (
-    library_agent,
     parse_metrics,
     require_tool,
     scrape_text,
@@ -26,10 +23,7 @@ from tests.helpers import (
 GIB = 1024**3
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    with library_agent(tmp_path / "s.sock", simulate=2, interval=0.2) as node:
-        yield node
+pytestmark = pytest.mark.agent(library=True, simulate=2, interval=0.2)
 
 
 def send(agent: Agent, records: list[dict]) -> None:

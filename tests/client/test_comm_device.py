@@ -17,7 +17,8 @@ import pytest
 from gpumon.client import StepMonitor
 from gpumon.client.comm import CommLedger, DeviceComm
 from gpumon.client.transport import MemoryTransport
-from gpumon.wire import CollectiveOp, StepRecord
+from gpumon.wire import CollectiveOp
+from tests.helpers import steps_of
 
 MIB = 1 << 20
 
@@ -162,10 +163,6 @@ def gpu_monitor() -> Iterator[tuple[StepMonitor, MemoryTransport, FakeGpu, CommL
     ledger = mon.extensions.attach(CommLedger, lambda: CommLedger(device_clock=lambda: gpu))
     yield mon, transport, gpu, ledger
     mon.close()
-
-
-def steps_of(transport: MemoryTransport) -> list[StepRecord]:
-    return [r for r in transport.records() if isinstance(r, StepRecord)]
 
 
 def test_the_record_waits_for_the_gpu_and_then_carries_the_figures(

@@ -17,7 +17,8 @@ import pytest
 from gpumon.client import StepMonitor, _cuda
 from gpumon.client._sender import EVENT_DEADLINE_S
 from gpumon.client.transport import MemoryTransport
-from gpumon.wire import EventRecord, HelloRecord, MemoryStats, StepRecord
+from gpumon.wire import EventRecord, HelloRecord, MemoryStats
+from tests.helpers import steps_of
 
 UUID = "5e0c7dd2-aaaa-bbbb-cccc-0123456789ab"
 
@@ -95,10 +96,6 @@ def mon(cuda: FakeCuda, transport: MemoryTransport) -> Iterator[StepMonitor]:
     monitor = StepMonitor(run="gpu", transport=transport)
     yield monitor
     monitor.close()
-
-
-def steps_of(transport: MemoryTransport) -> list[StepRecord]:
-    return [r for r in transport.records() if isinstance(r, StepRecord)]
 
 
 def gpu_step(mon: StepMonitor, cuda: FakeCuda, host_s: float = 0.1) -> None:

@@ -21,8 +21,9 @@ from gpumon.client import StepMonitor
 from gpumon.client._extensions import MAX_CONSECUTIVE_FAILURES
 from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.client.transport import MemoryTransport
-from gpumon.wire import CollectiveOp, CommStats, MemoryBreakdown, StepRecord
+from gpumon.wire import CollectiveOp, CommStats, MemoryBreakdown
 from tests.client.conftest import Receiver
+from tests.helpers import steps_of
 
 COMM = {"exposed": 0.0, "busy": 0.0, "ops": {"all_reduce": [2, 4096, 0.0]}}
 
@@ -74,10 +75,6 @@ def mon(transport: MemoryTransport) -> Iterator[StepMonitor]:
     monitor = StepMonitor(run="ext", transport=transport, rank=0, world=1)
     yield monitor
     monitor.close()
-
-
-def steps_of(transport: MemoryTransport) -> list[StepRecord]:
-    return [r for r in transport.records() if isinstance(r, StepRecord)]
 
 
 def run_steps(mon: StepMonitor, n: int) -> None:

@@ -12,7 +12,8 @@ from gpumon.client import ClientStats, StepMonitor
 from gpumon.client.integrations.wrap import wrap_step
 from gpumon.client.monitor import BUFFER_STEPS
 from gpumon.client.transport import MemoryTransport
-from gpumon.wire import MAX_PHASES, EventRecord, HelloRecord, StepRecord
+from gpumon.wire import MAX_PHASES, EventRecord, HelloRecord
+from tests.helpers import steps_of
 
 
 @pytest.fixture
@@ -25,10 +26,6 @@ def mon(transport: MemoryTransport) -> Iterator[StepMonitor]:
     monitor = StepMonitor(run="unit", transport=transport, rank=0, world=2, local_rank=0)
     yield monitor
     monitor.close()
-
-
-def steps_of(transport: MemoryTransport) -> list[StepRecord]:
-    return [r for r in transport.records() if isinstance(r, StepRecord)]
 
 
 def events_of(transport: MemoryTransport) -> list[EventRecord]:

@@ -7,7 +7,6 @@ import os
 import socket
 import stat
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,6 @@ from gpumon.collectors.samples import SenderCredentials
 from gpumon.wire import MAX_DATAGRAM_BYTES
 from tests.helpers import (
     http_get,
-    library_agent,
     scrape_metrics,
     value,
     values,
@@ -41,10 +39,7 @@ def send(path: Path, payload: bytes | object) -> None:
         s.sendto(data, str(path))
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[Agent]:
-    with library_agent(tmp_path / "run" / "ingest.sock", collectors=("ingest", "host")) as node:
-        yield node
+pytestmark = pytest.mark.agent(library=True, socket="run/ingest.sock", collectors=("ingest", "host"))
 
 
 metrics = scrape_metrics

@@ -7,8 +7,11 @@ same scenario file the library reads.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
+import os
+import re
 import socket
 import subprocess
 import sys
@@ -33,6 +36,17 @@ from tests.helpers import (
     wait_for,
 )
 
+GOLDEN = Path(__file__).resolve().parent / "data" / "h100_8x.prom"
+"""The whole scrape of an agent on the fake 8xH100 node, as it must read. Regenerated with
+GPUMON_REWRITE_GOLDEN=1 (then read the diff before committing it)."""
+VARIABLE_VALUES = re.compile(
+    r"^(gpumon_collector_duration_seconds|gpumon_collector_last_success_timestamp_seconds"
+    r"|gpumon_host_\w+|gpumon_agent_process_\w+)(\{.*\})? .*$")
+"""Series whose values are this host's or this moment's, not the scenario's: their presence
+and labels are compared, their values not."""
+VARIABLE_LABELS = re.compile(r'\b(path|group|version)="[^"]*"')
+"""Labels naming this run's socket file, the user's group and the package's version."""
+
 CLOCK_BITS = {"gpu_idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8,
               "sw_thermal_slowdown": 0x20, "hw_thermal_slowdown": 0x40}
 
@@ -53,6 +67,24 @@ def h100(tmp_path: Path, fake_nvml_lib: Path) -> Iterator[AgentProcess]:
         yield agent
     finally:
         assert agent.stop() == 0, agent.log()
+
+
+def normalised(scrape: str) -> list[str]:
+    """The scrape with only what varies from run to run replaced by a placeholder."""
+    lines = []
+    for line in scrape.splitlines():
+        line = VARIABLE_LABELS.sub(lambda m: f'{m.group(1)}="<{m.group(1)}>"', line)
+        lines.append(VARIABLE_VALUES.sub(lambda m: f"{m.group(1)}{m.group(2) or ''} <variable>", line))
+    return lines
+
+
+def test_golden_h100_scrape_diffed_whole(h100: AgentProcess) -> None:
+    got = normalised(h100.scrape())
+    if os.environ.get("GPUMON_REWRITE_GOLDEN"):
+        GOLDEN.write_text("\n".join(got) + "\n")
+    expected = GOLDEN.read_text().splitlines()
+    diff = "\n".join(difflib.unified_diff(expected, got, str(GOLDEN), "scrape", lineterm=""))
+    assert not diff, diff
 
 
 def test_golden_h100_node_value_by_value(h100: AgentProcess) -> None:

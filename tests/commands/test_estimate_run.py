@@ -27,7 +27,7 @@ def estimate(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+def agent_with_a_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
     process = start_agent(tmp_path_factory.mktemp("estimate"), "--simulate", "1",
                           "--interval", "0.25")
     try:
@@ -55,8 +55,8 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
         process.stop()
 
 
-def test_table_beside_the_projections(agent: AgentProcess) -> None:
-    result = estimate("--from-run", "llm", "--url", agent.url)
+def test_table_beside_the_projections(agent_with_a_run: AgentProcess) -> None:
+    result = estimate("--from-run", "llm", "--url", agent_with_a_run.url)
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert "run llm, rank 1 of 4" in out
@@ -73,8 +73,8 @@ def test_table_beside_the_projections(agent: AgentProcess) -> None:
     assert "fits with ZeRO-1 on 4 GPUs" in out
 
 
-def test_json_and_a_tighter_gpu(agent: AgentProcess) -> None:
-    result = estimate("--from-run", "llm", "--url", agent.url, "--gpu-memory", "45GB", "--json")
+def test_json_and_a_tighter_gpu(agent_with_a_run: AgentProcess) -> None:
+    result = estimate("--from-run", "llm", "--url", agent_with_a_run.url, "--gpu-memory", "45GB", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["world"] == 4 and data["measured"]["total"] == 125 * GB
@@ -91,8 +91,8 @@ def test_json_and_a_tighter_gpu(agent: AgentProcess) -> None:
      (["--from-run", "llm", "--params", "7B"], "leave out --params"),
      ([], "give --params")],
 )
-def test_clear_errors(agent: AgentProcess, args: list[str], message: str) -> None:
-    result = estimate(*args, "--url", agent.url)
+def test_clear_errors(agent_with_a_run: AgentProcess, args: list[str], message: str) -> None:
+    result = estimate(*args, "--url", agent_with_a_run.url)
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
 

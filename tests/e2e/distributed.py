@@ -8,15 +8,17 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpumon.analysis.bottleneck import Verdict
 from gpumon.commands.classify import classify_file
-from gpumon.testing import AgentProcess, free_port, start_agent
+from gpumon.testing import AgentProcess, free_port
+from tests.helpers import RECORDING
 
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -54,21 +56,15 @@ class Job:
         return sorted(steps, key=lambda s: (s["rank"], s["step"]))
 
 
-@contextmanager
-def recording_agent(tmp_path: Path) -> Iterator[tuple[AgentProcess, Path]]:
-    """A real agent subprocess recording every step to a JSONL file."""
-    recording = tmp_path / "recording.jsonl"
-    agent = start_agent(tmp_path, "--record", str(recording), "--interval", "0.5")
-    try:
-        yield agent, recording
-    finally:
-        agent.stop()
+AGENT = pytest.mark.agent("--interval", "0.5", record=True)
+"""How the distributed tests' agent runs: recording every step to the test's recording file."""
 
 
-def run_job(agent: AgentProcess, recording: Path, tmp_path: Path, script: str, nproc: int,
+def run_job(agent: AgentProcess, tmp_path: Path, script: str, nproc: int,
             args: Sequence[str], run: str, expect_steps: int) -> Job:
-    """Launch ``jobs/<script>`` on ``nproc`` ranks reporting to ``agent`` as run ``run``;
-    return once it exited 0 and the agent recorded ``expect_steps`` steps of it."""
+    """Launch ``jobs/<script>`` on ``nproc`` ranks reporting to ``agent`` (``AGENT``) as run
+    ``run``; return once it exited 0 and the agent recorded ``expect_steps`` steps of it."""
+    recording = tmp_path / RECORDING
     out = tmp_path / run
     env = {**os.environ, "GPUMON_SOCKET": str(agent.socket_path), "GPUMON_RUN": run,
            "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}

@@ -6,7 +6,6 @@ peers wait on)."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,9 @@ import pytest
 
 from gpumon.testing import AgentProcess
 from tests.e2e.distributed import (
+    AGENT,
     exposed_share,
     flagged_share,
-    recording_agent,
     run_job,
     share_of,
     truth_share,
@@ -28,10 +27,7 @@ STRAGGLER_STEPS = 150
 steps, and the shares below count every step, those before too."""
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[tuple[AgentProcess, Path]]:
-    with recording_agent(tmp_path) as running:
-        yield running
+pytestmark = [pytest.mark.slow, AGENT]
 
 
 def _share(step: dict[str, Any]) -> float:
@@ -39,9 +35,9 @@ def _share(step: dict[str, Any]) -> float:
 
 
 def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
-    agent: tuple[AgentProcess, Path], tmp_path: Path
+    agent: AgentProcess, tmp_path: Path
 ) -> None:
-    job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--truth", "--steps", str(STEPS)],
+    job = run_job(agent, tmp_path, "ddp_job.py", 2, ["--truth", "--steps", str(STEPS)],
                   run="ddp-comm", expect_steps=2 * STEPS)
     gaps = []
     for rank in (0, 1):
@@ -72,9 +68,9 @@ def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
 
 
 def test_compute_heavy_ddp_shows_little_exposed_communication(
-    agent: tuple[AgentProcess, Path], tmp_path: Path
+    agent: AgentProcess, tmp_path: Path
 ) -> None:
-    job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--truth", "--steps", "16"],
+    job = run_job(agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--truth", "--steps", "16"],
                   run="ddp-compute", expect_steps=2 * 16)
     gaps = []
     for rank in (0, 1):
@@ -94,7 +90,7 @@ def test_compute_heavy_ddp_shows_little_exposed_communication(
     # The verdicts come from the job as it trains, without the no_sync twins: a twin lets the
     # ranks drift apart (each times its own, unsynchronised), so the next step of the faster
     # one genuinely waits for its peer, which no real job does.
-    plain = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--steps", "24"],
+    plain = run_job(agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--steps", "24"],
                     run="ddp-compute-plain", expect_steps=2 * 24)
     for rank in (0, 1):
         # A rank's first window has no typical share to be weighed against (the ranks start
@@ -109,7 +105,7 @@ def test_compute_heavy_ddp_shows_little_exposed_communication(
 
 @pytest.mark.parametrize("buckets", ["copied", "bucket-view"])
 def test_watching_leaves_ddp_gradients_bit_for_bit_as_they_were(
-    agent: tuple[AgentProcess, Path], tmp_path: Path, buckets: str
+    agent: AgentProcess, tmp_path: Path, buckets: str
 ) -> None:
     # Three ranks: averaging by dividing the sum, or scaling by 1/3 in another order, would
     # differ in the last bit; the watcher averages as DDP does, gradients copied into the
@@ -117,9 +113,9 @@ def test_watching_leaves_ddp_gradients_bit_for_bit_as_they_were(
     args = ["--model", "small", "--steps", "3", "--warmup", "1"]
     if buckets == "bucket-view":
         args.append("--bucket-view")
-    watched = run_job(*agent, tmp_path, "ddp_job.py", 3, args, run=f"ddp-3-watched-{buckets}",
+    watched = run_job(agent, tmp_path, "ddp_job.py", 3, args, run=f"ddp-3-watched-{buckets}",
                       expect_steps=9)
-    plain = run_job(*agent, tmp_path, "ddp_job.py", 3, [*args, "--no-watch"],
+    plain = run_job(agent, tmp_path, "ddp_job.py", 3, [*args, "--no-watch"],
                     run=f"ddp-3-plain-{buckets}", expect_steps=9)
     for rank in (0, 1, 2):
         assert watched.summary(rank)["grads_sha"] == plain.summary(rank)["grads_sha"]
@@ -128,13 +124,13 @@ def test_watching_leaves_ddp_gradients_bit_for_bit_as_they_were(
 
 @pytest.mark.parametrize("order", ["hook-after-watch", "hook-before-watch"])
 def test_a_user_comm_hook_keeps_its_gradients_and_is_measured(
-    agent: tuple[AgentProcess, Path], tmp_path: Path, order: str
+    agent: AgentProcess, tmp_path: Path, order: str
 ) -> None:
     args = ["--steps", "4", "--warmup", "1", "--comm-hook", "fp16"]
     if order == "hook-before-watch":
         args.append("--hook-before-watch")
-    watched = run_job(*agent, tmp_path, "ddp_job.py", 2, args, run=f"fp16-{order}", expect_steps=8)
-    plain = run_job(*agent, tmp_path, "ddp_job.py", 2, [*args, "--no-watch"],
+    watched = run_job(agent, tmp_path, "ddp_job.py", 2, args, run=f"fp16-{order}", expect_steps=8)
+    plain = run_job(agent, tmp_path, "ddp_job.py", 2, [*args, "--no-watch"],
                     run=f"fp16-plain-{order}", expect_steps=8)
     for rank in (0, 1):
         summary = watched.summary(rank)
@@ -148,9 +144,9 @@ def test_a_user_comm_hook_keeps_its_gradients_and_is_measured(
 
 
 def test_a_rank_with_more_forward_work_waits_least(
-    agent: tuple[AgentProcess, Path], tmp_path: Path
+    agent: AgentProcess, tmp_path: Path
 ) -> None:
-    job = run_job(*agent, tmp_path, "ddp_job.py", 4,
+    job = run_job(agent, tmp_path, "ddp_job.py", 4,
                   ["--model", "small", "--steps", str(STRAGGLER_STEPS), "--slow-rank", "3",
                    "--slow-forward-ms", "60"], run="ddp-slow-forward",
                   expect_steps=4 * STRAGGLER_STEPS)
@@ -177,9 +173,9 @@ def test_a_rank_with_more_forward_work_waits_least(
 
 
 def test_a_rank_with_a_slow_input_pipeline_makes_its_peer_wait(
-    agent: tuple[AgentProcess, Path], tmp_path: Path
+    agent: AgentProcess, tmp_path: Path
 ) -> None:
-    job = run_job(*agent, tmp_path, "ddp_job.py", 2,
+    job = run_job(agent, tmp_path, "ddp_job.py", 2,
                   ["--model", "small", "--steps", str(STRAGGLER_STEPS), "--slow-rank", "1",
                    "--slow-input-ms", "60"], run="ddp-slow-input",
                   expect_steps=2 * STRAGGLER_STEPS)
@@ -195,13 +191,13 @@ def test_a_rank_with_a_slow_input_pipeline_makes_its_peer_wait(
 
 
 def test_a_rank_sharing_its_core_is_a_host_straggler(
-    agent: tuple[AgentProcess, Path], tmp_path: Path
+    agent: AgentProcess, tmp_path: Path
 ) -> None:
     """Each rank pinned to a core of its own, rank 1's shared with two processes that only spin:
     rank 1 has no more work than rank 0, its training thread waits for its core. The job's
     own truth: its training threads' CPU time per step (the work) and their run delay (the
     wait), which each rank reads from the kernel itself."""
-    job = run_job(*agent, tmp_path, "ddp_job.py", 2,
+    job = run_job(agent, tmp_path, "ddp_job.py", 2,
                   ["--model", "small", "--batch", "4096", "--steps", str(STRAGGLER_STEPS),
                    "--hog-rank", "1"],
                   run="ddp-shared-core", expect_steps=2 * STRAGGLER_STEPS)
@@ -219,7 +215,7 @@ def test_a_rank_sharing_its_core_is_a_host_straggler(
 
 
 def test_a_balanced_job_flags_a_rank_only_where_its_own_clocks_show_it_slower(
-    agent: tuple[AgentProcess, Path], tmp_path: Path
+    agent: AgentProcess, tmp_path: Path
 ) -> None:
     """Two ranks doing the same work on a host with more runnable threads than cores. One
     rank's own work (step less its collective wait) often runs 1.3x the other's for seconds
@@ -231,7 +227,7 @@ def test_a_balanced_job_flags_a_rank_only_where_its_own_clocks_show_it_slower(
     of gpumon, show it slower: its thread's CPU time plus its run delay above its peer's by
     at least half the extra gpumon measured, with the cause the larger part names."""
     steps = 40
-    job = run_job(*agent, tmp_path, "ddp_job.py", 2, ["--steps", str(steps)],
+    job = run_job(agent, tmp_path, "ddp_job.py", 2, ["--steps", str(steps)],
                   run="ddp-balanced", expect_steps=2 * steps)
     cpu = {r: statistics.median(job.summary(r)["thread_cpu_s"]) for r in (0, 1)}
     wait = {r: statistics.median(job.summary(r)["cpu_wait_s"]) for r in (0, 1)}

@@ -9,25 +9,21 @@ and so does Lightning's ``fsdp`` strategy, which uses it; ``fully_shard`` does r
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from gpumon.testing import AgentProcess
-from tests.e2e.distributed import exposed_share, recording_agent, run_job, share_of
+from tests.e2e.distributed import AGENT, exposed_share, run_job, share_of
 
 STEPS = 8
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[tuple[AgentProcess, Path]]:
-    with recording_agent(tmp_path) as running:
-        yield running
+pytestmark = [pytest.mark.slow, AGENT]
 
 
-def test_lightning_ddp_steps_carry_their_all_reduce(agent: tuple[AgentProcess, Path], tmp_path: Path) -> None:
-    job = run_job(*agent, tmp_path, "framework_job.py", 2, ["lightning", "--steps", str(STEPS)],
+def test_lightning_ddp_steps_carry_their_all_reduce(agent: AgentProcess, tmp_path: Path) -> None:
+    job = run_job(agent, tmp_path, "framework_job.py", 2, ["lightning", "--steps", str(STEPS)],
                   run="lightning-ddp", expect_steps=2 * STEPS)
     for rank in (0, 1):
         summary, steps = job.summary(rank), job.steps(rank)
@@ -40,9 +36,9 @@ def test_lightning_ddp_steps_carry_their_all_reduce(agent: tuple[AgentProcess, P
 
 
 def test_hf_trainer_under_torchrun_steps_carry_their_all_reduce(
-    agent: tuple[AgentProcess, Path], tmp_path: Path
+    agent: AgentProcess, tmp_path: Path
 ) -> None:
-    job = run_job(*agent, tmp_path, "framework_job.py", 2, ["hf", "--steps", str(STEPS)],
+    job = run_job(agent, tmp_path, "framework_job.py", 2, ["hf", "--steps", str(STEPS)],
                   run="hf-ddp", expect_steps=2 * STEPS)
     for rank in (0, 1):
         summary, steps = job.summary(rank), job.steps(rank)
@@ -55,9 +51,9 @@ def test_hf_trainer_under_torchrun_steps_carry_their_all_reduce(
 
 
 def test_fully_shard_steps_carry_their_all_gathers_and_reduce_scatters(
-    agent: tuple[AgentProcess, Path], tmp_path: Path
+    agent: AgentProcess, tmp_path: Path
 ) -> None:
-    job = run_job(*agent, tmp_path, "framework_job.py", 2, ["fsdp", "--steps", str(STEPS)],
+    job = run_job(agent, tmp_path, "framework_job.py", 2, ["fsdp", "--steps", str(STEPS)],
                   run="fsdp2", expect_steps=2 * STEPS)
     for rank in (0, 1):
         summary, steps = job.summary(rank), job.steps(rank)

@@ -67,11 +67,7 @@ def train(mon: StepMonitor, steps: int, stop: threading.Event | None = None,
                 break
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> AgentProcess:
-    process = start_agent(tmp_path, "--simulate", "1", "--interval", "0.5")
-    yield process
-    process.stop()
+pytestmark = pytest.mark.agent("--simulate", "1", "--interval", "0.5")
 
 
 def test_agent_counts_exactly_what_the_torch_loop_sent(agent: AgentProcess) -> None:

@@ -3,7 +3,6 @@ the component that grows; and a transformer block against the estimator's activa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,16 +12,13 @@ from torch import nn
 from gpumon.analysis.memory import REMEDIES, activation_bytes
 from gpumon.client import StepMonitor
 from gpumon.client.memory import INTERVAL_ENV, MemoryBreakdownSampler
-from tests.helpers import AgentProcess, start_agent, wait_for
+from tests.e2e.distributed import AGENT, run_job
+from tests.helpers import AgentProcess, wait_for
 
 HIDDEN = 256
 
 
-@pytest.fixture
-def agent(tmp_path: Path) -> Iterator[AgentProcess]:
-    process = start_agent(tmp_path, "--simulate", "1", "--interval", "0.25")
-    yield process
-    process.stop()
+pytestmark = pytest.mark.agent("--simulate", "1", "--interval", "0.25")
 
 
 def job(agent: AgentProcess, run: str, *, leak: bool, steps: int = 24) -> None:
@@ -111,20 +107,19 @@ def test_transformer_block_against_the_korthikanti_formula() -> None:
     assert 1.0 <= ratio <= 2.0
 
 
-def test_fully_shard_ranks_show_the_parameters_they_hold(tmp_path: Path,
+@pytest.mark.slow
+@AGENT  # this test's agent records, as the distributed tests' does
+def test_fully_shard_ranks_show_the_parameters_they_hold(agent: AgentProcess, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """FSDP (``fully_shard``, 2 ranks, gloo): each rank's parameters are its half, on every
     sampled step — the unsharded weights gathered for forward and saved for backward are
     freed after forward, so they are not counted as held."""
-    from tests.e2e.distributed import recording_agent, run_job
-
     monkeypatch.setenv(INTERVAL_ENV, "0")
-    with recording_agent(tmp_path) as (process, recording):
-        job = run_job(process, recording, tmp_path, "framework_job.py", 2,
-                      ["fsdp", "--steps", "4"], run="fsdp2-memory", expect_steps=8)
-        for rank in (0, 1):
-            held = job.summary(rank)["grad_bytes"] // 2
-            breakdowns = [s["memb"] for s in job.steps(rank) if "memb" in s]
-            assert len(breakdowns) == 4
-            assert all(b["parameters"] == held for b in breakdowns), breakdowns
-            assert all(b["activations"] > 0 for b in breakdowns)
+    job = run_job(agent, tmp_path, "framework_job.py", 2, ["fsdp", "--steps", "4"],
+                  run="fsdp2-memory", expect_steps=8)
+    for rank in (0, 1):
+        held = job.summary(rank)["grad_bytes"] // 2
+        breakdowns = [s["memb"] for s in job.steps(rank) if "memb" in s]
+        assert len(breakdowns) == 4
+        assert all(b["parameters"] == held for b in breakdowns), breakdowns
+        assert all(b["activations"] > 0 for b in breakdowns)

@@ -3,7 +3,6 @@ code: their callbacks watch the model and optimizer themselves."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,15 +12,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpumon.client.memory import INTERVAL_ENV
-from tests.helpers import AgentProcess, start_agent, wait_for
+from tests.helpers import AgentProcess, wait_for
+
+pytestmark = pytest.mark.agent("--simulate", "1", "--interval", "0.25")
 
 
-@pytest.fixture
-def agent(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[AgentProcess]:
+@pytest.fixture(autouse=True)
+def memory_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(INTERVAL_ENV, "0")  # every step: the runs last a second or two
-    process = start_agent(tmp_path, "--simulate", "1", "--interval", "0.25")
-    yield process
-    process.stop()
 
 
 def breakdown(agent: AgentProcess, run: str) -> dict[str, float]:

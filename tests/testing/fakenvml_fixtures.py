@@ -2,7 +2,7 @@
 
 Import them into a conftest or test module with::
 
-    from tests.fakenvml.fixtures import fake_nvml_lib, fake_nvml_old_lib  # noqa: F401
+    from tests.testing.fakenvml_fixtures import fake_nvml_lib, fake_nvml_old_lib  # noqa: F401
 
 pynvml keeps the library it loaded in a module global, so load the fake in a
 *fresh process* started with :func:`gpumon.testing.fakenvml.fake_nvml_env`::

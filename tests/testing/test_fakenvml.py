@@ -28,7 +28,7 @@ from gpumon.testing.fakenvml import (
     fake_nvml_env,
     gpu_defaults,
 )
-from tests.fakenvml.fixtures import fake_nvml_lib, fake_nvml_old_lib  # noqa: F401
+from tests.testing.fakenvml_fixtures import fake_nvml_lib, fake_nvml_old_lib  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[2]
 ALL_LINKS = 0xFFFFFFFF
