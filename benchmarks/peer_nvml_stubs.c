@@ -1,6 +1,6 @@
 /* NVML entry points the peers (nvitop-exporter, gpustat) call that the fake NVML lacks.
  *
- * Compiled together with tests/fakenvml/fake_nvml.c into one libnvidia-ml.so.1 by
+ * Compiled together with gpumon/testing/fakenvml/fake_nvml.c into one libnvidia-ml.so.1 by
  * benchmarks/bench_peers.py, so every agent in the comparison loads the same library.
  * Without these, pynvml looks a missing symbol up again on every call and raises: that
  * would bill the peers for a cost a real driver does not have, and gpustat would fail.

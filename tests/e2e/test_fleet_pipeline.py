@@ -41,8 +41,8 @@ from gpumon.testing.pipeline import (
 )
 from tests.e2e.distributed import JOBS
 from tests.e2e.test_dashboards import _label_values, _load, _panels, _substitute
-from tests.fakenvml.fixtures import SCENARIOS, fake_nvml_lib  # noqa: F401
 from tests.helpers import ROOT
+from tests.testing.fakenvml_fixtures import SCENARIOS, fake_nvml_lib  # noqa: F401
 
 FLEET = ROOT / "deploy" / "fleet"
 RULE_FILE = ROOT / "alerts" / "gpumon.rules.yml"
