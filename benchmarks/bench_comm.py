@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpumon.agent.ranks import RankStore  # noqa: E402
 from gpumon.analysis.stream import StepAnalyzer  # noqa: E402
 from gpumon.collectors.samples import GpuSample, GpuStatic, SenderCredentials  # noqa: E402
 from gpumon.export.exposition import render  # noqa: E402
 from gpumon.export.step_metrics import StepFamilies  # noqa: E402
+from gpumon.state.ranks import RankStore  # noqa: E402
 from gpumon.wire import CollectiveOp, CommStats, StepRecord  # noqa: E402
 
 STEP_S = 0.25

@@ -59,7 +59,7 @@ def read_count(path: str) -> int:
 
 
 def run_gpumon(count: CycleCount, args: list[str]) -> None:
-    from gpumon.agent import Agent
+    from gpumon.agent.lifecycle import Agent
 
     Agent._collect_gpus = count.wrap(Agent._collect_gpus)  # type: ignore[method-assign]
     sys.argv = ["gpumon", "agent", *args]

@@ -12,10 +12,10 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from gpumon.agent.node import NodeSnapshot
 from gpumon.analysis.stream import RankAnalysis, RankKey, StepAnalyzer
 from gpumon.analysis.thresholds import Thresholds
 from gpumon.collectors.samples import GpuSample
+from gpumon.state.node import NodeSnapshot
 from gpumon.wire import StepRecord
 
 

@@ -28,9 +28,7 @@ from prometheus_client.process_collector import ProcessCollector
 from gpumon import __version__
 from gpumon.agent.analyzer import SharedAnalyzer
 from gpumon.agent.config import AgentConfig
-from gpumon.agent.node import NodeState
-from gpumon.agent.ranks import RankStore
-from gpumon.agent.recorder import Recorder, RecorderStatus
+from gpumon.agent.recorder import Recorder
 from gpumon.agent.reload import apply_reload
 from gpumon.agent.scheduler import Periodic
 from gpumon.agent.sources import given_source_status, open_gpu_source
@@ -41,6 +39,9 @@ from gpumon.collectors.ingest import IngestError, IngestServer, IngestStatus
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.export.server import MetricsServer
 from gpumon.export.webconfig import WebConfigError, load_web_config
+from gpumon.state.node import NodeState
+from gpumon.state.ranks import RankStore
+from gpumon.state.recording import RecorderStatus
 from gpumon.wire import Record
 
 log = logging.getLogger(__name__)

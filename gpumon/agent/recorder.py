@@ -21,11 +21,11 @@ import os
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpumon.collectors.samples import GpuSample, GpuStatic
+from gpumon.state.recording import RecorderStatus
 from gpumon.wire import StepRecord, to_wire
 
 log = logging.getLogger(__name__)
@@ -82,19 +82,6 @@ def sample_from_line(line: dict[str, Any]) -> GpuSample:
 
 class RecordingError(OSError):
     """The recording file cannot be opened; the message says why."""
-
-
-@dataclass(frozen=True)
-class RecorderStatus:
-    """How the recording is doing, for /metrics and /readyz."""
-
-    path: str
-    lines_written_total: int
-    lines_dropped_total: int
-    write_errors_total: int
-    backlog_bytes: int
-    error: str | None
-    """Why the last write failed, while data is waiting; None once everything is written."""
 
 
 class Recorder:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 from gpumon.agent.analyzer import SharedAnalyzer
 from gpumon.agent.config import AgentConfig
-from gpumon.agent.ranks import RankStore
 from gpumon.collectors.ingest import IngestServer
 from gpumon.export.server import MetricsServer
 from gpumon.export.webconfig import WebConfig, load_web_config
+from gpumon.state.ranks import RankStore
 
 RESTART_ONLY = ("address", "port", "socket", "socket_group", "interval", "collectors", "simulate",
                 "record")

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from gpumon.agent.node import NodeState
+from gpumon.state.node import NodeState
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpumon.agent.config import AgentConfig
-from gpumon.agent.node import NvmlStatus
 from gpumon.collectors.base import GpuSource
+from gpumon.state.node import NvmlStatus
 
 
 def open_gpu_source(config: AgentConfig,

@@ -16,9 +16,6 @@ from prometheus_client.core import Metric
 
 from gpumon import __version__
 from gpumon.agent.analyzer import SharedAnalyzer
-from gpumon.agent.node import NodeSnapshot, NodeState
-from gpumon.agent.ranks import RankStore, RankTotals
-from gpumon.agent.recorder import RecorderStatus
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.ingest import IngestStatus
 from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
@@ -27,6 +24,9 @@ from gpumon.export.gpu_metrics import node_families
 from gpumon.export.health_metrics import eviction_families, ingest_families, recording_families
 from gpumon.export.memory_metrics import MemoryFamilies
 from gpumon.export.step_metrics import StepFamilies
+from gpumon.state.node import NodeSnapshot, NodeState
+from gpumon.state.ranks import RankStore, RankTotals
+from gpumon.state.recording import RecorderStatus
 
 STUCK_AFTER_INTERVALS = 3
 

@@ -62,8 +62,8 @@ class AgentCommandError(Exception):
 
 def run_agent(flags: dict[str, Any], signals: SignalInbox) -> None:
     """Load the configuration, start the agent and serve until a stopping signal."""
-    from gpumon.agent import Agent, AgentError
     from gpumon.agent.config import ConfigError, load_config
+    from gpumon.agent.lifecycle import Agent, AgentError
     from gpumon.export.server import ServeError
 
     signals.catch()  # already, when started from the command line
@@ -98,8 +98,8 @@ def run_agent(flags: dict[str, Any], signals: SignalInbox) -> None:
 
 def _reload(node: Any, flags: dict[str, Any], log: logging.Logger) -> None:
     """SIGHUP: re-read env and config file; a bad new config keeps the running one."""
-    from gpumon.agent import AgentError
     from gpumon.agent.config import ConfigError, load_config
+    from gpumon.agent.lifecycle import AgentError
 
     try:
         notes = node.reload(load_config(flags))

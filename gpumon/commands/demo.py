@@ -22,8 +22,8 @@ from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
-from gpumon.agent import Agent, AgentError
 from gpumon.agent.config import AgentConfig
+from gpumon.agent.lifecycle import Agent, AgentError
 from gpumon.commands.top import StopSignals, render, stop_on_signals
 from gpumon.export.server import ServeError
 from gpumon.sim.gpus import SimulatedSource, gpu_model

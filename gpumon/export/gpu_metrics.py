@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from prometheus_client.core import InfoMetricFamily, Metric
 
 from gpumon import __version__
-from gpumon.agent.node import NodeSnapshot
 from gpumon.export.exposition import CounterFamily, GaugeFamily
+from gpumon.state.node import NodeSnapshot
 
 GPU_LABELS = ["gpu", "uuid", "model"]
 

@@ -7,9 +7,9 @@ from collections.abc import Iterator
 
 from prometheus_client.core import Metric
 
-from gpumon.agent.recorder import RecorderStatus
 from gpumon.collectors.ingest import IngestStatus
 from gpumon.export.exposition import CounterFamily, GaugeFamily
+from gpumon.state.recording import RecorderStatus
 
 
 def recording_families(status: RecorderStatus | None) -> Iterator[Metric]:

@@ -13,10 +13,10 @@ from typing import NamedTuple
 
 from prometheus_client.core import Metric
 
-from gpumon.agent.ranks import RankTotals
 from gpumon.analysis.memory import project_zero
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.export.exposition import GaugeFamily, RenderCache
+from gpumon.state.ranks import RankTotals
 from gpumon.wire import MEMORY_COMPONENTS
 
 RANK_LABELS = ["run", "rank"]

@@ -15,12 +15,12 @@ from typing import NamedTuple
 
 from prometheus_client.core import Metric
 
-from gpumon.agent.ranks import DURATION_BUCKETS_S, RankTotals
 from gpumon.analysis.bottleneck import Bottleneck, Flag
 from gpumon.analysis.straggler import StragglerCause
 from gpumon.analysis.stream import RankAnalysis, RankKey
 from gpumon.collectors.samples import ProcessSample
 from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily, RenderCache
+from gpumon.state.ranks import DURATION_BUCKETS_S, RankTotals
 
 RANK_LABELS = ["run", "rank"]
 # Rendered once: every rank's histogram and verdict families repeat them at each scrape.

@@ -133,8 +133,8 @@ def start_agent(tmp_path: Path, *args: str, env: Mapping[str, str] | None = None
 @contextmanager
 def library_agent(socket_path: Path, **config: Any) -> Iterator[Any]:
     """An Agent used as a library, on 127.0.0.1 and a free port; stopped on exit."""
-    from gpumon.agent import Agent
     from gpumon.agent.config import AgentConfig
+    from gpumon.agent.lifecycle import Agent
 
     node = Agent(AgentConfig(address="127.0.0.1", port=0, socket=str(socket_path), **config))
     node.start()

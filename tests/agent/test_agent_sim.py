@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
+from gpumon.agent.lifecycle import Agent
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.sim.gpus import SimulatedSource
 from gpumon.wire import StepRecord

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
+from gpumon.agent.lifecycle import Agent
 from gpumon.agent.recorder import Recorder, gpu_line, sample_from_line
 from gpumon.wire import StepRecord
 from tests.helpers import start_agent, value, wait_for
@@ -53,7 +53,7 @@ def test_gpu_line_round_trips() -> None:
 
 
 def test_unwritable_recording_is_a_clear_error(tmp_path: Path) -> None:
-    from gpumon.agent import AgentError
+    from gpumon.agent.lifecycle import AgentError
 
     node = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=1,
                              socket=str(tmp_path / "s.sock"),
@@ -144,7 +144,7 @@ def test_an_appended_session_starts_on_a_fresh_line(tmp_path: Path) -> None:
 
 
 def test_a_recording_is_created_private_and_never_through_a_symlink(tmp_path: Path) -> None:
-    from gpumon.agent import AgentError
+    from gpumon.agent.lifecycle import AgentError
 
     target = tmp_path / "elsewhere.txt"
     target.write_text("precious\n")

@@ -10,9 +10,9 @@ import pytest
 
 from gpumon.agent.analyzer import SharedAnalyzer
 from gpumon.agent.config import AgentConfig
-from gpumon.agent.ranks import RankStore
 from gpumon.agent.reload import RESTART_ONLY, apply_reload
 from gpumon.export.webconfig import WebConfigError
+from gpumon.state.ranks import RankStore
 
 
 def parts(config: AgentConfig) -> tuple[RankStore, SharedAnalyzer]:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gpumon.agent import Agent
+from gpumon.agent.lifecycle import Agent
 from gpumon.sim.gpus import Activity
 from tests.helpers import (
     parse_metrics,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from gpumon.agent.node import NodeState, NvmlStatus
-from gpumon.agent.ranks import RankStore
 from gpumon.agent.views import readiness, snapshot_document
 from gpumon.collectors.samples import GpuSample, GpuStatic, SenderCredentials
+from gpumon.state.node import NodeState, NvmlStatus
+from gpumon.state.ranks import RankStore
 from gpumon.wire import StepRecord
 
 GPU = GpuStatic(index=0, uuid="GPU-a", name="NVIDIA H100 80GB HBM3", pci_bus_id="0000:01:00.0")

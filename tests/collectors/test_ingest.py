@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
-from gpumon.agent.ranks import RankStore
+from gpumon.agent.lifecycle import Agent
 from gpumon.collectors.ingest import IngestError, IngestServer, bind_socket
 from gpumon.collectors.samples import SenderCredentials
+from gpumon.state.ranks import RankStore
 from gpumon.wire import MAX_DATAGRAM_BYTES
 from tests.helpers import (
     http_get,

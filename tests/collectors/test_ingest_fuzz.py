@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpumon.agent import Agent
+from gpumon.agent.lifecycle import Agent
 from gpumon.wire import DROP_REASONS, MAX_DATAGRAM_BYTES
 from tests.helpers import (
     library_agent,

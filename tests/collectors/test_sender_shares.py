@@ -8,9 +8,9 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from gpumon.agent.ranks import IDLE_EVICT_S, RankStore
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.collectors.sender_shares import SenderShares
+from gpumon.state.ranks import IDLE_EVICT_S, RankStore
 from gpumon.wire import HelloRecord, StepRecord
 from tests.helpers import ROOT, library_agent, scrape_metrics, value, wait_for
 

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
+from gpumon.agent.lifecycle import Agent
 from gpumon.commands.top import render, snapshot_url
 from gpumon.sim.gpus import SimulatedSource
 from gpumon.sim.job import SimulatedJob

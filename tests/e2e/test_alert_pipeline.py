@@ -35,8 +35,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
+from gpumon.agent.lifecycle import Agent
 from gpumon.sim.gpus import SimulatedSource
 from gpumon.sim.job import SimulatedJob
 from gpumon.sim.schedule import PhaseKind, parse_schedule

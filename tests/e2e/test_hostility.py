@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 import pytest
 
-from gpumon.agent import Agent
+from gpumon.agent.lifecycle import Agent
 from gpumon.collectors import ingest
 from gpumon.wire import DROP_REASONS, decode_datagram, encode_datagrams
 from tests.helpers import (

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.agent.ranks import RankStore
 from gpumon.analysis.stream import StepAnalyzer
 from gpumon.collectors.samples import ProcessSample, SenderCredentials
 from gpumon.export.exposition import render
 from gpumon.export.step_metrics import StepFamilies
+from gpumon.state.ranks import RankStore
 from gpumon.testing import Metrics
 from gpumon.wire import (
     CollectiveOp,

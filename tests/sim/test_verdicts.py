@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.agent import Agent
 from gpumon.agent.config import AgentConfig
+from gpumon.agent.lifecycle import Agent
 from gpumon.sim.gpus import SimulatedSource
 from gpumon.sim.job import SimulatedJob
 from gpumon.sim.schedule import PhaseKind, load_schedule

@@ -24,11 +24,11 @@ from bisect import bisect_left
 from collections import Counter, OrderedDict, defaultdict
 from dataclasses import dataclass, field
 
-from gpumon.agent.collectives import CommTotals
 from gpumon.analysis.comm import wait_s
 from gpumon.analysis.stream import RankKey
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.collectors.sender_shares import SenderShares
+from gpumon.state.collectives import CommTotals
 from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, MemoryBreakdown, Record, StepRecord
 
 # Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpumon.agent.ranks import IDLE_EVICT_S, MAX_CLOCK_SKEW_S, RankStore
 from gpumon.collectors.samples import SenderCredentials
+from gpumon.state.ranks import IDLE_EVICT_S, MAX_CLOCK_SKEW_S, RankStore
 from gpumon.wire import EventRecord, HelloRecord, StepRecord
 
 NOW = 1_800_000_000.0
