@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tests.analysis.test_layering import imported_modules
 from tests.helpers import ROOT
+from tests.test_layering import imported_modules
 
 
 def test_no_benchmark_imports_the_tests() -> None:

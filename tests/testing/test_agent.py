@@ -11,12 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import gpumon
-import gpumon.testing
 from gpumon.testing import agent_env, free_port, http_get, start_agent, value, values, wait_for
-from tests.analysis.test_layering import imported_modules
-
-PACKAGE = Path(gpumon.__file__).resolve().parent
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -101,13 +96,3 @@ def test_stop_kills_an_agent_that_ignores_sigterm_with_its_process_group(tmp_pat
     assert os.getpgid(agent.process.pid) == agent.process.pid
     os.kill(agent.process.pid, signal.SIGSTOP)  # a stopped process never handles SIGTERM
     assert agent.stop(timeout=0.5) == -signal.SIGKILL
-
-
-def test_no_layer_imports_the_harness_and_the_harness_never_imports_pytest() -> None:
-    harness = Path(gpumon.testing.__file__).parent
-    for path in PACKAGE.rglob("*.py"):
-        names = imported_modules(path)
-        if harness in path.parents:
-            assert not any(n == "pytest" or n.startswith("pytest.") for n in names), path
-        else:
-            assert not any(n.startswith("gpumon.testing") for n in names), path

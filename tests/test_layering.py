@@ -1,0 +1,318 @@
+"""Which part of gpumon may import which: one table, checked against every module's syntax tree.
+
+Each row names a package of gpumon (or a module that needs limits of its own) and what it may
+import: other gpumon packages or single modules, and third-party libraries, at import time or
+only inside a function. Imports within one top-level package are that package's own affair;
+between packages the table is the law, so a new upward arrow, a library where it does not
+belong, or a package the table does not name fails here. docs/architecture.md §2 tells the
+same story in prose.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import gpumon
+
+PACKAGE = Path(gpumon.__file__).resolve().parent
+ROOT = PACKAGE.parent
+
+# Modules that read clocks, touch files, sockets or processes have no place in a pure layer.
+IMPURE_STDLIB = frozenset({"time", "datetime", "os", "socket", "subprocess", "threading", "io",
+                           "pathlib", "random", "logging"})
+
+
+@dataclass(frozen=True)
+class Allowed:
+    """What one row may import besides the standard library and its own package."""
+
+    gpumon: frozenset[str] = frozenset()
+    """Other gpumon packages ("wire"), or single modules ("collectors.samples"); "gpumon" is
+    the top-level package itself (its version)."""
+    libraries: frozenset[str] = frozenset()
+    """Third-party libraries it may import at import time."""
+    lazy: frozenset[str] = frozenset()
+    """Third-party libraries it may import only inside a function (or for type checking), and
+    which importing any of its modules never loads, through whatever it imports."""
+    pure: bool = False
+    """No clock, file, socket, thread or process: nothing of IMPURE_STDLIB."""
+
+
+def allow(gpumon: str = "", libraries: str = "", lazy: str = "",
+          pure: bool = False) -> Allowed:
+    return Allowed(frozenset(gpumon.split()), frozenset(libraries.split()),
+                   frozenset(lazy.split()), pure)
+
+
+# Bottom to top: a row may name only packages set down before its own.
+LAYERS: dict[str, Allowed] = {
+    "gpumon": allow(),
+    "wire": allow(),
+    "client": allow("gpumon wire", lazy="torch"),
+    # The memory watcher imports torch as it loads: the rest of the client imports it only
+    # inside watch(), once the model shows torch is there.
+    "client.memory": allow("gpumon wire", libraries="torch"),
+    "client.integrations": allow("gpumon wire", libraries="lightning pytorch_lightning "
+                                 "transformers"),
+    "collectors": allow("wire", libraries="psutil"),
+    "collectors.nvml": allow("wire", libraries="pynvml"),
+    "analysis": allow("wire collectors.samples", pure=True),
+    "state": allow("wire collectors.samples collectors.sender_shares analysis"),
+    "sim": allow("client collectors.samples"),
+    "export": allow("gpumon wire collectors analysis state",
+                    libraries="prometheus_client bcrypt yaml"),
+    "agent": allow("gpumon wire collectors collectors.nvml analysis state sim export",
+                   libraries="prometheus_client"),
+    "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent",
+                      libraries="rich"),
+    "cli": allow("gpumon commands agent analysis sim", libraries="typer"),
+    "testing": allow("gpumon agent", libraries="prometheus_client"),
+    "testing.fakenvml": allow(),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported module as a module statement names it."""
+
+    name: str
+    kind: str
+    """"module" (runs when the module is imported), "lazy" (inside a function) or "typing"
+    (under ``if TYPE_CHECKING:``)."""
+    line: int
+
+
+class _Imports(ast.NodeVisitor):
+    def __init__(self, module: str, is_package: bool) -> None:
+        self.module = module
+        self.is_package = is_package
+        self.found: list[Import] = []
+        self._kind = "module"
+
+    def _within(self, kind: str, nodes: list[ast.stmt]) -> None:
+        outer, self._kind = self._kind, kind if self._kind == "module" else self._kind
+        for node in nodes:
+            self.visit(node)
+        self._kind = outer
+
+    def visit_FunctionDef(self, node: ast.FunctionDef) -> None:  # noqa: N802
+        self._within("lazy", node.body)
+
+    def visit_AsyncFunctionDef(self, node: ast.AsyncFunctionDef) -> None:  # noqa: N802
+        self._within("lazy", node.body)
+
+    def visit_If(self, node: ast.If) -> None:  # noqa: N802
+        test = node.test
+        if isinstance(test, ast.Name | ast.Attribute) and ast.unparse(test).endswith(
+                "TYPE_CHECKING"):
+            self._within("typing", node.body)
+            self._within(self._kind, node.orelse)
+        else:
+            self.generic_visit(node)
+
+    def visit_Import(self, node: ast.Import) -> None:  # noqa: N802
+        self.found += [Import(alias.name, self._kind, node.lineno) for alias in node.names]
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:  # noqa: N802
+        base = node.module or ""
+        if node.level:
+            parts = self.module.split(".")[: len(self.module.split(".")) - node.level
+                                           + self.is_package]
+            base = ".".join(parts + ([base] if base else []))
+        # "from gpumon.client import _core" names the module gpumon.client._core.
+        names = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+        if len(names) < len(node.names):
+            names.append(base)
+        self.found += [Import(name, self._kind, node.lineno) for name in names]
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    # The compiled modules, by the sources setup.py names for them (they import nothing).
+    for call in ast.walk(ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))):
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == "Extension":
+            name, sources = call.args[0], next(k.value for k in call.keywords if k.arg == "sources")
+            assert isinstance(name, ast.Constant) and isinstance(sources, ast.List)
+            found[name.value] = ROOT / ast.literal_eval(sources.elts[0])
+    return found
+
+
+MODULES = _modules()
+"""Every module of gpumon by dotted name (a compiled one by its C source), to its file."""
+
+
+@functools.cache
+def imports_of(module: str) -> tuple[Import, ...]:
+    """What a gpumon module imports, with where the import runs."""
+    path = MODULES[module]
+    if path.suffix != ".py":
+        return ()
+    visitor = _Imports(module, path.name == "__init__.py")
+    visitor.visit(ast.parse(path.read_text(encoding="utf-8")))
+    return tuple(visitor.found)
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every absolute module name a Python file imports, wherever in the file."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def row_of(module: str) -> str:
+    """The table's row for a gpumon module: the longest row its dotted name falls under."""
+    inner = module.removeprefix("gpumon").removeprefix(".") or "gpumon"
+    rows = [row for row in LAYERS if inner == row or inner.startswith(row + ".")]
+    assert rows, f"{module} falls under no row of the table"
+    return max(rows, key=len)
+
+
+def package_of(row: str) -> str:
+    return row.split(".")[0]
+
+
+def arrow_allowed(importer: str, target: str) -> bool:
+    """Whether the gpumon module ``importer`` may import the gpumon module ``target``."""
+    inner = target.removeprefix("gpumon").removeprefix(".") or "gpumon"
+    row = row_of(importer)
+    if package_of(row_of(target)) == package_of(row):
+        return True
+    granted = LAYERS[row].gpumon
+    return (row_of(target) in granted
+            or any(inner == g or inner.startswith(g + ".") for g in granted if "." in g))
+
+
+def library(name: str) -> str | None:
+    """The third-party library an import names, or None for gpumon and the standard library."""
+    top = name.split(".")[0]
+    if top in ("gpumon", "__future__") or top in sys.stdlib_module_names:
+        return None
+    return top
+
+
+def all_imports() -> Iterator[tuple[str, Import]]:
+    for module in MODULES:
+        for found in imports_of(module):
+            yield module, found
+
+
+def at_import(module: str) -> set[str]:
+    """Every module and library that importing ``module`` loads, through module-level imports."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        # Importing a.b.c runs a and a.b first.
+        parts = name.split(".")
+        chain = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
+        for step in chain:
+            if step in seen:
+                continue
+            seen.add(step)
+            if step in MODULES:
+                todo += [i.name for i in imports_of(step) if i.kind == "module"]
+    return seen
+
+
+def test_the_table_names_every_package_and_nothing_else() -> None:
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    top_modules = {name for name in MODULES if name.count(".") == 1}
+    expected = {name.removeprefix("gpumon.") for name in packages | top_modules if name != "gpumon"}
+    assert len(expected) >= 12  # the walk found the package, not an empty path
+    rows = {row for row in LAYERS if row != "gpumon"}
+    assert expected - rows == set(), "packages the table does not name"
+    assert {row for row in rows if f"gpumon.{row}" not in MODULES} == set(), "rows of nothing"
+    granted = {g for allowed in LAYERS.values() for g in allowed.gpumon if g != "gpumon"}
+    assert {g for g in granted if f"gpumon.{g}" not in MODULES} == set(), "grants of nothing"
+
+
+def test_the_table_is_layered_bottom_to_top() -> None:
+    # Each package may import only packages set down before it: the table has no cycle.
+    order = list(dict.fromkeys(package_of(row) for row in LAYERS))
+    for row, allowed in LAYERS.items():
+        for granted in allowed.gpumon:
+            below = package_of(row_of(f"gpumon.{granted}"))
+            assert order.index(below) < order.index(package_of(row)), (row, granted)
+
+
+def test_every_import_between_packages_is_in_the_table() -> None:
+    arrows = [(module, i) for module, i in all_imports() if i.name.split(".")[0] == "gpumon"]
+    assert len(arrows) >= 150
+    upward = [f"{MODULES[m].relative_to(PACKAGE.parent)}:{i.line} imports {i.name}"
+              for m, i in arrows if not arrow_allowed(m, i.name)]
+    assert upward == [], "\n".join(upward)
+
+
+def test_every_library_is_where_the_table_allows_it() -> None:
+    misplaced = []
+    for module, found in all_imports():
+        name = library(found.name)
+        if name is None:
+            continue
+        allowed = LAYERS[row_of(module)]
+        ok = name in allowed.libraries or (found.kind != "module" and name in allowed.lazy)
+        if not ok:
+            misplaced.append(f"{MODULES[module].relative_to(PACKAGE.parent)}:{found.line} "
+                             f"imports {found.name} ({found.kind})")
+    assert misplaced == [], "\n".join(misplaced)
+
+
+def test_lazy_libraries_are_never_loaded_by_an_import() -> None:
+    checked = 0
+    for module in MODULES:
+        lazy = LAYERS[row_of(module)].lazy
+        if not lazy:
+            continue
+        checked += 1
+        loaded = {library(name) for name in at_import(module)} & lazy
+        assert loaded == set(), (module, loaded)
+    assert checked >= 10
+
+
+def test_a_pure_layer_reads_no_clock_file_socket_or_process() -> None:
+    pure = {row for row, allowed in LAYERS.items() if allowed.pure}
+    assert pure == {"analysis"}
+    impure = [f"{MODULES[m].relative_to(PACKAGE.parent)}:{i.line} imports {i.name}"
+              for m, i in all_imports()
+              if row_of(m) in pure and i.name.split(".")[0] in IMPURE_STDLIB]
+    assert impure == [], "\n".join(impure)
+
+
+def test_no_two_modules_import_each_other_at_import_time() -> None:
+    # A cycle of module-level imports makes a module fail when it is the first one imported.
+    graph = {m: {i.name for i in imports_of(m) if i.kind == "module" and i.name in MODULES}
+             for m in MODULES}
+    done: set[str] = set()
+
+    def visit(module: str, path: list[str]) -> None:
+        if module in path:
+            raise AssertionError(" -> ".join(path[path.index(module):] + [module]))
+        if module in done:
+            return
+        for target in sorted(graph[module]):
+            visit(target, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert len(done) == len(MODULES)
+
+
+def test_the_client_loads_no_framework_and_nothing_of_the_agent() -> None:
+    for entry in ("gpumon.client", "gpumon.client.integrations.wrap"):
+        loaded = at_import(entry)
+        assert {library(name) for name in loaded} - {None} == set(), entry
+        assert {package_of(row_of(name)) for name in loaded if name.startswith("gpumon")} <= {
+            "gpumon", "wire", "client"}, entry
