@@ -12,12 +12,12 @@ from __future__ import annotations
 import ast
 import re
 import sys
+import tomllib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import tomllib
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name

@@ -6,12 +6,11 @@ import dataclasses
 import grp
 import ipaddress
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from gpumon.analysis.thresholds import Thresholds
 

@@ -24,13 +24,12 @@ ship with gpumon; ``load_schedule`` takes either name or a path.
 
 from __future__ import annotations
 
+import tomllib
 from dataclasses import dataclass
 from enum import Enum
 from importlib import resources
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 
 class PhaseKind(str, Enum):
