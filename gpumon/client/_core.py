@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 if TYPE_CHECKING:
     from gpumon.client._cuda import CudaClock, Mark, MemoryTuple
     from gpumon.client._extensions import StepExtensions
-    from gpumon.client._sender import StepTuple
+    from gpumon.client._step_tuple import StepTuple
 
 T = TypeVar("T")
 
@@ -224,7 +224,7 @@ class Step:
             m._device = t1 >= m._next_device_t
         if mem is None:
             mem = self._memory
-        if m._enabled:
+        if m._enabled:  # a StepTuple: the fields of _step_tuple.StepFields, in its order
             m._buffer.append(
                 (m._seq, self._step, t0, t1, phases, self._samples, self._tokens, self._flops, mem, marks,
                  fields)

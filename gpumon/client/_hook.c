@@ -579,6 +579,7 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *start = PyFloat_FromDouble(t0);
         PyObject *end = PyFloat_FromDouble(t1);
         PyObject *record = NULL;
+        /* A StepTuple: the fields of gpumon.client._step_tuple.StepFields, in its order. */
         if (seq != NULL && start != NULL && end != NULL)
             record = PyTuple_Pack(11, seq, OR_NONE(self->step), start, end, phases,
                                   OR_NONE(self->samples), OR_NONE(self->tokens),

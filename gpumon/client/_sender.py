@@ -14,11 +14,25 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from time import perf_counter
 from typing import Any
 
-from gpumon.client._cuda import CudaClock, Mark, MemoryTuple
+from gpumon.client._cuda import CudaClock
+from gpumon.client._step_tuple import (
+    FLOPS,
+    MARKS,
+    MEASURED,
+    MEMORY,
+    PHASES,
+    SAMPLES,
+    SEQ,
+    STEP,
+    T0,
+    T1,
+    TOKENS,
+    StepTuple,
+)
 from gpumon.client.transport import Transport
 from gpumon.wire import EventRecord, HelloRecord, StepEncoder, encode_record, pack_datagrams
 
@@ -29,20 +43,6 @@ training loop's GIL; at 0.1 s the sender used ~30 % more CPU for the same record
 EVENT_DEADLINE_S = 0.5
 """A step whose CUDA events the GPU has not reached by then is sent with host-clock phases
 (a hung GPU must not hide the last steps before the hang)."""
-
-StepTuple = tuple[
-    int,  # sequence number, counts every completed step
-    "int | None",  # the caller's step number
-    float,  # perf_counter at the start of the step's window
-    float,  # perf_counter at its end
-    dict[str, float],  # host-clock phase seconds
-    Any,  # samples
-    Any,  # tokens
-    Any,  # flops
-    "MemoryTuple | Mapping[str, int] | None",  # from CUDA, else as given to step(memory=)
-    "list[Mark] | None",
-    "dict[str, object] | None",  # measured fields the monitor's extensions added (comm, memb)
-]
 
 FLUSH_BUDGET_S = 0.05
 """How long one background flush keeps retrying a busy agent before leaving the rest for later."""
@@ -134,14 +134,15 @@ class Sender:
                 self._count_drop("unencodable", 1)
         for _ in range(len(self._buffer)):
             item = self._buffer.popleft()
-            if item[0] > self._next_seq:  # the bounded buffer overwrote the oldest steps
-                self._count_drop("buffer_full", item[0] - self._next_seq)
-            self._next_seq = item[0] + 1
+            seq = item[SEQ]
+            if seq > self._next_seq:  # the bounded buffer overwrote the oldest steps
+                self._count_drop("buffer_full", seq - self._next_seq)
+            self._next_seq = seq + 1
             self._waiting.append(item)
         while self._waiting:
             item = self._waiting[0]
-            phases, marks, measured = item[4], item[9], item[10]
-            late = final or now - item[3] >= EVENT_DEADLINE_S
+            phases, marks, measured = item[PHASES], item[MARKS], item[MEASURED]
+            late = final or now - item[T1] >= EVENT_DEADLINE_S
             deferred = _deferred(measured)
             if deferred and not late and not all(field.ready() for field in deferred.values()):
                 break  # the GPU has not got there yet; later steps are behind it
@@ -181,9 +182,10 @@ class Sender:
 
     def _encode_step(self, item: StepTuple, phases: dict[str, float], unix_offset: float,
                      device_phases: Iterable[str], measured: dict[str, object] | None) -> str:
-        seq, step, t0, t1, _, samples, tokens, flops, mem, _, _ = item
-        return self._encoder.encode(step, seq, t0 + unix_offset, t1 - t0, phases, samples, tokens,
-                                    flops, mem, measured, device_phases)
+        t0 = item[T0]
+        return self._encoder.encode(item[STEP], item[SEQ], t0 + unix_offset, item[T1] - t0, phases,
+                                    item[SAMPLES], item[TOKENS], item[FLOPS], item[MEMORY], measured,
+                                    device_phases)
 
     def _send(self, encoded: list[bytes], budget_s: float) -> None:
         backlog = self._backlog

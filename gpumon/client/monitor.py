@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import gpumon
 from gpumon.client import _core, _cuda
 from gpumon.client._extensions import Extensions
-from gpumon.client._sender import Sender, StepTuple
+from gpumon.client._sender import Sender
+from gpumon.client._step_tuple import StepTuple
 from gpumon.client.identity import resolve_identity, resolve_socket_path
 from gpumon.client.transport import Transport, UnixDatagramTransport
 from gpumon.wire import (
