@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from gpumon.client import StepMonitor, _core, monitor
+from gpumon.client._step_tuple import StepFields
 from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.client.transport import MemoryTransport
 from gpumon.wire import EventRecord, MemoryStats, StepRecord
@@ -92,14 +93,19 @@ def harness_of(core: Any) -> Harness:
 CORES = [pytest.param(_core.HookCore, id="python"), pytest.param(_hook.HookCore, id="c")]
 
 
+def records_of(core: Any) -> list[StepFields]:
+    """The core's buffered step tuples, read by ``StepFields``' names."""
+    return [StepFields._make(item) for item in harness_of(core).buffer]
+
+
 def normalised(core: Any) -> list[tuple[Any, ...]]:
     """The buffered records with times replaced by checks: durations positive, each phase
     within its step, and the phase names in order."""
     out = []
-    for seq, step, t0, t1, phases, samples, tokens, flops, mem, marks, _measured in harness_of(core).buffer:
-        assert isinstance(t0, float) and isinstance(t1, float) and t0 <= t1
-        assert all(0.0 <= s <= t1 - t0 for s in phases.values()), phases
-        out.append((seq, step, list(phases), samples, tokens, flops, mem, marks))
+    for r in records_of(core):
+        assert isinstance(r.t0, float) and isinstance(r.t1, float) and r.t0 <= r.t1
+        assert all(0.0 <= s <= r.t1 - r.t0 for s in r.phases.values()), r.phases
+        out.append((r.seq, r.step, list(r.phases), r.samples, r.tokens, r.flops, r.memory, r.marks))
     return out
 
 
@@ -146,9 +152,9 @@ def assert_at_rest(core: Any) -> None:
     with core.step():
         with core.phase("probe"):
             pass
-    seq, _, t0, t1, phases, *_ = buffer.pop()
-    assert list(phases) == ["probe"] and t0 >= before
-    assert seq == core.steps - 1
+    probe = StepFields._make(buffer.pop())
+    assert list(probe.phases) == ["probe"] and probe.t0 >= before
+    assert probe.seq == core.steps - 1
 
 
 @pytest.mark.parametrize("base", CORES)
@@ -165,6 +171,44 @@ def test_scenario_records(base: type) -> None:
     assert harness_of(core).calls == [("detect", True), ("failed", "KeyError", 42)]
     assert core.last_ooms == 1
     assert_at_rest(core)
+
+
+class FixedFields:
+    """Stands in for ``_extensions.StepExtensions``: the same measured fields every step."""
+
+    def begin(self) -> None:
+        pass
+
+    def end(self, recorded: bool) -> dict[str, object] | None:
+        return {"cpu_wait": 0.25}
+
+
+@pytest.mark.parametrize("base", CORES)
+def test_each_core_appends_the_fields_step_fields_names(base: type) -> None:
+    """``StepFields`` is the one definition of the step tuple: each core's tuple has its
+    length, and each field where it says, with and without CUDA."""
+    core = make_core(base)
+    core.set_extensions(FixedFields())
+    before = time.perf_counter()
+    with core.step(samples=3, tokens=5, flops=7.5, step=41, memory={"allocated": 9}):
+        with core.phase("forward"):
+            pass
+    after = time.perf_counter()
+    core.set_cuda(FakeClock())
+    with core.step(samples=4):
+        with core.phase("forward"):
+            pass
+    host, device = harness_of(core).buffer
+    assert type(host) is tuple and len(host) == len(device) == len(StepFields._fields)
+    first = StepFields._make(host)
+    assert (first.seq, first.step, first.samples, first.tokens, first.flops) == (0, 41, 3, 5, 7.5)
+    assert before <= first.t0 <= first.t1 <= after and list(first.phases) == ["forward"]
+    assert first.memory == {"allocated": 9} and first.marks is None
+    assert first.measured == {"cpu_wait": 0.25}
+    second = StepFields._make(device)
+    assert (second.seq, second.step, second.samples, second.tokens, second.flops) == (1, None, 4, None, None)
+    assert second.memory == (100, 200, 150, 0, 0)
+    assert second.marks == [("forward", "event1", "event2")]
 
 
 def test_both_cores_leave_the_same_records() -> None:
@@ -197,7 +241,8 @@ def test_loader_counts_waits_and_ends_like_a_generator(base: type) -> None:
     assert next(loader) == 1
     with core.step():  # both waits are this step's data phase, and its window starts with them
         pass
-    _, _, t0, t1, phases, *_ = harness_of(core).buffer[-1]
+    last = records_of(core)[-1]
+    t0, t1, phases = last.t0, last.t1, last.phases
     assert phases["data"] >= 0.02 and t0 <= started + 0.005 and t1 - t0 >= 0.02
     with pytest.raises(OSError, match="disk gone"):
         next(loader)
@@ -378,7 +423,7 @@ def test_extensions_are_called_around_outermost_steps_only(base: type) -> None:
     with core.step():
         pass
     assert extensions.calls == ["begin", ("end", True), "begin", ("end", False)]
-    assert [r[-1] for r in harness_of(core).buffer] == [None, {"memb": {"other": 2}}, None]
+    assert [r.measured for r in records_of(core)] == [None, {"memb": {"other": 2}}, None]
 
 
 def test_both_cores_pass_the_same_extension_fields() -> None:
@@ -389,7 +434,7 @@ def test_both_cores_pass_the_same_extension_fields() -> None:
         core.set_extensions(logs[-1])
         scenario(core)
     assert logs[0].calls == logs[1].calls
-    assert [r[-1] for r in harness_of(python).buffer] == [r[-1] for r in harness_of(c).buffer]
+    assert [r.measured for r in records_of(python)] == [r.measured for r in records_of(c)]
     assert normalised(c) == normalised(python)
 
 
@@ -497,13 +542,13 @@ def test_only_one_step_per_device_interval_gets_cuda_events(base: type) -> None:
     clock = SampledClock(interval_s=3600.0)
     core.set_cuda(clock)
     cuda_steps(core, 5)
-    records = list(harness_of(core).buffer)
+    records = records_of(core)
     # The first step is timed on the GPU (and reads the allocator); the next four, inside the
     # interval, on the host clock alone: no event recorded, no statistics read, every phase kept.
-    assert [len(r[9]) for r in records] == [2, 0, 0, 0, 0]
-    assert [r[8] for r in records] == [(100, 200, 150, 0, 0), None, None, None, None]
+    assert [len(r.marks) for r in records] == [2, 0, 0, 0, 0]
+    assert [r.memory for r in records] == [(100, 200, 150, 0, 0), None, None, None, None]
     assert clock.events == 3 and clock.reads == 1
-    assert all(list(r[4]) == ["data", "forward", "backward"] for r in records)
+    assert all(list(r.phases) == ["data", "forward", "backward"] for r in records)
 
 
 @pytest.mark.parametrize("base", CORES)
@@ -515,13 +560,13 @@ def test_the_first_step_after_the_interval_is_timed_on_the_gpu(base: type) -> No
     time.sleep(0.06)
     cuda_steps(core, 3)
     # Decided as a step ends, for the next one: the step after the first to end past the interval.
-    assert [len(r[9]) for r in harness_of(core).buffer] == [2, 0, 0, 2, 0]
+    assert [len(r.marks) for r in records_of(core)] == [2, 0, 0, 2, 0]
     assert clock.reads == 2
     # A zero interval times every step on the GPU, as before sampling.
     every = make_core(base)
     every.set_cuda(SampledClock(interval_s=0.0))
     cuda_steps(every, 3)
-    assert [len(r[9]) for r in harness_of(every).buffer] == [2, 2, 2]
+    assert [len(r.marks) for r in records_of(every)] == [2, 2, 2]
 
 
 def test_both_cores_sample_the_same_steps() -> None:
