@@ -1,74 +1,28 @@
-"""Collective communication measured from inside the training process, per step.
+"""Collective communication measured on the host, per step: the ledger a watched model's
+monitor keeps (``CommLedger``, the monitor's step extension), the collectives it records
+(``Op``) and the training thread's waits for them (``Tail``).
 
-Under DDP, FSDP and ZeRO the collectives run inside backward, overlapped with it, so no
-hand-timed phase can hold them. Two measurements make up a step's ``comm`` field:
-
-- **busy**: when each collective was in flight. ``torch.distributed``'s collective functions
-  (the calls DDP comm hooks, FSDP and user code make) are wrapped once per process
-  (``comm_tap``); a call
-  stamps its launch, and its completion is stamped when it returns (a blocking call) or by a
-  callback on its ``Work``'s future (``async_op=True``; the callback runs before anything
-  waiting on the work's chained futures is woken, so the stamp is the completion, not the
-  waiter's wake-up). The union of these intervals within the step is ``busy``; per kind
-  of collective: count, payload bytes (the buffer size nccl-tests calls "size": the tensor for
-  all-reduce and broadcast, the whole gathered output for all-gather, the whole input for
-  reduce-scatter and all-to-all) and summed seconds. ``busy`` also covers the exposed time
-  below, so ``busy - exposed`` is what overlapped the step's other work.
-- **exposed**: how long the training thread was held up by them: blocking calls, the launch
-  of asynchronous ones, and waits the watcher of a wrapper can see (``ddp.py``: DDP's wait for
-  its gradient buckets at the end of backward). The union of these intervals within the step,
-  plus the **contention** below.
-- **contention**: collectives on the host (gloo's threads reducing and sending the buckets)
-  take CPUs the training thread's own work then waits for. While they are in flight and it is
-  not blocked on them, the training thread's time off a CPU (wall clock less its CPU time), beyond
-  the rate it spent off a CPU in the same step while none was in flight, lengthened the step as
-  a wait on them would have. It is read from the thread's CPU clock at the edges of its waits
-  and launches, and counted for host-timed collectives only (a GPU's collectives use no CPU).
-
-An operation belongs to the step it is launched in; one still in flight when its step ends
-adds its remaining time to the next step's ``busy`` and is counted (count, bytes, seconds)
-there, so nothing is counted twice. Collectives launched outside any step (evaluation,
-checkpointing, the trainer's barriers) are not counted.
-
-**On a GPU** (NCCL) a collective call returns once its work is queued and the training thread
-never waits for it: the host clock sees neither. There both figures come from CUDA events
-(``DeviceComm``), where the watcher records them: an event on the launching stream as each
-collective is launched and one on the stream its completion callback runs on (which the
-collective's end gates), and around DDP's finalize, one as backward's last kernel is queued
-and one after the stream was made to wait for every bucket and copy them back. The GPU time
-between those two is the exposed communication: how long the stream's work stood still for
-the collectives. The step's record is sent once the GPU has passed its events (the sender
-waits for them as for the phases' events). Collectives on a GPU with no such events (a
-function called outside DDP's hook, FSDP on CUDA), or a step that mixes them with host-timed
-ones, give the step no ``comm`` field (not measured) rather than a wrong one.
+How and why it measures what it does (busy, exposed, contention; which step an operation
+belongs to; what is not measured): docs/architecture.md §5.1. The same figures from CUDA events
+on a GPU are ``comm_device``'s; the interval arithmetic both use is ``comm_intervals``'.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Callable, Iterable
 from time import perf_counter, thread_time
 from typing import Any
 
+from gpumon.client.comm_device import NO_EVENT, DeviceComm, record_event
+from gpumon.client.comm_intervals import contention_seconds, last_end, union_seconds
+
+__all__ = ["MAX_PENDING_OPS", "NO_EVENT", "CommLedger", "DeviceComm", "Op", "Tail",
+           "contention_seconds", "record_event", "union_seconds"]
+
 MAX_PENDING_OPS = 4096
 """Operations kept in flight across step ends; beyond that the oldest are dropped and counted
 (a collective that never completes, such as a peer that died, must not grow memory)."""
-
-NO_EVENT = object()
-"""Stands for a CUDA event that could not be recorded: the step's ``DeviceComm`` is then
-ready at once and has no value (its ``comm`` field is left out and counted)."""
-
-
-def record_event(clock: Any) -> Any:
-    """A CUDA event recorded now on the current stream, or ``NO_EVENT``: recording runs inside
-    DDP's hook, its futures' callbacks and autograd's callbacks, where an error would fail the
-    training step."""
-    try:
-        return clock.event()
-    except Exception:
-        return NO_EVENT
-
 
 class Op:
     """One collective: launched on some thread, completed (``t_done``) on another."""
@@ -287,7 +241,7 @@ class CommLedger:
         # The unseen work happened after the step began and before the last measured moment:
         # that bounds both figures (the ledger's clock reads bracket the record's window by a
         # few µs, within the wire's slack).
-        span_s = _last_end(busy + blocked, t_begin, t_end) - t_begin
+        span_s = last_end(busy + blocked, t_begin, t_end) - t_begin
         exposed = min(span_s, union_seconds(blocked, t_begin, t_end) + unseen_s + contended)
         fields["comm"] = {
             "exposed": exposed,
@@ -309,119 +263,6 @@ class CommLedger:
         fields["comm"] = DeviceComm(clock, ops, self._tails, duration_s)
 
 
-class DeviceComm:
-    """A step's ``comm`` from CUDA events (the module docstring: on a GPU); a ``Deferred``
-    the sender resolves once the GPU has passed every event."""
-
-    __slots__ = ("_clock", "_ops", "_tails", "_duration_s", "_released")
-
-    def __init__(self, clock: Any, ops: list[Op], tails: list[Tail], duration_s: float) -> None:
-        self._clock = clock
-        self._ops = ops
-        self._tails = tails
-        self._duration_s = duration_s
-        self._released = False
-
-    def _events(self) -> list[Any]:
-        """Every event of the step, read afresh: a completion's is recorded by a callback that
-        may run after the step ended (``None`` until then)."""
-        if self._released:
-            return []
-        return [e for op in self._ops for e in op.events or ()] + [e for t in self._tails for e in t.events]
-
-    def ready(self) -> bool:
-        events = self._events()
-        if any(e is NO_EVENT for e in events):
-            return True  # value() is None: the field is left out, and counted
-        if any(e is None for e in events):  # a completion not seen yet: not ready
-            return False
-        try:
-            return all(self._clock.passed(e) for e in events)
-        except Exception:
-            return True  # value() finds the failure and leaves the field out
-
-    def value(self) -> dict[str, object] | None:
-        """The wire's ``comm`` figures in GPU seconds, bounded by the step's duration."""
-        figures = None
-        if not any(e is NO_EVENT for e in self._events()):
-            try:
-                figures = self._figures()
-            except Exception:
-                pass
-        self.abandon()
-        return figures
-
-    def abandon(self) -> None:
-        """Give the events back (those the GPU has passed: the rest may still be recorded)."""
-        clock = self._clock
-        for event in self._events():
-            if event is not None and event is not NO_EVENT:
-                try:
-                    if clock.passed(event):
-                        clock.release(event)
-                except Exception:
-                    pass
-        self._released = True
-
-    def _figures(self) -> dict[str, object] | None:
-        clock = self._clock
-        origin = self._events()[0]
-
-        def at(event: Any) -> float:
-            return float(clock.elapsed_s(origin, event))
-
-        busy: list[tuple[float, float]] = []
-        kinds: dict[str, list[Any]] = {}
-        for op in self._ops:
-            start, end = (at(e) for e in op.events)  # type: ignore[union-attr]
-            busy.append((start, end))
-            figures = kinds.setdefault(op.name, [0, 0, 0.0])
-            figures[0] += 1
-            figures[1] += op.nbytes
-            figures[2] += max(0.0, end - start)
-        waits = [(at(t.events[0]), at(t.events[1])) for t in self._tails]
-        lo = min(a for a, _ in busy + waits)
-        hi = max(b for _, b in busy + waits)
-        unseen_s = 0.0
-        for tail, (_, resumed) in zip(self._tails, waits, strict=True):
-            ends = [b for _, b in busy if b <= resumed]
-            if tail.mirrored and ends:
-                unseen_s += resumed - max(ends)
-        duration = self._duration_s
-        exposed = min(duration, union_seconds(waits, lo, hi) + unseen_s)
-        return {
-            "exposed": exposed,
-            "busy": min(duration, max(exposed, union_seconds(busy + waits, lo, hi) + unseen_s)),
-            "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
-        }
-
-
-def contention_seconds(clocks: list[tuple[float, float]], busy: list[tuple[float, float]],
-                       blocked: list[tuple[float, float]]) -> float:
-    """Seconds the training thread spent off a CPU, while not blocked, because collectives
-    were in flight (``CommLedger``'s docstring: contention).
-
-    ``clocks`` are (wall, CPU clock) readings of the training thread; between two consecutive
-    ones it either waited on communication (the span touches ``blocked``: left out, the wait
-    is counted already) or worked. A working span's time off a CPU is split by the share of
-    it some collective was in flight (``busy``); the rest sets the off-CPU rate the step had
-    without them, which is subtracted."""
-    quiet_wall = quiet_off = 0.0
-    spans: list[tuple[float, float, float]] = []  # (wall, off a CPU, share in flight)
-    readings = sorted(clocks)
-    for (wa, ca), (wb, cb) in itertools.pairwise(readings):
-        wall = wb - wa
-        if wall <= 0.0 or union_seconds(blocked, wa, wb) > 0.0:
-            continue
-        off = max(0.0, wall - (cb - ca))
-        in_flight = union_seconds(busy, wa, wb) / wall
-        spans.append((wall, off, in_flight))
-        quiet_wall += wall * (1.0 - in_flight)
-        quiet_off += off * (1.0 - in_flight)
-    rate = quiet_off / quiet_wall if quiet_wall > 0.0 else 0.0
-    return max(0.0, sum((off - rate * wall) * in_flight for wall, off, in_flight in spans))
-
-
 def _inferred_tail(ops: Iterable[Op]) -> list[tuple[float, float]]:
     """The wait from the last launch on the training thread to the last completion."""
     launches = [op.t1 for op in ops if op.on_training_thread]
@@ -429,21 +270,3 @@ def _inferred_tail(ops: Iterable[Op]) -> list[tuple[float, float]]:
     if not launches or not completions:
         return []
     return [(max(launches), max(completions))]
-
-
-def _last_end(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """The last end of ``intervals`` clipped to [lo, hi]; ``lo`` when there are none."""
-    return max((min(b, hi) for _, b in intervals if b > lo), default=lo)
-
-
-def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
-    """Length of the union of ``intervals`` clipped to [lo, hi]."""
-    total = 0.0
-    reach = lo
-    for start, stop in sorted(intervals):
-        start = max(start, reach)
-        stop = min(stop, hi)
-        if stop > start:
-            total += stop - start
-            reach = stop
-    return total

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm import CommLedger, record_event
+from gpumon.client.comm import CommLedger
+from gpumon.client.comm_device import record_event
 
 log = logging.getLogger("gpumon.client")
 

@@ -30,7 +30,8 @@ import weakref
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm import CommLedger, Tail, record_event
+from gpumon.client.comm import CommLedger, Tail
+from gpumon.client.comm_device import record_event
 from gpumon.client.comm_tap import tap_into
 
 log = logging.getLogger("gpumon.client")

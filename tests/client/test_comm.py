@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumon.client.comm import MAX_PENDING_OPS, CommLedger, union_seconds
+from gpumon.client.comm import MAX_PENDING_OPS, CommLedger
+from gpumon.client.comm_intervals import union_seconds
 
 
 @pytest.mark.parametrize(
@@ -228,7 +229,7 @@ def test_cpu_lost_while_collectives_overlap_work_is_exposed() -> None:
     clocks = [(0.0, 0.0), (0.020, 0.018), (0.021, 0.019), (0.061, 0.045), (0.090, 0.046), (0.100, 0.055)]
     busy = [(0.020, 0.090)]
     blocked = [(0.020, 0.021), (0.061, 0.090)]
-    from gpumon.client.comm import contention_seconds
+    from gpumon.client.comm_intervals import contention_seconds
 
     # 14 ms off a CPU in flight, less the 10 % the thread loses anyway (forward and optimizer:
     # 3 ms of 30 ms) over those 40 ms.

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from gpumon.client import StepMonitor
-from gpumon.client.comm import CommLedger, DeviceComm
+from gpumon.client.comm import CommLedger
+from gpumon.client.comm_device import DeviceComm
 from gpumon.client.transport import MemoryTransport
 from gpumon.wire import CollectiveOp
 from tests.helpers import steps_of

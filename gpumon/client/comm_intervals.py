@@ -1,0 +1,50 @@
+"""Interval arithmetic for the communication figures: the union of intervals inside a window,
+and the contention a training thread's clock readings show (docs/architecture.md §5.1)."""
+
+from __future__ import annotations
+
+import itertools
+
+
+def contention_seconds(clocks: list[tuple[float, float]], busy: list[tuple[float, float]],
+                       blocked: list[tuple[float, float]]) -> float:
+    """Seconds the training thread spent off a CPU, while not blocked, because collectives
+    were in flight (the contention of docs/architecture.md §5.1).
+
+    ``clocks`` are (wall, CPU clock) readings of the training thread; between two consecutive
+    ones it either waited on communication (the span touches ``blocked``: left out, the wait
+    is counted already) or worked. A working span's time off a CPU is split by the share of
+    it some collective was in flight (``busy``); the rest sets the off-CPU rate the step had
+    without them, which is subtracted."""
+    quiet_wall = quiet_off = 0.0
+    spans: list[tuple[float, float, float]] = []  # (wall, off a CPU, share in flight)
+    readings = sorted(clocks)
+    for (wa, ca), (wb, cb) in itertools.pairwise(readings):
+        wall = wb - wa
+        if wall <= 0.0 or union_seconds(blocked, wa, wb) > 0.0:
+            continue
+        off = max(0.0, wall - (cb - ca))
+        in_flight = union_seconds(busy, wa, wb) / wall
+        spans.append((wall, off, in_flight))
+        quiet_wall += wall * (1.0 - in_flight)
+        quiet_off += off * (1.0 - in_flight)
+    rate = quiet_off / quiet_wall if quiet_wall > 0.0 else 0.0
+    return max(0.0, sum((off - rate * wall) * in_flight for wall, off, in_flight in spans))
+
+
+def last_end(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """The last end of ``intervals`` clipped to [lo, hi]; ``lo`` when there are none."""
+    return max((min(b, hi) for _, b in intervals if b > lo), default=lo)
+
+
+def union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of ``intervals`` clipped to [lo, hi]."""
+    total = 0.0
+    reach = lo
+    for start, stop in sorted(intervals):
+        start = max(start, reach)
+        stop = min(stop, hi)
+        if stop > start:
+            total += stop - start
+            reach = stop
+    return total
