@@ -1,9 +1,17 @@
-"""One polling thread per GPU, so that a device whose driver calls hang delays only itself.
+"""One polling thread for all GPUs, and a thread of its own for a GPU that overruns.
 
-Polled one after another, a GPU whose every call took 3 s left all eight GPUs' data ~9 s old
-while the slow one still looked healthy. Here each device is polled on its own thread; a
-collection cycle starts every idle device's poll, waits a bounded time for them, and takes
-what has answered. A device still inside a poll after ``timeout_s`` is reported down with
+Polled one after another on the collector's thread, a GPU whose every call took 3 s left all
+eight GPUs' data ~9 s old while the slow one still looked healthy. A thread per GPU fixed
+that but cost eight thread wakeups a cycle, more than the NVML calls themselves. Here one
+shared worker thread polls every healthy GPU in turn; the collector asks it at each cycle,
+waits up to ``wait_s`` and takes what has answered. A GPU the shared worker is still inside
+at that deadline, past its ``budget_s``, is isolated: the worker stuck in it stays with it
+alone (its own thread from now on) and a fresh shared worker polls the others, so a hung
+GPU delays the others by at most one cycle, once. An isolated GPU whose polls answer within
+the budget ``REJOIN_AFTER`` times in a row goes back to the shared worker, and its thread
+ends.
+
+A GPU still inside a poll after ``timeout_s`` is reported down with
 ``error="nvml_timeout"`` until a poll finishes in time again; what its late poll returns is
 dropped (it describes a moment long past).
 """
@@ -21,6 +29,10 @@ from gpumon.collectors.samples import GpuSample
 log = logging.getLogger(__name__)
 
 TIMEOUT_ERROR = "nvml_timeout"
+REJOIN_AFTER = 3
+"""Polls in a row within the budget before an isolated GPU goes back to the shared worker."""
+MIN_BUDGET_S = 0.05
+"""The least time one GPU's poll may take on the shared worker (a real one takes ~1 ms)."""
 
 
 class Pollable(Protocol):
@@ -31,51 +43,77 @@ class Pollable(Protocol):
     def sample(self, now: float, monotonic: float) -> GpuSample: ...
 
 
-class DevicePoller:
-    """Polls one device on a daemon thread of its own, one poll at a time."""
+class Worker:
+    """A daemon thread polling its devices in turn, one round per ask."""
 
-    def __init__(self, device: Pollable, timeout_s: float) -> None:
-        self.device = device
+    def __init__(self, devices: list[Pollable], timeout_s: float, budget_s: float,
+                 name: str) -> None:
         self.timeout_s = timeout_s
+        self.budget_s = budget_s
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._asked: tuple[float, float] | None = None  # (now, monotonic) of the next poll
-        self._busy_since: float | None = None  # time.monotonic() when the poll began
-        self._result: GpuSample | None = None
+        self._devices = list(devices)
+        self._asked: tuple[float, float] | None = None  # (now, monotonic) of the next round
+        self._busy = False
+        self._current: tuple[Pollable, float] | None = None  # device in a poll, since
+        self._results: dict[int, GpuSample] = {}
         self._finished = threading.Event()
+        self._finished.set()
         self._stopped = False
-        self.timed_out = False
-        """Marked down for a poll that overran; cleared by the next poll on time."""
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"gpumon-nvml-gpu{device.index}")
+        self.in_budget_streak = 0
+        """Polls in a row that answered within the budget (what an isolated GPU rejoins by)."""
+        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
 
-    def ask(self, now: float, monotonic: float) -> bool:
-        """Start a poll unless one is running; whether one was started."""
+    @property
+    def devices(self) -> list[Pollable]:
         with self._lock:
-            if self._busy_since is not None or self._stopped:
+            return list(self._devices)
+
+    def ask(self, now: float, monotonic: float) -> bool:
+        """Start a round unless one is running; whether one was started."""
+        with self._lock:
+            if self._busy or self._stopped or not self._devices:
                 return False
             self._asked = (now, monotonic)
-            self._busy_since = time.monotonic()
+            self._busy = True
             self._finished.clear()
             self._wake.notify()
             return True
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the running poll; whether none is running now."""
+        """Wait up to ``timeout_s`` for the running round; whether none is running now."""
         return self._finished.wait(max(timeout_s, 0.0))
 
-    def take(self) -> GpuSample | None:
-        """The sample of the poll that finished since the last call, if any."""
+    def take(self) -> dict[int, GpuSample]:
+        """Samples of the polls finished since the last call, by GPU index."""
         with self._lock:
-            result, self._result = self._result, None
-            return result
+            results, self._results = self._results, {}
+            return results
 
-    def busy_for(self) -> float:
-        """Seconds the running poll has taken so far (0 when idle)."""
+    def in_poll(self) -> tuple[Pollable, float] | None:
+        """(the device now being polled, seconds so far), or None."""
         with self._lock:
-            started = self._busy_since
-        return 0.0 if started is None else time.monotonic() - started
+            current = self._current
+        return None if current is None else (current[0], time.monotonic() - current[1])
+
+    def keep_only(self, device: Pollable) -> list[Pollable]:
+        """Poll ``device`` alone from now on; returns the devices given up."""
+        with self._lock:
+            others = [d for d in self._devices if d is not device]
+            self._devices = [device]
+            self.in_budget_streak = 0
+            return others
+
+    def add(self, device: Pollable) -> None:
+        """Poll one more device from the next round on."""
+        with self._lock:
+            self._devices.append(device)
+            self._devices.sort(key=lambda d: d.index)
+
+    def idle(self) -> bool:
+        with self._lock:
+            return not self._busy
 
     def _run(self) -> None:
         while True:
@@ -86,16 +124,30 @@ class DevicePoller:
                     return
                 now, monotonic = self._asked or (0.0, 0.0)
                 self._asked = None
-                started = self._busy_since or time.monotonic()
-            try:
-                sample: GpuSample | None = self.device.sample(now, monotonic)
-            except Exception:  # the device's own errors are its business; keep polling
-                log.exception("polling GPU %d failed", self.device.index)
-                sample = None
-            late = time.monotonic() - started > self.timeout_s
+                devices = list(self._devices)
+            for device in devices:
+                with self._lock:
+                    if self._stopped:
+                        return
+                    if device not in self._devices:  # given to another worker meanwhile
+                        continue
+                    started = time.monotonic()
+                    self._current = (device, started)
+                try:
+                    sample: GpuSample | None = device.sample(now, monotonic)
+                except Exception:  # the device's own errors are its business; keep polling
+                    log.exception("polling GPU %d failed", device.index)
+                    sample = None
+                took = time.monotonic() - started
+                with self._lock:
+                    self._current = None
+                    self.in_budget_streak = self.in_budget_streak + 1 if took <= self.budget_s \
+                        else 0
+                    if sample is not None and took <= self.timeout_s \
+                            and device in self._devices:
+                        self._results[device.index] = sample
             with self._lock:
-                self._result = None if late else sample
-                self._busy_since = None
+                self._busy = False
             self._finished.set()
 
     def stop(self, timeout_s: float) -> bool:
@@ -108,49 +160,114 @@ class DevicePoller:
 
 
 class PollerSet:
-    """The pollers of all devices, and one collection cycle over them."""
+    """The shared worker, the isolated GPUs' workers, and one collection cycle over them."""
 
-    def __init__(self, wait_s: float, timeout_s: float,
-                 on_timeout: Callable[[int], None]) -> None:
+    def __init__(self, wait_s: float, timeout_s: float, on_timeout: Callable[[int], None],
+                 budget_s: float | None = None) -> None:
         self.wait_s = wait_s
         self.timeout_s = timeout_s
+        self.budget_s = budget_s if budget_s is not None else max(0.5 * wait_s, MIN_BUDGET_S)
         self._on_timeout = on_timeout
-        self._pollers: dict[int, DevicePoller] = {}
+        self._shared: Worker | None = None
+        self._isolated: dict[int, Worker] = {}
+        self._timed_out: set[int] = set()
+        self._devices: dict[int, Pollable] = {}
+        self._generation = 0
 
     def add(self, device: Pollable) -> None:
         """Poll one more device from now on."""
-        self._pollers[device.index] = DevicePoller(device, self.timeout_s)
+        self._devices[device.index] = device
+        if self._shared is None:
+            self._shared = self._worker([device], "all")
+        else:
+            self._shared.add(device)
+
+    def isolated(self) -> list[int]:
+        """GPUs polled on a thread of their own (they overran their budget)."""
+        return sorted(self._isolated)
+
+    def _worker(self, devices: list[Pollable], what: str) -> Worker:
+        self._generation += 1
+        return Worker(devices, self.timeout_s, self.budget_s,
+                      f"gpumon-nvml-{what}-{self._generation}")
 
     def sample(self, now: float, monotonic: float) -> list[GpuSample]:
-        """Poll every idle device, wait up to ``wait_s`` for all, return what answered.
+        """Poll every device, wait up to ``wait_s`` for all, return what answered.
 
         A device with no fresh answer yet is left out of this cycle, or, past ``timeout_s``,
         comes back as down with ``error="nvml_timeout"``.
         """
-        pollers = list(self._pollers.values())
-        for poller in pollers:
-            poller.ask(now, monotonic)
+        workers = self._workers()
+        for worker in workers:
+            worker.ask(now, monotonic)
         deadline = time.monotonic() + self.wait_s
-        for poller in pollers:
-            poller.wait(deadline - time.monotonic())
+        for worker in workers:
+            worker.wait(deadline - time.monotonic())
+        results: dict[int, GpuSample] = {}
+        for worker in workers:
+            results.update(worker.take())
+        self._isolate_overrun()
+        self._rejoin_healthy()
         samples = []
-        for poller in pollers:
-            sample = poller.take()
+        for index, device in self._devices.items():
+            sample = results.get(index)
             if sample is not None:
-                if poller.timed_out:
-                    log.warning("GPU %d answers NVML again", poller.device.index)
-                poller.timed_out = False
+                if index in self._timed_out:
+                    log.warning("GPU %d answers NVML again", index)
+                    self._timed_out.discard(index)
                 samples.append(sample)
-            elif poller.timed_out or poller.busy_for() > self.timeout_s:
-                if not poller.timed_out:
-                    poller.timed_out = True
-                    self._on_timeout(poller.device.index)
-                samples.append(GpuSample(index=poller.device.index, t=now, up=False,
-                                         error=TIMEOUT_ERROR))
+            elif index in self._timed_out or self._busy_for(device) > self.timeout_s:
+                if index not in self._timed_out:
+                    self._timed_out.add(index)
+                    self._on_timeout(index)
+                samples.append(GpuSample(index=index, t=now, up=False, error=TIMEOUT_ERROR))
         return sorted(samples, key=lambda s: s.index)
 
+    def _workers(self) -> list[Worker]:
+        shared = [self._shared] if self._shared is not None else []
+        return shared + list(self._isolated.values())
+
+    def _busy_for(self, device: Pollable) -> float:
+        for worker in self._workers():
+            polling = worker.in_poll()
+            if polling is not None and polling[0] is device:
+                return polling[1]
+        return 0.0
+
+    def _isolate_overrun(self) -> None:
+        """A device the shared worker is stuck in, past its budget, keeps that worker for
+        itself; the others move to a fresh shared worker."""
+        shared = self._shared
+        if shared is None:
+            return
+        polling = shared.in_poll()
+        if polling is None or polling[1] <= self.budget_s:
+            return
+        device, busy_s = polling
+        others = shared.keep_only(device)
+        self._isolated[device.index] = shared
+        self._shared = self._worker(others, "all") if others else None
+        log.warning("GPU %d: an NVML poll has taken %.2f s (budget %.2f s): polling it on a "
+                    "thread of its own so the other GPUs keep their schedule",
+                    device.index, busy_s, self.budget_s)
+
+    def _rejoin_healthy(self) -> None:
+        """Isolated devices that answered within the budget REJOIN_AFTER times in a row go
+        back to the shared worker; their own threads end."""
+        for index, worker in list(self._isolated.items()):
+            if worker.in_budget_streak < REJOIN_AFTER or not worker.idle():
+                continue
+            del self._isolated[index]
+            device = self._devices[index]
+            worker.stop(0.0)
+            if self._shared is None:
+                self._shared = self._worker([device], "all")
+            else:
+                self._shared.add(device)
+            log.warning("GPU %d answers NVML within its budget again: back on the shared "
+                        "polling thread", index)
+
     def stop(self, timeout_s: float = 1.0) -> bool:
-        """Stop every poller; whether all finished (False: one is stuck in the driver)."""
+        """Stop every worker; whether all finished (False: one is stuck in the driver)."""
         deadline = time.monotonic() + timeout_s
-        return all([p.stop(max(deadline - time.monotonic(), 0.0))
-                    for p in self._pollers.values()])
+        return all([w.stop(max(deadline - time.monotonic(), 0.0)) for w in self._workers()])

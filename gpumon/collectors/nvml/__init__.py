@@ -3,7 +3,7 @@
 ``device`` reads one GPU (every call through one query helper: NOT_SUPPORTED is a remembered
 absence, a missing symbol falls back to the older one, learnt once per process, a GPU off
 the bus raises ``GpuLost``);
-``source`` discovers the node's GPUs, polls each on its own thread and watches XID events.
+``source`` discovers the node's GPUs, polls them (``pollers``) and watches XID events.
 """
 
 from gpumon.collectors.nvml.device import (

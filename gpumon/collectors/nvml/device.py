@@ -18,6 +18,7 @@ from typing import Any
 
 import pynvml
 
+from gpumon.collectors.nvml.batch import FieldBatch, GpmMetrics
 from gpumon.collectors.samples import GpuSample, GpuStatic
 
 log = logging.getLogger(__name__)
@@ -186,9 +187,12 @@ class NvmlDevice:
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         self._unsupported: set[str] = set()
         self._gpm_samples: tuple[Any, Any] | None = None
+        self._gpm_metrics: GpmMetrics | None = None
+        self._gpm_next = 0  # which of the two samples the next reading goes into
         self._gpm_t = 0.0
         self._gpm_values: dict[str, float] = {}
         self._counters: _Counters | None = None
+        self._counter_batch: FieldBatch | None = None
         self._slow_t = float("-inf")
         self._slow: dict[str, Any] = {}
         self.lost = False
@@ -258,6 +262,7 @@ class NvmlDevice:
             second = self._optional("gpm", lambda h: pynvml.nvmlGpmSampleAlloc())
             if first is not None and second is not None:
                 self._gpm_samples = (first, second)
+                self._gpm_metrics = GpmMetrics(list(_GPM_METRICS), first, second)
         if self._gpm_samples is None:
             self._unsupported.add("gpm")
         link_count = links.get(_FI_NVLINK_LINK_COUNT)
@@ -335,22 +340,26 @@ class NvmlDevice:
         return GpuSample(index=self.index, t=now, **values)
 
     def _counter_values(self, monotonic: float) -> dict[str, Any]:
-        ids: list[int | tuple[int, int]] = []
+        ids: list[tuple[int, int]] = []
         if "nvlink" not in self._unsupported:
             ids += [(_FI_NVLINK_TX_KIB, ALL_LINKS_SCOPE), (_FI_NVLINK_RX_KIB, ALL_LINKS_SCOPE)]
         if "pcie_counters" not in self._unsupported:
-            ids += [_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES]
+            ids += [(_FI_PCIE_TX_BYTES, 0), (_FI_PCIE_RX_BYTES, 0)]
         if not ids:
             return {}
-        raw = self._field_values("counters", ids)
+        batch = self._counter_batch
+        if batch is None or batch.fields != ids:  # built once; again only when a group goes
+            batch = self._counter_batch = FieldBatch(self._handle, ids)
+        answers = self._optional("counters", _read_batch, batch)
+        if answers is None:
+            return {}
         counters: dict[str, int] = {}
-        names = {
-            _FI_NVLINK_TX_KIB: ("nvlink_tx", 1024), _FI_NVLINK_RX_KIB: ("nvlink_rx", 1024),
-            _FI_PCIE_TX_BYTES: ("pcie_tx", 1), _FI_PCIE_RX_BYTES: ("pcie_rx", 1),
-        }
-        for field_id, (name, scale) in names.items():
-            if field_id in raw:
-                counters[name] = raw[field_id] * scale
+        for (field_id, _scope), (ret, value) in zip(ids, answers, strict=True):
+            if ret == pynvml.NVML_SUCCESS:
+                name, scale = _COUNTER_NAMES[field_id]
+                counters[name] = value * scale
+            elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise GpuLost(f"GPU {self.index} is lost")
         if not any(k.startswith("nvlink") for k in counters):
             self._unsupported.add("nvlink")
         if not any(k.startswith("pcie") for k in counters):
@@ -371,29 +380,20 @@ class NvmlDevice:
             return {}
         if monotonic - self._gpm_t < GPM_MIN_INTERVAL_S:
             return self._gpm_values
-        previous, current = self._gpm_samples
-        if self._optional("gpm", pynvml.nvmlGpmSampleGet, current) is None:
+        current = self._gpm_next
+        if self._optional("gpm", pynvml.nvmlGpmSampleGet, self._gpm_samples[current]) is None:
             return {}
         had_previous, self._gpm_t = self._gpm_t > 0.0, monotonic
-        # Swap: the sample just taken becomes the baseline of the next pair.
-        self._gpm_samples = (current, previous)
-        if not had_previous:
+        # The sample just taken becomes the baseline of the next pair.
+        self._gpm_next = 1 - current
+        if not had_previous or self._gpm_metrics is None:
             return {}
-        request = pynvml.c_nvmlGpmMetricsGet_t()
-        request.version = pynvml.NVML_GPM_METRICS_GET_VERSION
-        request.numMetrics = len(_GPM_METRICS)
-        request.sample1 = previous
-        request.sample2 = current
-        for i, metric_id in enumerate(_GPM_METRICS):
-            request.metrics[i].metricId = metric_id
-        result = self._optional("gpm", lambda h: pynvml.nvmlGpmMetricsGet(request))
-        if result is None:
+        readings = self._optional("gpm", _read_gpm, self._gpm_metrics, current == 1)
+        if readings is None:
             return {}
-        values = {}
-        for i, name in enumerate(_GPM_METRICS.values()):
-            metric = result.metrics[i]
-            if metric.nvmlReturn == pynvml.NVML_SUCCESS:
-                values[name] = min(max(metric.value / 100.0, 0.0), 1.0)
+        values = {name: min(max(reading / 100.0, 0.0), 1.0)
+                  for name, reading in zip(_GPM_METRICS.values(), readings, strict=True)
+                  if reading is not None}
         self._gpm_values = values
         return values
 
@@ -427,6 +427,20 @@ class NvmlDevice:
             except pynvml.NVMLError:
                 pass
         self._gpm_samples = None
+
+
+_COUNTER_NAMES = {
+    _FI_NVLINK_TX_KIB: ("nvlink_tx", 1024), _FI_NVLINK_RX_KIB: ("nvlink_rx", 1024),
+    _FI_PCIE_TX_BYTES: ("pcie_tx", 1), _FI_PCIE_RX_BYTES: ("pcie_rx", 1),
+}
+
+
+def _read_batch(_handle: Any, batch: FieldBatch) -> list[tuple[int, int]]:
+    return batch.read()
+
+
+def _read_gpm(_handle: Any, metrics: GpmMetrics, first_is_earlier: bool) -> list[float | None]:
+    return metrics.read(first_is_earlier)
 
 
 def _field_value(entry: Any) -> int:

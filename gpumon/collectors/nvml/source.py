@@ -1,4 +1,4 @@
-"""All GPUs of the node through NVML: discovery, per-GPU polling, XID events."""
+"""All GPUs of the node through NVML: discovery, polling, XID events."""
 
 from __future__ import annotations
 
@@ -94,8 +94,9 @@ class NvmlSource:
 
     Every index NVML counts is exported: a GPU that cannot be opened (lost to the bus before
     the agent started, say after an Xid 79) is a down GPU with the labels that can be known,
-    and opening it is tried again at every discovery. Each GPU is polled on its own thread
-    (``PollerSet``): one whose calls hang is marked down without delaying the others.
+    and opening it is tried again at every discovery. One thread polls every GPU
+    (``PollerSet``); one whose calls overrun is moved to a thread of its own, and marked
+    down once they hang, without delaying the others.
     """
 
     name = "nvml"
