@@ -1,8 +1,10 @@
-"""Fixtures for the client tests: a real Unix datagram receiver standing in for the agent."""
+"""Fixtures for the client tests: a real Unix datagram receiver standing in for the agent, and a
+clock the test moves by hand."""
 
 from __future__ import annotations
 
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -96,3 +98,31 @@ def receiver(socket_path: Path) -> Iterator[Receiver]:
     r = Receiver(socket_path).start()
     yield r
     r.stop()
+
+
+class ManualClock:
+    """A clock that moves only when the test moves it, for the pure-Python code that reads
+    ``perf_counter`` and ``thread_time`` by those names: wall seconds, and the calling thread's
+    CPU seconds (which run with the wall clock unless told otherwise)."""
+
+    def __init__(self, start_s: float = 1000.0) -> None:
+        self.now_s = start_s
+        self.cpu_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+    def thread_time(self) -> float:
+        return self.cpu_s
+
+    def advance(self, seconds: float, cpu_s: float | None = None) -> None:
+        """Let ``seconds`` pass, ``cpu_s`` of them on a CPU (default: all)."""
+        self.now_s += seconds
+        self.cpu_s += seconds if cpu_s is None else cpu_s
+
+    def install(self, monkeypatch: pytest.MonkeyPatch, module: str) -> ManualClock:
+        """Stand in for ``module``'s ``perf_counter`` (and ``thread_time``, where it has one)."""
+        monkeypatch.setattr(f"{module}.perf_counter", self)
+        if hasattr(sys.modules[module], "thread_time"):
+            monkeypatch.setattr(f"{module}.thread_time", self.thread_time)
+        return self

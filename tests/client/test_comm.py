@@ -1,16 +1,32 @@
-"""The per-step communication ledger: intervals, attribution to steps, what is not measured."""
+"""The per-step communication ledger: intervals, attribution to steps, what is not measured.
+
+The ledger reads its clocks (``perf_counter``, ``thread_time``) through ``ManualClock`` here:
+every figure is exact, whatever the machine is doing.
+"""
 
 from __future__ import annotations
 
-import time
-from time import perf_counter
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpumon.client.comm import MAX_PENDING_OPS, CommLedger
-from gpumon.client.comm_intervals import union_seconds
+from gpumon.client.comm_intervals import contention_seconds, union_seconds
+from tests.client.conftest import ManualClock
+
+LEDGER = "gpumon.client.comm"
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    return ManualClock().install(monkeypatch, LEDGER)
+
+
+@pytest.fixture
+def ledger(clock: ManualClock) -> Iterator[CommLedger]:
+    yield CommLedger()
 
 
 @pytest.mark.parametrize(
@@ -30,17 +46,16 @@ def test_union_seconds(intervals: list[tuple[float, float]], lo: float, hi: floa
     assert union_seconds(intervals, lo, hi) == pytest.approx(expected)
 
 
-def _past_step(ledger: CommLedger, seconds: float = 0.02) -> float:
+def _past_step(ledger: CommLedger, clock: ManualClock, seconds: float = 0.02) -> float:
     """Begin a step and let ``seconds`` pass, so intervals can be placed inside it; its start."""
     ledger.step_begin()
-    t_begin = perf_counter()
-    time.sleep(seconds)
+    t_begin = clock()
+    clock.advance(seconds)
     return t_begin
 
 
-def test_a_step_reports_its_collectives_by_kind() -> None:
-    ledger = CommLedger()
-    t = _past_step(ledger)
+def test_a_step_reports_its_collectives_by_kind(ledger: CommLedger, clock: ManualClock) -> None:
+    t = _past_step(ledger, clock)
     a = ledger.launched("all_reduce", 1000, t + 0.001, t + 0.002, True)
     b = ledger.launched("all_reduce", 500, t + 0.003, t + 0.004, True)
     c = ledger.launched("broadcast", 8, t + 0.010, t + 0.011, True)
@@ -60,9 +75,8 @@ def test_a_step_reports_its_collectives_by_kind() -> None:
     assert comm["exposed"] <= comm["busy"]
 
 
-def test_a_wait_ends_at_the_last_completion_or_when_resumed() -> None:
-    ledger = CommLedger()
-    t = _past_step(ledger)
+def test_a_wait_ends_at_the_last_completion_or_when_resumed(ledger: CommLedger, clock: ManualClock) -> None:
+    t = _past_step(ledger, clock)
     op = ledger.launched("all_reduce", 4, t + 0.001, t + 0.002, True)
     assert op is not None
     op.t_done = t + 0.009
@@ -71,85 +85,78 @@ def test_a_wait_ends_at_the_last_completion_or_when_resumed() -> None:
     ledger.step_end(fields)
     assert fields["comm"]["exposed"] == pytest.approx(0.008)  # type: ignore[index]
 
-    t = _past_step(ledger)
+    t = _past_step(ledger, clock, 0.015)
     op = ledger.launched("all_reduce", 4, t + 0.001, t + 0.002, True)
     assert op is not None
     op.t_done = t + 0.009
     tail = ledger.wait_from(t + 0.002)
     assert tail is not None
-    tail.resumed()  # the waiter resumed after the completion (copying buckets back, say)
+    tail.resumed()  # the waiter resumed 6 ms after the completion (copying buckets back, say)
+    clock.advance(0.005)  # the rest of the step
     fields = {}
     ledger.step_end(fields)
     comm = fields["comm"]
-    assert comm["exposed"] > 0.015  # type: ignore[index]  # up to the stamp, ~20 ms in
+    assert comm["exposed"] == pytest.approx(0.014)  # type: ignore[index]  # [1, 15] ms
     # the wait after the completion is communication's too: busy covers it
     assert comm["busy"] == pytest.approx(comm["exposed"])  # type: ignore[index]
 
 
-def test_an_operation_across_a_step_end_is_counted_once() -> None:
-    ledger = CommLedger()
-    t = _past_step(ledger)
+def test_an_operation_across_a_step_end_is_counted_once(ledger: CommLedger, clock: ManualClock) -> None:
+    t = _past_step(ledger, clock)
     op = ledger.launched("all_gather", 64, t + 0.005, t + 0.006, True)
     assert op is not None
     first: dict[str, object] = {}
     ledger.step_end(first)
-    t_end = perf_counter()
     # Still in flight: its time so far is this step's, its count waits for its completion.
     assert first["comm"]["ops"] == {}  # type: ignore[index]
-    assert first["comm"]["busy"] == pytest.approx(t_end - (t + 0.005), abs=0.002)  # type: ignore[index]
+    assert first["comm"]["busy"] == pytest.approx(0.015)  # type: ignore[index]  # [5, 20] ms
 
-    ledger.step_begin()
-    t2 = perf_counter()
-    time.sleep(0.02)
+    t2 = _past_step(ledger, clock)
     op.t_done = t2 + 0.004
     second: dict[str, object] = {}
     ledger.step_end(second)
-    assert second["comm"]["ops"] == {"all_gather": [1, 64, pytest.approx(op.t_done - op.t0)]}  # type: ignore[index]
-    assert second["comm"]["busy"] == pytest.approx(0.004, abs=0.001)  # type: ignore[index]
+    assert second["comm"]["ops"] == {"all_gather": [1, 64, pytest.approx(0.019)]}  # type: ignore[index]
+    assert second["comm"]["busy"] == pytest.approx(0.004)  # type: ignore[index]
 
     third: dict[str, object] = {}
-    _past_step(ledger, 0.001)
+    _past_step(ledger, clock, 0.001)
     ledger.step_end(third)
     assert third["comm"] == {"exposed": 0.0, "busy": 0.0, "ops": {}}
 
 
-def test_collectives_outside_steps_are_not_counted() -> None:
-    ledger = CommLedger()
-    t = perf_counter()
+def test_collectives_outside_steps_are_not_counted(ledger: CommLedger, clock: ManualClock) -> None:
+    t = clock()
     assert ledger.launched("barrier", 0, t, t + 0.001, True) is None
     assert ledger.outside_steps == 1
-    _past_step(ledger, 0.001)
+    _past_step(ledger, clock, 0.001)
     fields: dict[str, object] = {}
     ledger.step_end(fields)
     assert fields["comm"] == {"exposed": 0.0, "busy": 0.0, "ops": {}}
 
 
-def test_a_step_with_an_untimed_collective_reports_no_comm() -> None:
-    ledger = CommLedger()
-    t = _past_step(ledger)
+def test_a_step_with_an_untimed_collective_reports_no_comm(ledger: CommLedger, clock: ManualClock) -> None:
+    t = _past_step(ledger, clock)
     op = ledger.launched("all_reduce", 4, t, t + 0.001, host_timed=False)
     assert op is not None
     op.t_done = t + 0.001
     fields: dict[str, object] = {}
     ledger.step_end(fields)
     assert "comm" not in fields and ledger.steps_not_timed == 1
-    _past_step(ledger, 0.001)
+    _past_step(ledger, clock, 0.001)
     ledger.step_end(fields)  # the next step, with nothing untimed, is measured again
     assert "comm" in fields and ledger.steps_measured == 1
 
 
-def test_a_blind_ledger_reports_nothing() -> None:
-    ledger = CommLedger()
+def test_a_blind_ledger_reports_nothing(ledger: CommLedger, clock: ManualClock) -> None:
     ledger.blind = True  # e.g. DDP with a built-in C++ comm hook: its all-reduces are invisible
-    _past_step(ledger, 0.001)
+    _past_step(ledger, clock, 0.001)
     fields: dict[str, object] = {}
     ledger.step_end(fields)
     assert fields == {}
 
 
-def test_operations_that_never_complete_are_bounded() -> None:
-    ledger = CommLedger()
-    t = _past_step(ledger, 0.001)
+def test_operations_that_never_complete_are_bounded(ledger: CommLedger, clock: ManualClock) -> None:
+    t = _past_step(ledger, clock, 0.001)
     for _ in range(MAX_PENDING_OPS + 10):
         ledger.launched("all_reduce", 4, t, t, True)  # a dead peer: nothing ever completes
     fields: dict[str, object] = {}
@@ -158,10 +165,10 @@ def test_operations_that_never_complete_are_bounded() -> None:
     assert fields["comm"]["ops"] == {}  # type: ignore[index]
 
 
-def test_the_inferred_wait_runs_from_the_last_launch_to_the_last_completion() -> None:
-    ledger = CommLedger()
+def test_the_inferred_wait_runs_from_the_last_launch_to_the_last_completion(
+        ledger: CommLedger, clock: ManualClock) -> None:
     ledger.infer_tail = True
-    t = _past_step(ledger)
+    t = _past_step(ledger, clock)
     first = ledger.launched("all_reduce", 4, t + 0.001, t + 0.002, True)
     last = ledger.launched("all_reduce", 4, t + 0.003, t + 0.004, True)
     assert first is not None and last is not None
@@ -172,51 +179,54 @@ def test_the_inferred_wait_runs_from_the_last_launch_to_the_last_completion() ->
     assert fields["comm"]["exposed"] == pytest.approx(0.001 + 0.007)  # type: ignore[index]
 
 
-def test_a_mirrored_wait_counts_the_copy_after_the_last_completion_twice() -> None:
-    ledger = CommLedger()
-    t = _past_step(ledger, 0.03)  # backward ran 15 ms, copying gradients into the bucket
+def test_a_mirrored_wait_counts_the_copy_after_the_last_completion_twice(
+        ledger: CommLedger, clock: ManualClock) -> None:
+    t = _past_step(ledger, clock, 0.03)  # backward ran 15 ms, copying gradients into the bucket
     op = ledger.launched("all_reduce", 4, t + 0.015, t + 0.016, True)
     assert op is not None
     tail = ledger.wait_from(t + 0.016, mirrored=True)
     assert tail is not None
-    op.t_done = perf_counter() - 0.01  # copying the buckets back took the last 10 ms
-    tail.resumed()
-    time.sleep(0.02)  # the rest of the step (the optimizer, say)
+    op.t_done = t + 0.020  # copying the buckets back took the last 10 ms of the wait
+    tail.resumed()  # at 30 ms
+    clock.advance(0.02)  # the rest of the step (the optimizer, say)
     fields: dict[str, object] = {}
     ledger.step_end(fields)
-    waited = tail.end - (t + 0.015)  # type: ignore[operator]
-    copied = tail.end - op.t_done  # type: ignore[operator]
     comm = fields["comm"]
-    assert comm["exposed"] == pytest.approx(waited + copied)  # type: ignore[index]
+    # The wait [15, 30] ms, and the copy into the bucket taken to cost the copy back: 10 ms.
+    assert comm["exposed"] == pytest.approx(0.015 + 0.010)  # type: ignore[index]
     assert comm["busy"] == pytest.approx(comm["exposed"])  # type: ignore[index]
 
 
 @given(st.lists(st.tuples(st.floats(-0.05, 0.1), st.floats(0, 0.05), st.floats(0, 0.2) | st.none(),
                           st.booleans()), max_size=20),
-       st.lists(st.tuples(st.floats(-0.05, 0.1), st.floats(0, 0.05)), max_size=5))
+       st.lists(st.tuples(st.floats(-0.05, 0.1), st.floats(0, 0.05)), max_size=5),
+       st.floats(0.0, 0.2))
 @settings(max_examples=200, deadline=None)
 def test_figures_stay_within_the_step_whatever_the_timings(
-    ops: list[tuple[float, float, float | None, bool]], waits: list[tuple[float, float]]
+    ops: list[tuple[float, float, float | None, bool]], waits: list[tuple[float, float]], window: float
 ) -> None:
     # Whatever launches, completions (late, never, before the launch) and waits: what reaches
     # the wire is finite, non-negative, exposed <= busy <= the step's window.
-    ledger = CommLedger()
-    ledger.step_begin()
-    t = perf_counter()
-    for start, length, done, on_thread in ops:
-        op = ledger.launched("all_reduce", 4, t + start, t + start + length, True)
-        assert op is not None
-        op.on_training_thread = on_thread
-        op.t_done = None if done is None else t + start + done
-    for start, length in waits:
-        ledger.blocked(t + start, t + start + length)
-    ledger.infer_tail = True
-    fields: dict[str, object] = {}
-    ledger.step_end(fields)
-    window = perf_counter() - t
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        clock = ManualClock().install(monkeypatch, LEDGER)
+        ledger = CommLedger()
+        ledger.step_begin()
+        t = clock()
+        for start, length, done, on_thread in ops:
+            op = ledger.launched("all_reduce", 4, t + start, t + start + length, True)
+            assert op is not None
+            op.on_training_thread = on_thread
+            op.t_done = None if done is None else t + start + done
+        for start, length in waits:
+            ledger.blocked(t + start, t + start + length)
+        ledger.infer_tail = True
+        clock.advance(window)
+        fields: dict[str, object] = {}
+        ledger.step_end(fields)
     comm = fields["comm"]
     assert isinstance(comm, dict)
-    assert 0.0 <= comm["exposed"] <= comm["busy"] <= window + 1e-3
+    # (1e-9: the rounding of differences between clock readings near 1000 s, not time)
+    assert 0.0 <= comm["exposed"] <= comm["busy"] <= window + 1e-9
     for count, size, seconds in comm["ops"].values():
         assert count >= 1 and size >= 0 and seconds >= 0.0
 
@@ -229,8 +239,6 @@ def test_cpu_lost_while_collectives_overlap_work_is_exposed() -> None:
     clocks = [(0.0, 0.0), (0.020, 0.018), (0.021, 0.019), (0.061, 0.045), (0.090, 0.046), (0.100, 0.055)]
     busy = [(0.020, 0.090)]
     blocked = [(0.020, 0.021), (0.061, 0.090)]
-    from gpumon.client.comm_intervals import contention_seconds
-
     # 14 ms off a CPU in flight, less the 10 % the thread loses anyway (forward and optimizer:
     # 3 ms of 30 ms) over those 40 ms.
     assert contention_seconds(clocks, busy, blocked) == pytest.approx(0.014 - 0.1 * 0.040)
@@ -241,25 +249,21 @@ def test_cpu_lost_while_collectives_overlap_work_is_exposed() -> None:
     assert contention_seconds(calm, busy, blocked) == 0.0
 
 
-def test_a_step_with_contention_counts_it_as_exposed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_step_with_contention_counts_it_as_exposed(ledger: CommLedger, clock: ManualClock) -> None:
     # The training thread's CPU clock runs at 40 % of the wall clock beside the collective,
     # and stops while it waits; the ledger reads it at the step's edges and the wait's.
-    cpu = iter([0.0, 0.017])  # at the step's begin and end
-    monkeypatch.setattr("gpumon.client.comm.thread_time", lambda: next(cpu))
-    ledger = CommLedger()
     ledger.step_begin()
-    t = perf_counter()
+    t = clock()
     op = ledger.launched("all_reduce", 4, t, t + 0.0001, True, (0.0, 0.00004))
     assert op is not None
     ledger.blocked(t + 0.030, t + 0.040, (0.012, 0.012))
     op.t_done = t + 0.035
-    while perf_counter() < t + 0.045:
-        pass
+    clock.advance(0.045, cpu_s=0.017)  # at the step's end
     fields: dict[str, object] = {}
     ledger.step_end(fields)
     comm = fields["comm"]
     assert isinstance(comm, dict)
-    # The launch and the wait (10.1 ms), plus the 18 ms lost beside the collective over
+    # The launch and the wait (10.1 ms), plus the 17.94 ms lost beside the collective over
     # [0.1, 30] ms; after the wait, the thread had its CPU (the quiet rate is 0).
-    assert comm["exposed"] == pytest.approx(0.0101 + 0.0299 - 0.01196, abs=0.001)
+    assert comm["exposed"] == pytest.approx(0.0101 + 0.0299 - 0.01196)
     assert comm["exposed"] <= comm["busy"]
