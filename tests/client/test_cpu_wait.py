@@ -66,13 +66,28 @@ def test_a_thread_sharing_its_core_waits_and_the_step_says_how_long() -> None:
         (wait, off_cpu, stolen)
 
 
-def test_a_thread_alone_on_its_core_barely_waits() -> None:
-    clock = CpuWaitClock()
+def schedstat(path: Path, run_delay_ns: int) -> None:
+    """Write what the kernel shows in ``schedstat``: run time, run delay (ns), time slices."""
+    path.write_text(f"123456789 {run_delay_ns} 42\n")
+
+
+def test_the_field_is_the_run_delay_gained_within_the_step(tmp_path: Path) -> None:
+    """Against a file the test writes, standing in for the kernel's: exact, on any machine."""
+    path = tmp_path / "schedstat"
+    schedstat(path, 5_000_000)
+    clock = CpuWaitClock(str(path))
     fields: dict[str, object] = {}
     clock.step_begin()
-    time.sleep(0.05)  # asleep is not waiting for a CPU
+    schedstat(path, 8_250_000)  # the thread waited 3.25 ms for a CPU during the step
     clock.step_end(fields)
-    assert isinstance(fields["cpu_wait"], float) and 0.0 <= fields["cpu_wait"] < 0.02
+    assert fields == {"cpu_wait": 0.00325}
+    clock.step_begin()  # a step that never waited
+    clock.step_end(fields)
+    assert fields == {"cpu_wait": 0.0}
+    clock.step_begin()
+    schedstat(path, 1_000)  # a counter that went back (never seen) is no negative wait
+    clock.step_end(fields)
+    assert fields == {"cpu_wait": 0.0}
 
 
 def test_a_step_ending_on_another_thread_carries_no_reading() -> None:
