@@ -1,10 +1,17 @@
-"""The hook over a real Unix datagram socket: delivery, latency, absent/late/stuck agents, fork."""
+"""The hook over a real Unix datagram socket: delivery, absent/late/stuck agents, fork.
+
+No figure here depends on how fast the machine is: that the loop never waits on the agent is
+shown by which thread sends and by steps finished while a send is held; how long a step takes
+beside a stuck agent and how soon a record arrives are measured by
+``benchmarks/bench_client_latency.py``.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,25 +52,53 @@ def test_socket_path_comes_from_the_environment(receiver: Receiver, monkeypatch)
     assert len(receiver.wait_for_steps(3)) == 3
 
 
-def test_a_step_arrives_within_a_second_without_further_steps(receiver: Receiver) -> None:
+class Watched:
+    """Wraps a transport: notes which threads call ``send``; with ``hold``, a send waits until
+    ``release`` is set (a transport stuck inside the kernel), or 30 s, and then sets it: a loop
+    that waited for the send fails the test instead of hanging it."""
+
+    def __init__(self, inner: UnixDatagramTransport, hold: bool = False) -> None:
+        self.inner = inner
+        self.threads: set[int] = set()
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        if not hold:
+            self.release.set()
+
+    def send(self, datagram: bytes) -> str | None:
+        self.threads.add(threading.get_ident())
+        self.entered.set()
+        if not self.release.wait(30):
+            self.release.set()  # held too long: whatever waited for it ran after the release
+        return self.inner.send(datagram)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_step_arrives_without_further_steps(receiver: Receiver) -> None:
     mon = StepMonitor(run="hang", socket_path=str(receiver.path))
     with mon.step():
         pass
-    ended = time.monotonic()
-    # No further step, no flush, no close: as if the next step hung.
-    steps = receiver.wait_for_steps(1, timeout=1.0)
+    # No further step, no flush, no close: as if the next step hung. The sender thread sends
+    # it on its own (10 s: only a guard against waiting forever).
+    steps = receiver.wait_for_steps(1, timeout=10.0)
     assert len(steps) == 1
-    assert receiver.arrivals[-1] - ended < 1.0
     mon.close()
 
 
 def test_absent_agent_never_blocks_or_raises(tmp_path: Path) -> None:
-    mon = StepMonitor(run="absent", socket_path=str(tmp_path / "no" / "such" / "dir" / "ingest.sock"))
-    started = time.monotonic()
-    run_steps(mon, 1000)
-    loop_seconds = time.monotonic() - started
+    transport = Watched(UnixDatagramTransport(str(tmp_path / "no" / "such" / "dir" / "ingest.sock")),
+                        hold=True)
+    mon = StepMonitor(run="absent", transport=transport)
+    run_steps(mon, 1)
+    assert transport.entered.wait(30)  # the sender thread is inside a send, held there
+    run_steps(mon, 999)  # the loop goes on while it is held
+    loop_ran_while_held = not transport.release.is_set()
+    transport.release.set()
+    assert loop_ran_while_held
+    assert threading.get_ident() not in transport.threads  # only the sender thread sends
     mon.close()
-    assert loop_seconds < 5.0  # generous: the loop itself takes milliseconds
     stats = mon.stats
     assert stats.records_sent == 0
     assert stats.dropped == {"no_agent": 1001}
@@ -122,18 +157,17 @@ def test_agent_restart_is_found_again(socket_path: Path) -> None:
 def test_agent_that_never_reads_does_not_block_the_loop(socket_path: Path) -> None:
     stuck = Receiver(socket_path).start(read=False)
     try:
-        mon = StepMonitor(run="stuck", socket_path=str(socket_path))
-        slowest = 0.0
+        transport = Watched(UnixDatagramTransport(str(socket_path)))
+        mon = StepMonitor(run="stuck", transport=transport)
         for _ in range(40):
             for _ in range(500):
-                started = time.perf_counter()
                 with mon.step(), mon.phase("forward"):
                     pass
-                slowest = max(slowest, time.perf_counter() - started)
             time.sleep(0.02)  # let the sender fill the socket's queue
+        senders = set(transport.threads)
         mon.close()
         stats = mon.stats
-        assert slowest < 0.5  # generous: a step never waits on the socket
+        assert threading.get_ident() not in senders  # a step never sends: only the sender thread
         assert stats.dropped.get("agent_busy", 0) > 0
         assert stats.records_sent + sum(stats.dropped.values()) == stats.steps + 1
     finally:
