@@ -19,6 +19,7 @@ from gpumon.client.comm import CommLedger
 from gpumon.client.comm_device import DeviceComm
 from gpumon.client.transport import MemoryTransport
 from gpumon.wire import CollectiveOp
+from tests.client.conftest import ManualClock
 from tests.helpers import steps_of
 
 MIB = 1 << 20
@@ -77,14 +78,20 @@ def ddp_step(ledger: CommLedger, gpu: FakeGpu, launches: list[tuple[float, float
     tail.resumed()
 
 
-def test_exposed_is_the_streams_wait_and_busy_the_union_of_the_collectives() -> None:
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
+    """The ledger's host clock, moved by the test."""
+    return ManualClock().install(monkeypatch, "gpumon.client.comm")
+
+
+def test_exposed_is_the_streams_wait_and_busy_the_union_of_the_collectives(clock: ManualClock) -> None:
     gpu = FakeGpu()
     ledger = CommLedger(device_clock=lambda: gpu)
     ledger.step_begin()
     # Buckets launched at 10 and 20 ms end at 30 and 50 ms; backward's last kernel ends at
     # 45 ms, the stream resumes at 60 ms (the copy back into the gradients: 50-60 ms).
     ddp_step(ledger, gpu, [(0.010, 0.030), (0.020, 0.050)], (0.045, 0.060))
-    time.sleep(0.07)  # the host's step lasts as long as the GPU's: no figure bounded by it
+    clock.advance(0.07)  # the host's step lasts as long as the GPU's: no figure bounded by it
     fields: dict[str, object] = {}
     ledger.step_end(fields)
     comm = fields["comm"]
@@ -105,11 +112,12 @@ def test_exposed_is_the_streams_wait_and_busy_the_union_of_the_collectives() -> 
     assert ledger.steps_measured == 1 and ledger.steps_not_timed == 0
 
 
-def test_figures_are_bounded_by_the_steps_duration() -> None:
+def test_figures_are_bounded_by_the_steps_duration(clock: ManualClock) -> None:
     gpu = FakeGpu()
     ledger = CommLedger(device_clock=lambda: gpu)
-    ledger.step_begin()  # the host step lasts microseconds; the GPU figures are far longer
+    ledger.step_begin()  # the host step lasts a millisecond; the GPU figures are far longer
     ddp_step(ledger, gpu, [(0.0, 2.0)], (1.0, 3.0))
+    clock.advance(0.001)
     fields: dict[str, object] = {}
     ledger.step_end(fields)
     comm = fields["comm"]
@@ -117,7 +125,7 @@ def test_figures_are_bounded_by_the_steps_duration() -> None:
     gpu.reached = 10.0
     value = comm.value()
     assert value is not None
-    assert 0.0 <= value["exposed"] <= value["busy"] < 0.1
+    assert value["exposed"] == value["busy"] == pytest.approx(0.001)
 
 
 def test_a_step_mixing_gpu_and_host_collectives_is_not_measured() -> None:
@@ -224,7 +232,7 @@ def test_events_that_cannot_be_recorded_cost_the_field_never_the_step(
     assert mon.stats.gpu_fields_missed == 1
 
 
-def test_a_completion_recorded_after_the_step_ended_is_waited_for() -> None:
+def test_a_completion_recorded_after_the_step_ended_is_waited_for(clock: ManualClock) -> None:
     # A collective's completion callback may run after its step has ended (on the thread
     # that completes the work): the step's figures wait for it, then carry it.
     gpu = FakeGpu()
@@ -236,7 +244,7 @@ def test_a_completion_recorded_after_the_step_ended_is_waited_for() -> None:
     assert tail is not None
     tail.waiting()
     tail.resumed()
-    time.sleep(0.05)
+    clock.advance(0.05)
     fields: dict[str, object] = {}
     ledger.step_end(fields)
     comm = fields["comm"]
