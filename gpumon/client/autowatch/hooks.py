@@ -1,0 +1,322 @@
+"""The hooks ``gpumon run`` puts into PyTorch, once torch is imported in a process it started.
+
+``install()`` adds, process-wide: torch's global optimizer step hooks (pre and post), and
+wrappers around ``Module.__call__``, ``torch.autograd.backward`` (which ``Tensor.backward``
+calls) and the DataLoader iterator's ``__next__``. Not torch's global module hooks: they would
+take every module call off its fast path, and make ``torch.compile``'d modules warn. Each
+reacts only on the process's main thread, the training thread, and only to the outermost call
+(a module's forward inside another's, an optimizer that wraps another); anything else returns
+at once. What they see goes to a
+``StepFinder`` (``steps``), made with its ``StepMonitor`` on the first event, when the rank is
+known.
+
+The first outermost forward of each module with parameters ``watch()``es it: a
+``DistributedDataParallel``, FSDP or DeepSpeed module gets its communication measured, any
+module its memory breakdown; the first step of each optimizer adds it to the watch of the
+modules whose parameters it updates (its states and master copies in the breakdown).
+
+Inside a region ``torch.compile`` is tracing, every hook returns at its first line
+(``torch.compiler.is_compiling()``, which the compiler reads as a constant): nothing of gpumon is
+traced, so it breaks no graph. A compiled model is timed from outside: its whole forward, the
+backward of its compiled graph, its optimizer step.
+
+The process stays unwatched (every hook returns at once) when it is a DataLoader worker, when
+the job watches itself (a ``StepMonitor`` of its own, the Lightning or Hugging Face callback:
+it then counts its steps once, itself; one made after gpumon's own closes gpumon's), when a
+monitor cannot be made, and with ``GPUMON_RUN_DISABLE=1``. A forked child starts afresh: a
+DataLoader worker forked from a rank finds itself a worker, a rank forked from a launcher
+watches itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any
+
+from gpumon.client import monitor as _monitor_module
+from gpumon.client.autowatch.steps import StepFinder
+from gpumon.client.monitor import StepMonitor
+
+log = logging.getLogger("gpumon.client")
+
+
+class _State:
+    """This process's watch: what the hooks share (touched by the training thread only)."""
+
+    def __init__(self) -> None:
+        self.main = threading.get_ident()
+        self.finder: StepFinder | None = None
+        self.inert = False  # decided: this process is not watched
+        self.module_depth = 0
+        self.optimizer_depth = 0
+        self.watched: weakref.WeakSet[Any] = weakref.WeakSet()  # modules looked at
+        self.models: weakref.WeakSet[Any] = weakref.WeakSet()  # ... those with parameters
+        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+_state = _State()
+_handles: list[Any] = []
+_fork_handler = False
+_restore: list[Callable[[], None]] = []
+_is_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
+make_monitor: Callable[[], StepMonitor] = StepMonitor
+"""How the process's monitor is made (run, rank and socket from the environment)."""
+
+
+def install() -> bool:
+    """Put the hooks into torch (imported by now); False if this torch lacks what they need."""
+    global _is_compiling, _state, _fork_handler
+    if _handles or _restore:
+        return True
+    try:
+        import torch
+        import torch.utils.data.dataloader as dataloader
+        from torch.nn.modules import module
+        from torch.optim import optimizer
+    except ImportError:
+        return False
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if compiling is None or not hasattr(optimizer, "register_optimizer_step_post_hook"):
+        return False
+    _is_compiling = compiling
+    _state = _State()
+    _handles.append(optimizer.register_optimizer_step_pre_hook(_optimizer_pre))
+    _handles.append(optimizer.register_optimizer_step_post_hook(_optimizer_post))
+    _patch(module.Module, "__call__", _wrap_call)
+    _patch(torch.autograd, "backward", _wrap_backward)
+    _patch(dataloader._BaseDataLoaderIter, "__next__", _wrap_next)
+    if not _fork_handler:
+        os.register_at_fork(after_in_child=_after_fork_in_child)
+        _fork_handler = True
+    return True
+
+
+def uninstall() -> None:
+    """Take every hook out again and forget this process's watch (its monitor is closed)."""
+    global _state
+    for handle in _handles:
+        handle.remove()
+    _handles.clear()
+    for restore in _restore:
+        restore()
+    _restore.clear()
+    finder = _state.finder
+    _state = _State()
+    _state.inert = True
+    if finder is not None:
+        finder.close()
+        finder.monitor.close()
+
+
+def _patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+    original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+    setattr(owner, name, functools.wraps(original)(wrap(original)))
+    _restore.append(lambda: setattr(owner, name, original))
+
+
+def _finder() -> StepFinder | None:
+    """The process's step finder, made on the first event; None while it is not watched."""
+    state = _state
+    if state.finder is not None:
+        return state.finder
+    if state.inert:
+        return None
+    state.inert = True  # until a monitor is made: an error below leaves the process unwatched
+    try:
+        import torch.utils.data
+
+        if torch.utils.data.get_worker_info() is not None:
+            return None  # a DataLoader worker: its batches are the rank's data wait
+        if _others():
+            return None  # the job watches itself
+        mon = make_monitor()
+    except Exception:
+        log.debug("gpumon: this process is not watched", exc_info=True)
+        return None
+    quiet = logging.getLogger("gpumon")  # what gpumon logs must not change what the job prints
+    quiet.addHandler(logging.NullHandler())
+    quiet.propagate = False
+    state.finder = StepFinder(mon, on_step_end=_after_step)
+    state.inert = False
+    return state.finder
+
+
+def _others() -> int:
+    """Monitors in this process that are not gpumon run's."""
+    finder = _state.finder
+    return sum(1 for m in list(_monitor_module._live_monitors) if finder is None or m is not finder.monitor)
+
+
+def _after_step() -> None:
+    if len(_monitor_module._live_monitors) > 1 and _others():
+        # The job started watching itself: one count of its steps, its own. The hooks stay
+        # (removing one while torch runs them would break its loop) and return at once.
+        state = _state
+        finder, state.finder, state.inert = state.finder, None, True
+        if finder is not None:
+            finder.close()
+            finder.monitor.close()
+
+
+def _after_fork_in_child() -> None:
+    global _state
+    _state = _State()  # the parent's monitor is closed here (``monitor``'s own fork handler)
+
+
+# --- the hooks: each returns at once unless it is the training thread's outermost call ----
+# What they do beyond that runs under ``_safely``: an error in it leaves the process unwatched
+# from then on, and never reaches the training loop.
+
+
+def _safely(call: Callable[..., object], *args: Any) -> bool:
+    try:
+        call(*args)
+        return True
+    except Exception:
+        log.debug("gpumon: stopped watching this process", exc_info=True)
+        state = _state
+        finder, state.finder, state.inert = state.finder, None, True
+        if finder is not None:
+            try:
+                finder.monitor.close()
+            except Exception:
+                pass
+        return False
+
+
+def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
+    def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        state = _state
+        if state.module_depth or state.inert:  # inside a forward already: as fast as can be
+            return original(self, *args, **kwargs)
+        if _is_compiling() or threading.get_ident() != state.main:
+            return original(self, *args, **kwargs)
+        if not _safely(_forward_begins, state, self) or state.finder is None:
+            return original(self, *args, **kwargs)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            state.module_depth = 0
+            if state.finder is not None:
+                _safely(state.finder.end)
+
+    return __call__
+
+
+def _forward_begins(state: _State, module: Any) -> None:
+    finder = _finder()
+    if finder is None:
+        return
+    if module not in state.watched:
+        _watch(finder, module)
+    state.module_depth = 1
+    finder.begin("forward")
+
+
+def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _is_compiling():
+        return
+    state = _state
+    if state.inert or threading.get_ident() != state.main:
+        return
+    state.optimizer_depth += 1
+    if state.optimizer_depth == 1:
+        _safely(_optimizer_begins, state, optimizer)
+
+
+def _optimizer_begins(state: _State, optimizer: Any) -> None:
+    finder = _finder()
+    if finder is not None:
+        if optimizer not in state.optimizers:
+            _pair(finder, optimizer)
+        finder.optimizer_begin()
+
+
+def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _is_compiling():
+        return
+    state = _state
+    if state.inert or threading.get_ident() != state.main or not state.optimizer_depth:
+        return
+    state.optimizer_depth -= 1
+    if not state.optimizer_depth and state.finder is not None:
+        _safely(state.finder.optimizer_end, id(optimizer))
+
+
+def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if _is_compiling():
+            return original(*args, **kwargs)
+        state = _state
+        if state.inert or threading.get_ident() != state.main:
+            return original(*args, **kwargs)
+        if not _safely(_backward_begins) or state.finder is None:
+            return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if state.finder is not None:
+                _safely(state.finder.end)
+
+    return backward
+
+
+def _backward_begins() -> None:
+    finder = _finder()
+    if finder is not None:
+        finder.begin("backward")
+
+
+def _wrap_next(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def __next__(self: Any) -> Any:
+        state = _state
+        if state.inert or threading.get_ident() != state.main:
+            return original(self)
+        t0 = perf_counter()
+        try:
+            batch = original(self)
+        except StopIteration:
+            _safely(_fetched, state, t0, None, False)
+            raise
+        _safely(_fetched, state, t0, batch, True)
+        return batch
+
+    return __next__
+
+
+def _fetched(state: _State, t0: float, batch: Any, got: bool) -> None:
+    finder = _finder()
+    if finder is not None:
+        state.optimizer_depth = 0  # a batch is never fetched inside an optimizer step
+        finder.fetched(t0, perf_counter(), batch, got)
+
+
+def _watch(finder: StepFinder, module: Any) -> None:
+    """``watch()`` a module seen for the first time in an outermost forward, if it has
+    parameters (a loss function, say, has none)."""
+    _state.watched.add(module)  # (a module that cannot be hashed: the process is unwatched)
+    try:
+        if next(iter(module.parameters()), None) is None:
+            return
+        _state.models.add(module)
+        finder.monitor.watch(module)
+    except Exception:
+        log.debug("gpumon: could not watch %s", type(module).__name__, exc_info=True)
+
+
+def _pair(finder: StepFinder, optimizer: Any) -> None:
+    """An optimizer's first step: watch it with the modules whose parameters it updates."""
+    _state.optimizers.add(optimizer)
+    try:
+        updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for model in list(_state.models):
+            if any(id(p) in updated for p in model.parameters()):
+                finder.monitor.watch(model, optimizer)
+    except Exception:
+        log.debug("gpumon: could not watch %s", type(optimizer).__name__, exc_info=True)

@@ -1,0 +1,127 @@
+"""Where ``gpumon run`` puts step boundaries and phases, from the events its hooks report:
+one step per optimizer step, gradient accumulation in one step, a GAN's two optimizers on one
+batch as one step once seen, an optimizer's closure (Lightning's) timed as its own phases."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from gpumon.client import StepMonitor
+from gpumon.client.autowatch.steps import StepFinder
+from gpumon.client.transport import MemoryTransport
+from gpumon.wire import StepRecord
+from tests.helpers import steps_of
+
+
+@pytest.fixture
+def transport() -> MemoryTransport:
+    return MemoryTransport()
+
+
+@pytest.fixture
+def finder(transport: MemoryTransport) -> Iterator[StepFinder]:
+    mon = StepMonitor(run="autowatch", transport=transport, rank=0, world=1)
+    yield StepFinder(mon)
+    mon.close()
+
+
+class Batch:
+    shape = (16, 8)
+
+
+def records(finder: StepFinder, transport: MemoryTransport) -> list[StepRecord]:
+    finder.monitor.flush()
+    return steps_of(transport)
+
+
+def micro_batch(finder: StepFinder, t: float) -> None:
+    finder.fetched(t, t + 0.01, Batch())
+    finder.begin("forward")
+    finder.end()
+    finder.begin("backward")
+    finder.end()
+
+
+def optimizer_step(finder: StepFinder, optimizer: int) -> None:
+    finder.optimizer_begin()
+    finder.optimizer_end(optimizer)
+
+
+def test_one_step_per_optimizer_step_with_every_phase(finder: StepFinder, transport: MemoryTransport) -> None:
+    for i in range(5):
+        micro_batch(finder, float(i))
+        optimizer_step(finder, optimizer=1)
+    steps = records(finder, transport)
+    assert [s.step for s in steps] == [0, 1, 2, 3, 4]
+    for s in steps:
+        assert set(s.phases_s) == {"data", "forward", "backward", "optimizer"}
+        assert s.samples == 16
+    assert not finder.in_step
+
+
+def test_gradient_accumulation_is_one_step_per_four_micro_batches(
+    finder: StepFinder, transport: MemoryTransport
+) -> None:
+    for i in range(12):
+        micro_batch(finder, float(i))
+        if i % 4 == 3:
+            optimizer_step(finder, optimizer=1)
+    steps = records(finder, transport)
+    assert len(steps) == 3 and all(s.samples == 4 * 16 for s in steps)
+
+
+def test_a_gan_counts_one_step_a_batch_once_it_has_seen_one(
+    finder: StepFinder, transport: MemoryTransport
+) -> None:
+    discriminator, generator = 1, 2
+    for i in range(4):
+        micro_batch(finder, float(i))
+        optimizer_step(finder, discriminator)
+        finder.begin("forward")
+        finder.end()
+        finder.begin("backward")
+        finder.end()
+        optimizer_step(finder, generator)
+    # The first batch: one step per optimizer (not known yet), then one a batch.
+    assert len(records(finder, transport)) == 2 + 3
+
+
+def test_without_a_dataloader_every_optimizer_step_is_a_step(
+    finder: StepFinder, transport: MemoryTransport
+) -> None:
+    for _ in range(3):
+        for optimizer in (1, 2):
+            finder.begin("forward")
+            finder.end()
+            optimizer_step(finder, optimizer)
+    assert len(records(finder, transport)) == 6
+
+
+def test_the_forward_and_backward_of_an_optimizers_closure_are_their_own_phases(
+    finder: StepFinder, transport: MemoryTransport
+) -> None:
+    for i in range(3):
+        finder.fetched(float(i), float(i) + 0.01, Batch())
+        finder.optimizer_begin()  # optimizer.step(closure), as Lightning calls it
+        finder.begin("forward")
+        finder.end()
+        finder.begin("backward")
+        finder.begin("forward")  # a checkpointed block recomputed inside backward
+        finder.end()
+        finder.end()
+        finder.optimizer_end(1)
+    steps = records(finder, transport)
+    assert len(steps) == 3
+    for s in steps:
+        assert set(s.phases_s) == {"data", "forward", "backward", "optimizer"}
+        assert sum(v for k, v in s.phases_s.items() if k != "data") <= s.duration_s
+
+
+def test_a_step_left_open_is_not_recorded(finder: StepFinder, transport: MemoryTransport) -> None:
+    micro_batch(finder, 0.0)
+    optimizer_step(finder, 1)
+    micro_batch(finder, 1.0)  # an evaluation after the last optimizer step, say
+    finder.close()
+    assert len(records(finder, transport)) == 1
