@@ -57,6 +57,8 @@ LAYERS: dict[str, Allowed] = {
     # The memory watcher imports torch as it loads: the rest of the client imports it only
     # inside watch(), once the model shows torch is there.
     "client.memory": allow("gpumon wire", libraries="torch"),
+    # gpumon run's hooks: torch only once the job has imported it.
+    "client.autowatch": allow("gpumon wire", lazy="torch"),
     "client.integrations": allow("gpumon wire", libraries="lightning pytorch_lightning "
                                  "transformers"),
     "collectors": allow("wire", libraries="psutil"),
@@ -68,7 +70,8 @@ LAYERS: dict[str, Allowed] = {
                     libraries="prometheus_client bcrypt yaml"),
     "agent": allow("gpumon wire collectors collectors.nvml analysis state sim export",
                    libraries="prometheus_client"),
-    "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent",
+    "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent "
+                      "client.autowatch client.identity",
                       libraries="rich"),
     "cli": allow("gpumon commands agent analysis sim", libraries="typer"),
     "testing": allow("gpumon agent", libraries="prometheus_client"),
