@@ -32,24 +32,31 @@ from gpumon.wire.limits import (
     MAX_COLLECTIVE_CHARS,
     MAX_COLLECTIVE_KINDS,
     MAX_DATAGRAM_BYTES,
+    MAX_FRAME_TEXT_CHARS,
     MAX_MESSAGE_CHARS,
     MAX_PHASES,
     MAX_RECORDS_PER_DATAGRAM,
+    MAX_STACK_FRAMES,
     MEMORY_COMPONENTS,
     PROTOCOL_VERSION,
+    is_label,
     step_slack,
 )
 from gpumon.wire.records import (
     MEM_WIRE_NAMES,
+    RANK_STATES,
     CollectiveOp,
     CommStats,
     DecodeResult,
     EventRecord,
     HelloRecord,
+    InFlight,
     MemoryBreakdown,
     MemoryStats,
     ProtocolError,
     Record,
+    StackFrame,
+    StateRecord,
     StepRecord,
 )
 
@@ -99,6 +106,8 @@ def decode_record(obj: object) -> Record:
         return _check_event(obj)
     if kind == "hello":
         return _check_hello(obj)
+    if kind == "state":
+        return _check_state(obj)
     if kind is None:
         raise ProtocolError("missing_field", "kind")
     raise ProtocolError("bad_kind", repr(kind)[:32])
@@ -310,6 +319,66 @@ def _check_hello(obj: Mapping[str, object]) -> HelloRecord:
         gpu=_check_gpu(obj),
         client_version=None if version is None else check_label(version, "client_version"),
     )
+
+
+def _check_state(obj: Mapping[str, object]) -> StateRecord:
+    run, rank, _, _ = _check_identity(obj)
+    state = obj.get("state")
+    if state is None:
+        raise ProtocolError("missing_field", "state")
+    if state not in RANK_STATES:
+        raise ProtocolError("bad_state", "state")
+    t = check_number(_required(obj, "t"), "t")
+    steps = check_int(_required(obj, "steps"), "step")
+    since = _opt_number(obj, "since")
+    threshold = _opt_number(obj, "threshold")
+    phase = obj.get("phase")
+    flight = obj.get("flight")
+    return StateRecord(
+        run=run, rank=rank, state=str(state), t=t, steps=steps, since=since, threshold_s=threshold,
+        pid=_opt_int(obj, "pid"),
+        phase=None if phase is None else check_label(phase, "phase"),
+        launched=_opt_int(obj, "launched"),
+        in_flight=None if flight is None else _check_flight(flight),
+        stack=_check_stack(obj.get("stack")),
+    )
+
+
+def _check_flight(value: object) -> InFlight:
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_state", "flight")
+    op = value.get("op")
+    if not isinstance(op, str) or not is_label(op, MAX_COLLECTIVE_CHARS):
+        raise ProtocolError("bad_state", "flight.op")
+    device = value.get("device", False)
+    if type(device) is not bool:
+        raise ProtocolError("bad_state", "flight.device")
+    return InFlight(op, check_int(value.get("seq"), "flight.seq"),
+                    check_int(value.get("bytes"), "flight.bytes"),
+                    check_number(value.get("since"), "flight.since"), device)
+
+
+def _check_stack(value: object) -> tuple[StackFrame, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_STACK_FRAMES:
+        raise ProtocolError("bad_stack", f"not a list of at most {MAX_STACK_FRAMES} frames")
+    frames = []
+    for item in value:
+        if not (isinstance(item, list) and len(item) == 4 and type(item[3]) is bool):
+            raise ProtocolError("bad_stack", "expected [file, line, function, own]")
+        file, line, function, own = item
+        frames.append(StackFrame(_frame_text(file), check_int(line, "frame.line"),
+                                 _frame_text(function), own))
+    return tuple(frames)
+
+
+def _frame_text(value: object) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_FRAME_TEXT_CHARS:
+        raise ProtocolError("bad_stack", "file or function")
+    if not value.isprintable():
+        raise ProtocolError("bad_stack", "unprintable file or function")
+    return value
 
 
 def _check_identity(obj: Mapping[str, object]) -> tuple[str, int, int | None, int | None]:

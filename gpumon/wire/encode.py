@@ -21,6 +21,7 @@ from gpumon.wire.records import (
     MemoryBreakdown,
     ProtocolError,
     Record,
+    StateRecord,
     StepRecord,
     WireRecord,
 )
@@ -71,6 +72,9 @@ def to_wire(record: Record) -> dict[str, object]:
             "gpu": record.gpu,
             "message": record.message,
         }
+    elif isinstance(record, StateRecord):
+        out["kind"] = "state"
+        fields = _state_wire(record)
     else:
         out["kind"] = "hello"
         fields = {
@@ -139,6 +143,26 @@ def pack_datagrams(encoded: Iterable[bytes], max_bytes: int = MAX_DATAGRAM_BYTES
     if batch:
         datagrams.append((b"[" + b",".join(batch) + b"]", len(batch)))
     return datagrams
+
+
+def _state_wire(record: StateRecord) -> dict[str, object]:
+    flight = record.in_flight
+    return {
+        "run": record.run,
+        "rank": record.rank,
+        "state": record.state,
+        "t": record.t,
+        "steps": record.steps,
+        "since": record.since,
+        "threshold": record.threshold_s,
+        "pid": record.pid,
+        "phase": record.phase,
+        "launched": record.launched,
+        "flight": None if flight is None else {
+            "op": flight.op, "seq": flight.seq, "bytes": flight.nbytes, "since": flight.since,
+            "device": flight.on_device},
+        "stack": [[f.file, f.line, f.function, f.own] for f in record.stack] or None,
+    }
 
 
 def _comm_wire(comm: CommStats) -> dict[str, object]:

@@ -32,6 +32,10 @@ MAX_MESSAGE_CHARS = 1024
 MAX_PHASES = 32
 MAX_COLLECTIVE_KINDS = 16
 """Most kinds of collective one step's ``comm`` may list."""
+MAX_STACK_FRAMES = 48
+"""Most frames a ``state`` record's stack may hold (the innermost are kept)."""
+MAX_FRAME_TEXT_CHARS = 128
+"""Longest file or function name in a stack frame (a file keeps its last path components)."""
 
 MAX_WORLD_SIZE = 1 << 20
 """Largest accepted world size; rank and local_rank must be below it."""
@@ -61,6 +65,8 @@ DROP_REASONS = (
     "bad_comm",
     "bad_memory_breakdown",
     "bad_device_phases",
+    "bad_state",
+    "bad_stack",
 )
 """Every reason ``decode_datagram`` can give for a rejected object or datagram."""
 
@@ -120,10 +126,19 @@ FIELD_LIMITS: dict[str, Limit] = {
     "cpu_wait": Limit(integer=False, high=MAX_DURATION_S, within_step=True),
     "memb": Limit(integer=True, high=MAX_INT, type_reason="bad_memory_breakdown",
                   value_reason="bad_memory_breakdown"),
+    "since": Limit(integer=False, high=MAX_UNIX_TIME_S),
+    "threshold": Limit(integer=False, high=MAX_DURATION_S, below=True),
+    "launched": _COUNT,
+    "flight.seq": Limit(integer=True, high=MAX_INT, type_reason="bad_state", value_reason="bad_state"),
+    "flight.bytes": Limit(integer=True, high=MAX_INT, type_reason="bad_state", value_reason="bad_state"),
+    "flight.since": Limit(integer=False, high=MAX_UNIX_TIME_S, type_reason="bad_state",
+                          value_reason="bad_state"),
+    "frame.line": Limit(integer=True, high=MAX_INT, type_reason="bad_stack", value_reason="bad_stack"),
 }
 """Every numeric field by name (``mem``, ``memb``: each of their counts; ``phase``: each phase;
 ``comm.*``: the figures inside ``comm``; ``cpu_wait``: seconds the training thread was
-runnable but waiting for a CPU)."""
+runnable but waiting for a CPU; ``since``, ``threshold``, ``launched``, ``flight.*`` and
+``frame.line``: a ``state`` record's)."""
 
 LABEL_LIMITS: dict[str, int] = {
     "run": MAX_RUN_CHARS,

@@ -123,7 +123,69 @@ class HelloRecord:
     client_version: str | None = None
 
 
-Record = StepRecord | EventRecord | HelloRecord
+@dataclass(frozen=True, slots=True)
+class StackFrame:
+    """One frame of a training thread's Python stack: the file (its last path components),
+    the line, the function, and whether it is the job's own code (not the interpreter's
+    library, an installed package or gpumon)."""
+
+    file: str
+    line: int
+    function: str
+    own: bool
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """The collective a rank's process has launched and not seen complete: its kind, its
+    number among the collectives the process launched (from 1), payload bytes, unix time of
+    its launch, and ``on_device`` when only the GPU's events say it has not finished (the
+    host side returned; the kernel has not passed)."""
+
+    op: str
+    seq: int
+    nbytes: int
+    since: float
+    on_device: bool = False
+
+
+RANK_STATES = ("stepping", "stalled", "closed")
+"""What a rank's hook says of itself in a ``state`` record: steps arrive (or a step has not
+yet lasted far longer than its typical one), no step for far longer than the typical one, or
+the monitor closed (the process may go on without steps)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StateRecord:
+    """A rank's own word on whether it makes progress, sent by its hook's background thread
+    every few seconds, and where its training thread is while it does not (``stalled``).
+
+    ``since`` is the unix time of its last progress (a step ending), ``threshold_s`` how long
+    without one it takes to be stalled, ``launched`` how many collectives the process has
+    launched so far; ``phase`` the open phase (``None``: between steps), ``in_flight`` the
+    collective not yet complete, ``stack`` the training thread's frames, innermost first.
+    """
+
+    run: str
+    rank: int
+    state: str
+    t: float
+    steps: int
+    since: float | None = None
+    threshold_s: float | None = None
+    pid: int | None = None
+    phase: str | None = None
+    launched: int | None = None
+    in_flight: InFlight | None = None
+    stack: tuple[StackFrame, ...] = ()
+
+    @property
+    def location(self) -> StackFrame | None:
+        """The innermost frame of the job's own code, if the stack has one."""
+        return next((frame for frame in self.stack if frame.own), None)
+
+
+Record = StepRecord | EventRecord | HelloRecord | StateRecord
 WireRecord = Mapping[str, object]
 
 
