@@ -9,12 +9,13 @@ same script and compares every record.
 
 The monitor holds a core; the core's surface is what a training loop calls (``step``,
 ``phase``, ``loader``, and ``data_wait`` for frameworks that report their own waits), what the
-monitor configures (``set_cuda``, ``set_extensions``, ``stop``) and three readings (``steps``,
-``in_step``, ``last_ooms``). The monitor hears back through three callables given at
-construction: ``first_step()`` (the first step begins and no CUDA clock is set yet: look for
-one), ``step_failed(exc, step)`` (an exception left a step, which is not recorded) and
-``phase_clock(name)`` (a phase name seen for the first time: raise ``ValueError`` if it is not
-valid, else say whether it is timed on the host clock even with CUDA).
+monitor configures (``set_cuda``, ``set_extensions``, ``stop``) and four readings (``steps``,
+``in_step``, ``last_ooms``, and ``open_phase`` for the stall watch). The monitor hears back
+through three callables given at construction: ``first_step()`` (the first step begins and
+no CUDA clock is set yet: look for one), ``step_failed(exc, step)`` (an exception left a
+step, which is not recorded) and ``phase_clock(name)`` (a phase name seen for the first time:
+raise ``ValueError`` if it is not valid, else say whether it is timed on the host clock even
+with CUDA).
 
 Neither core reuses ``Step`` objects: each ``step()`` call returns a new one.
 """
@@ -67,6 +68,8 @@ class HookCore:
         self._cuda: CudaClock | None = None
         self._last_ooms: int | None = None
         self._extensions: StepExtensions | None = None  # None unless one is registered
+        self._open_phase: str | None = None  # the open outermost phase
+        self._loading = False  # the loader waits for the next item
 
     def step(
         self,
@@ -93,10 +96,13 @@ class HookCore:
         t0 = perf_counter()
         iterator = iter(iterable)
         while True:
+            self._loading = True
             try:
                 item = next(iterator)
             except StopIteration:
                 return
+            finally:
+                self._loading = False
             self.data_wait(t0, perf_counter())
             yield item
             t0 = perf_counter()
@@ -133,6 +139,14 @@ class HookCore:
     def in_step(self) -> bool:
         """Whether a step is open."""
         return self._step_depth > 0
+
+    @property
+    def open_phase(self) -> str | None:
+        """The open outermost phase, ``"data"`` while the loader waits for an item, else None
+        (read by the stall watch from another thread)."""
+        if self._open_phase is not None:
+            return self._open_phase
+        return "data" if self._loading else None
 
     @property
     def last_ooms(self) -> int | None:
@@ -255,6 +269,7 @@ class Phase:
             t = m._phase_t0 = perf_counter()
             if not m._step_depth and m._pending_t0 is None:
                 m._pending_t0 = t
+            m._open_phase = self._name
         m._phase_depth += 1
         return self
 
@@ -267,6 +282,7 @@ class Phase:
         m = self._m
         m._phase_depth -= 1
         if not m._phase_depth:
+            m._open_phase = None
             phases = m._phases
             name = self._name
             phases[name] = phases.get(name, 0.0) + (perf_counter() - m._phase_t0)

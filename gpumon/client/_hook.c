@@ -68,6 +68,8 @@ typedef struct {
     PyObject *step_failed;
     PyObject *phase_clock;
     PyObject *extensions;   /* StepExtensions, or NULL: none registered, nothing to call */
+    PyObject *open_phase;   /* borrowed from its cached Phase: the open outermost phase, or NULL */
+    char loading;           /* the loader waits for the next item */
     PyObject *weakreflist;
 } HookCore;
 
@@ -189,6 +191,7 @@ HookCore_clear(HookCore *self)
     Py_CLEAR(self->step_failed);
     Py_CLEAR(self->phase_clock);
     Py_CLEAR(self->extensions);
+    self->open_phase = NULL;
     return 0;
 }
 
@@ -355,11 +358,23 @@ HookCore_get_last_ooms(HookCore *self, void *closure)
     return Py_NewRef(self->last_ooms);
 }
 
+static PyObject *
+HookCore_get_open_phase(HookCore *self, void *closure)
+{
+    if (self->open_phase != NULL)
+        return Py_NewRef(self->open_phase);
+    if (self->loading)
+        return Py_NewRef(str_data);
+    Py_RETURN_NONE;
+}
+
 static PyGetSetDef HookCore_getset[] = {
     {"steps", (getter)HookCore_get_steps, NULL, "Steps completed so far, recorded or not.", NULL},
     {"in_step", (getter)HookCore_get_in_step, NULL, "Whether a step is open.", NULL},
     {"last_ooms", (getter)HookCore_get_last_ooms, NULL,
      "The allocator's OOM count at the last reading, if CUDA statistics were read.", NULL},
+    {"open_phase", (getter)HookCore_get_open_phase, NULL,
+     "The open outermost phase, 'data' while the loader waits for an item, else None.", NULL},
     {NULL},
 };
 
@@ -693,6 +708,7 @@ Phase_enter(Phase *self, PyObject *unused)
             m->pending_t0 = t;
             m->has_pending = 1;
         }
+        m->open_phase = self->name;
     }
     m->phase_depth += 1;
     return Py_NewRef(self);
@@ -710,6 +726,7 @@ Phase_exit(Phase *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     m->phase_depth -= 1;
     if (!m->phase_depth) {
+        m->open_phase = NULL;
         if (add_seconds(m->phases, self->name, now() - m->phase_t0) < 0)
             return NULL;
         PyObject *start = m->phase_event;
@@ -793,7 +810,12 @@ Loader_next(Loader *self)
         if (self->iterator == NULL)
             return NULL;
     }
+    HookCore *core = self->core;
+    if (core != NULL)
+        core->loading = 1;
     PyObject *item = (*Py_TYPE(self->iterator)->tp_iternext)(self->iterator);
+    if (core != NULL)
+        core->loading = 0;
     if (item == NULL) {
         /* Exhausted, or an error: either way this loader ends, as a generator would. */
         Py_CLEAR(self->iterator);

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from time import perf_counter
 from typing import Any
 
@@ -34,7 +34,7 @@ from gpumon.client._step_tuple import (
     StepTuple,
 )
 from gpumon.client.transport import Transport
-from gpumon.wire import EventRecord, HelloRecord, StepEncoder, encode_record, pack_datagrams
+from gpumon.wire import EventRecord, HelloRecord, StateRecord, StepEncoder, encode_record, pack_datagrams
 
 FLUSH_INTERVAL_S = 0.25
 """How often buffered records are sent: inside the 1 s a record may take to arrive, even when
@@ -67,9 +67,13 @@ class Sender:
         self.records_sent = 0
         self.deferred_missed = 0  # GPU-timed fields left out: events not passed in time
         self.datagrams_sent = 0
+        self.state_sent = 0
+        self.state_lost = 0
         self.dropped: dict[str, int] = {}
         self._buffer = buffer
         self._control: deque[HelloRecord | EventRecord] = deque(maxlen=256)
+        self.on_wake: Callable[[], None] | None = None
+        """Called on this thread before each background flush (the stall watch)."""
         self._waiting: deque[StepTuple] = deque()
         self._backlog: deque[tuple[bytes, int]] = deque()  # datagrams the agent could not take yet
         self._backlog_records = 0
@@ -94,6 +98,22 @@ class Sender:
     def add_control(self, record: HelloRecord | EventRecord) -> None:
         """Queue a hello or event record for the next flush."""
         self._control.append(record)
+
+    def send_state(self, record: StateRecord) -> None:
+        """Send a ``state`` record now, in a datagram of its own. A liveness signal, not
+        data: never queued or retried (the next one follows within seconds), and counted
+        apart from the records (``state_sent``, ``state_lost``)."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            try:
+                reason = self.transport.send(b"[" + encode_record(record) + b"]")
+            except Exception:
+                reason = "send_error"
+            if reason is None:
+                self.state_sent += 1
+            else:
+                self.state_lost += 1
 
     def close(self) -> None:
         """Stop the thread and send what is left (waiting briefly for pending CUDA events)."""
@@ -121,6 +141,12 @@ class Sender:
 
     def _run(self) -> None:
         while not self._stop.wait(FLUSH_INTERVAL_S):
+            on_wake = self.on_wake
+            if on_wake is not None:
+                try:
+                    on_wake()
+                except Exception:  # a bug here must cost the watch, never the records
+                    self._count_drop("internal_error", 1)
             self.flush()
 
     def _flush(self, final: bool) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from gpumon.client.comm import CommLedger
 from gpumon.client.comm_device import record_event
+from gpumon.client.comm_inflight import IN_FLIGHT
 
 log = logging.getLogger("gpumon.client")
 
@@ -99,17 +100,55 @@ def _wrap(original: Callable[..., Any], name: str, position: int, keyword: str) 
     def collective(*args: Any, **kwargs: Any) -> Any:
         if not _ledgers:
             return original(*args, **kwargs)
+        payload = _payload(args, kwargs, position, keyword)
+        seq = _opened(name, payload)
         c0, t0 = thread_time(), perf_counter()
-        result = original(*args, **kwargs)
+        try:
+            result = original(*args, **kwargs)
+        except BaseException:
+            IN_FLIGHT.end(seq)
+            raise
         t1, c1 = perf_counter(), thread_time()
         try:
-            _record(name, _payload(args, kwargs, position, keyword), t0, t1, result, (c0, c1))
+            _follow(seq, payload, result)
+            _record(name, payload, t0, t1, result, (c0, c1))
         except Exception:  # measuring must never break the collective
             log.debug("gpumon: could not record a %s", name, exc_info=True)
         return result
 
     setattr(collective, WRAPPED_MARK, True)
     return collective
+
+
+def _opened(name: str, payload: Any) -> int:
+    """Number the collective about to be launched (``IN_FLIGHT``), before it may block."""
+    try:
+        return IN_FLIGHT.begin(name, _nbytes(_tensors(payload)))
+    except Exception:
+        return IN_FLIGHT.begin(name, 0)
+
+
+def _follow(seq: int, payload: Any, result: Any) -> None:
+    """Mark ``seq`` complete when it is: now when the call blocked, else by its future (on a
+    GPU, once an event recorded in the future's callback has passed)."""
+    get_future = getattr(result, "get_future", None)
+    if get_future is None:
+        IN_FLIGHT.end(seq)
+        return
+    on_device = not all(t.device.type == "cpu" for t in _tensors(payload))
+    try:
+        future = get_future()
+        future.add_done_callback(lambda _future: IN_FLIGHT.completed(seq, on_device))
+    except RuntimeError:  # no future for this op: its completion cannot be followed
+        IN_FLIGHT.end(seq)
+
+
+def _tensors(payload: Any) -> list[Any]:
+    return list(payload) if isinstance(payload, (list, tuple)) else [] if payload is None else [payload]
+
+
+def _nbytes(tensors: list[Any]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _payload(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, keyword: str) -> Any:
@@ -122,8 +161,8 @@ def _payload(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, keywo
 
 def _record(name: str, payload: Any, t0: float, t1: float, result: Any,
             cpu: tuple[float, float] | None = None) -> None:
-    tensors = payload if isinstance(payload, (list, tuple)) else [] if payload is None else [payload]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    tensors = _tensors(payload)
+    nbytes = _nbytes(tensors)
     host_timed = all(t.device.type == "cpu" for t in tensors)
     for ledger in _ledgers:
         clock = ledger.device_clock() if not host_timed and ledger.in_step else None

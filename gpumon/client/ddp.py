@@ -32,6 +32,7 @@ from typing import Any
 
 from gpumon.client.comm import CommLedger, Tail
 from gpumon.client.comm_device import record_event
+from gpumon.client.comm_inflight import IN_FLIGHT
 from gpumon.client.comm_tap import tap_into
 
 log = logging.getLogger("gpumon.client")
@@ -187,11 +188,17 @@ def _all_reduce(ledger: CommLedger, group: Any, bucket: Any, t0: float) -> Any:
     on_host = tensor.device.type == "cpu"
     clock = None if on_host or not ledger.in_step else ledger.device_clock()
     start = None if clock is None else record_event(clock)
-    work = group.allreduce([tensor])
-    op = ledger.launched("all_reduce", tensor.numel() * tensor.element_size(), t0, perf_counter(),
-                         on_host, device_start=start)
+    nbytes = tensor.numel() * tensor.element_size()
+    seq = IN_FLIGHT.begin("all_reduce", nbytes)
+    try:
+        work = group.allreduce([tensor])
+    except BaseException:
+        IN_FLIGHT.end(seq)
+        raise
+    op = ledger.launched("all_reduce", nbytes, t0, perf_counter(), on_host, device_start=start)
 
     def averaged(future: Any) -> Any:
+        IN_FLIGHT.completed(seq, not on_host)
         if op is not None:
             if clock is None:
                 op.t_done = perf_counter()

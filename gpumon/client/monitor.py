@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -28,6 +29,7 @@ from gpumon.client._extensions import Extensions
 from gpumon.client._sender import Sender
 from gpumon.client._step_tuple import StepTuple
 from gpumon.client.identity import resolve_identity, resolve_socket_path
+from gpumon.client.stall import StallWatch, monotonic_and_unix
 from gpumon.client.transport import Transport, UnixDatagramTransport
 from gpumon.wire import (
     MAX_GPU_CHARS,
@@ -80,6 +82,9 @@ class ClientStats:
     gpu_fields_missed: int = 0
     """Measured fields timed on the GPU (a step's ``comm`` under NCCL) left out because the
     GPU had not passed their events in time."""
+    state_reports: int = 0
+    """``state`` records sent: the hook's word that it is alive, and where a stalled rank is
+    (not counted among ``records_sent``; one that could not be sent is not retried)."""
 
 
 class StepMonitor:
@@ -157,6 +162,11 @@ class StepMonitor:
         hello = HelloRecord(self.run, self.rank, self.world, self.local_rank, os.getpid(),
                             client_version=gpumon.__version__)
         self._sender = Sender(transport, hello, self._buffer)
+        # Watched from the sender's thread; it holds the core, never the monitor.
+        self._stall = StallWatch(self._core, self.run, self.rank, hello.pid or os.getpid(),
+                                 self._sender.send_state)
+        stall = self._stall
+        self._sender.on_wake = lambda: stall.tick(*monotonic_and_unix())
         if gpu is not None:
             self._sender.set_gpu(gpu)
         self._find_cuda(final=False)
@@ -223,6 +233,7 @@ class StepMonitor:
             invalid_fields=sender.invalid_fields,
             gpu_fields_missed=sender.deferred_missed,
             extension_errors=self.extensions.errors,
+            state_reports=sender.state_sent,
         )
 
     @property
@@ -265,6 +276,7 @@ class StepMonitor:
             if mem is not None and last_ooms is not None and mem[4] > last_ooms:
                 self._event("oom", "an out-of-memory error ended the last step", core.steps)
         self._closed = True
+        self._stall.close(*monotonic_and_unix())
         self.extensions.close()
         core.stop()
         self._finalizer()
@@ -300,7 +312,9 @@ class StepMonitor:
     # --- called by the core ---------------------------------------------------------------
 
     def _first_step(self) -> None:
-        """The first step begins: CUDA may have come into use since the monitor was made."""
+        """The first step begins: CUDA may have come into use since the monitor was made,
+        and this is the thread whose stack says where a stalled rank is."""
+        self._stall.training_thread = threading.get_ident()
         self._find_cuda(final=True)
 
     def _find_cuda(self, final: bool) -> None:

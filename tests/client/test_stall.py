@@ -1,0 +1,222 @@
+"""The hook's stall watch: its rule on a fake clock, the place it reads from a real blocked
+thread, the collectives in flight, and the cores' open phase."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import deque
+from typing import Any
+
+import pytest
+
+from gpumon.client import _core
+from gpumon.client.comm_inflight import InFlightCollectives
+from gpumon.client.stall import STALL_AFTER_ENV, StallWatch, is_own_code, read_stack, stall_after_min_s
+from gpumon.wire import StateRecord, decode_datagram, encode_record
+
+if sys.platform == "linux":
+    from gpumon.client import _hook
+
+    CORES = [_core.HookCore, _hook.HookCore]
+else:  # pragma: no cover
+    CORES = [_core.HookCore]
+
+
+class FakeCore:
+    def __init__(self) -> None:
+        self.steps = 0
+        self.open_phase: str | None = None
+
+
+def watch(min_s: float = 1.0, in_flight: InFlightCollectives | None = None) -> tuple[
+        StallWatch, FakeCore, list[StateRecord]]:
+    core = FakeCore()
+    sent: list[StateRecord] = []
+    w = StallWatch(core, "r", 1, 4242, sent.append, min_s=min_s,
+                   in_flight=in_flight or InFlightCollectives())
+    return w, core, sent
+
+
+def run(w: StallWatch, core: FakeCore, start_s: float, end_s: float, step_every_s: float | None,
+        tick_s: float = 0.25) -> float:
+    """Tick every ``tick_s`` from ``start_s`` to ``end_s``, a step ending every ``step_every_s``."""
+    t = start_s
+    next_step = start_s + (step_every_s or 0.0)
+    while t < end_s:
+        t += tick_s
+        while step_every_s is not None and next_step <= t:
+            core.steps += 1
+            next_step += step_every_s
+        w.tick(t, 1_700_000_000.0 + t)
+    return t
+
+
+def stalled(sent: list[StateRecord]) -> list[StateRecord]:
+    return [r for r in sent if r.state == "stalled"]
+
+
+def test_a_steady_rank_only_says_it_is_alive() -> None:
+    w, core, sent = watch()
+    run(w, core, 0.0, 60.0, 0.1)
+    assert not stalled(sent)
+    assert {r.state for r in sent} == {"stepping"}
+    assert 10 <= len(sent) <= 13  # one heartbeat every 5 s
+    assert w.threshold_s() == pytest.approx(1.0, rel=0.3)  # steps seen at the ticks' 0.25 s
+
+
+def test_a_rank_that_stops_is_stalled_after_its_threshold_and_reported_again() -> None:
+    w, core, sent = watch(min_s=1.0)
+    t = run(w, core, 0.0, 10.0, 0.2)
+    core.open_phase = "data"
+    stop = t
+    run(w, core, t, t + 8.0, None)
+    reports = stalled(sent)
+    assert reports, "never reported"
+    first = reports[0]
+    # threshold: 10 typical steps of 0.2 s, as seen from ticks every 0.25 s (2-2.5 s);
+    # reported at the first tick after it
+    assert 2.0 <= first.t - (1_700_000_000.0 + stop) <= 2.75
+    assert first.phase == "data" and first.steps == core.steps
+    assert first.since == pytest.approx(1_700_000_000.0 + stop, abs=0.3)
+    assert first.threshold_s is not None and 2.0 <= first.threshold_s <= 2.5
+    assert 3 <= len(reports) <= 4  # again every 2 s while it lasts
+    core.steps += 1
+    w.tick(t + 8.25, 1_700_000_000.0 + t + 8.25)
+    assert sent[-1].state == "stepping"
+
+
+def test_one_slow_step_of_a_few_typical_ones_is_not_a_stall() -> None:
+    w, core, sent = watch(min_s=0.5)
+    t = run(w, core, 0.0, 20.0, 0.25)
+    t = run(w, core, t, t + 1.5, None)  # one step of 6 typical ones (a checkpoint)
+    run(w, core, t, t + 20.0, 0.25)
+    assert not stalled(sent)
+
+
+def test_a_rank_stepping_every_five_seconds_is_reported_within_a_minute() -> None:
+    w, core, sent = watch(min_s=20.0)
+    t = run(w, core, 0.0, 100.0, 5.0)
+    run(w, core, t, t + 60.0, None)
+    reports = stalled(sent)
+    assert reports and reports[0].t - 1_700_000_000.0 - t <= 60.0
+    # and a checkpoint of 5 s every 50 steps of 0.2 s is never one with the default floor
+    w, core, sent = watch(min_s=20.0)
+    t = 0.0
+    for _ in range(4):
+        t = run(w, core, t, t + 10.0, 0.2)
+        t = run(w, core, t, t + 5.0, None)
+    assert not stalled(sent)
+
+
+def test_nothing_is_stalled_before_the_first_step_or_after_close() -> None:
+    w, core, sent = watch(min_s=0.5)
+    run(w, core, 0.0, 30.0, None)
+    assert not stalled(sent)
+    core.steps = 1
+    w.tick(30.25, 1_700_000_030.25)
+    w.close(30.5, 1_700_000_030.5)
+    run(w, core, 30.5, 60.0, None)
+    assert sent[-1].state == "closed" and not stalled(sent)
+
+
+def test_the_bad_floor_in_the_environment_falls_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(STALL_AFTER_ENV, "3.5")
+    assert stall_after_min_s() == 3.5
+    for bad in ("soon", "-1", "nan", "0"):
+        monkeypatch.setenv(STALL_AFTER_ENV, bad)
+        assert stall_after_min_s() == 20.0
+
+
+def read_shard(gate: threading.Event, entered: threading.Event) -> None:
+    entered.set()
+    gate.wait()
+
+
+def test_the_place_is_the_training_threads_innermost_own_frame_and_the_collective() -> None:
+    gate, entered = threading.Event(), threading.Event()
+    thread = threading.Thread(target=read_shard, args=(gate, entered), daemon=True)
+    thread.start()
+    entered.wait()
+    in_flight = InFlightCollectives()
+    in_flight.begin("broadcast", 8)
+    seq = in_flight.begin("all_reduce", 4096)
+    in_flight.end(1)
+    w, core, sent = watch(min_s=0.5, in_flight=in_flight)
+    w.training_thread = thread.ident
+    core.open_phase = "data"
+    t = run(w, core, 0.0, 2.0, 0.05)
+    run(w, core, t, t + 1.0, None)
+    gate.set()
+    report = stalled(sent)[0]
+    assert report.location is not None
+    assert (report.location.file.endswith("test_stall.py") and report.location.function == "read_shard")
+    assert report.stack[0].file.endswith("threading.py") and not report.stack[0].own
+    assert report.in_flight is not None
+    assert (report.in_flight.op, report.in_flight.seq, report.in_flight.nbytes) == ("all_reduce", seq, 4096)
+    assert report.launched == 2
+    [decoded] = decode_datagram(b"[" + encode_record(report) + b"]").records
+    assert decoded == report
+
+
+def test_a_deep_stack_is_cut_to_fit_a_datagram() -> None:
+    def deep(n: int, gate: threading.Event, entered: threading.Event) -> None:
+        if n:
+            deep(n - 1, gate, entered)
+        else:
+            read_shard(gate, entered)
+
+    gate, entered = threading.Event(), threading.Event()
+    thread = threading.Thread(target=deep, args=(200, gate, entered), daemon=True)
+    thread.start()
+    entered.wait()
+    frame = sys._current_frames()[thread.ident]  # type: ignore[index]
+    stack = read_stack(frame)
+    gate.set()
+    assert len(stack) == 48 and [f.function for f in stack[:3]] == [
+        "Condition.wait", "Event.wait", "read_shard"]
+    assert not is_own_code(threading.__file__) and not is_own_code("<frozen runpy>")
+    assert is_own_code(__file__)
+
+
+class Event:
+    def __init__(self) -> None:
+        self.passed = False
+
+    def query(self) -> bool:
+        return self.passed
+
+
+def test_a_collective_on_the_gpu_stays_in_flight_until_its_event_passed() -> None:
+    in_flight = InFlightCollectives()
+    seq = in_flight.begin("all_reduce", 64)
+    event = Event()
+    in_flight.queued_on_device(seq, event)
+    op = in_flight.oldest()
+    assert op is not None and op.on_device and op.seq == seq
+    event.passed = True
+    assert in_flight.oldest() is None
+    assert in_flight.launched == 1
+
+
+@pytest.mark.parametrize("core_class", CORES)
+def test_both_cores_tell_the_open_phase(core_class: Any) -> None:
+    seen: list[object] = []
+    core = core_class(deque(), lambda: None, lambda exc, step: None, lambda name: name == "data")
+
+    def items() -> Any:
+        seen.append(core.open_phase)  # read while the loader waits for this item
+        yield 1
+
+    assert core.open_phase is None
+    for _ in core.loader(items()):
+        assert core.open_phase is None
+        with core.step():
+            with core.phase("forward"):
+                with core.phase("inner"):
+                    assert core.open_phase == "forward"
+            assert core.open_phase is None
+            with core.phase("backward"):
+                assert core.open_phase == "backward"
+    assert seen == ["data"]
+    assert core.open_phase is None
