@@ -12,95 +12,21 @@ from typing import Any
 import pytest
 
 from gpumon.testing import AgentProcess
+from tests.e2e.accuracy import Bound, judged, rows_of, within_clocks
 from tests.e2e.distributed import (
     AGENT,
     exposed_share,
     flagged_share,
     run_job,
     share_of,
-    truth_share,
 )
 
-STEPS = 14
 STRAGGLER_STEPS = 150
 """Steps of the jobs with a straggler: it is flagged once its slowness has persisted over 24
 steps, and the shares below count every step, those before too."""
 
 
 pytestmark = [pytest.mark.slow, AGENT]
-
-
-def _share(step: dict[str, Any]) -> float:
-    return float(step["comm"]["exposed"]) / float(step["duration"])
-
-
-def test_comm_heavy_ddp_exposed_share_matches_the_jobs_own_no_sync_truth(
-    agent: AgentProcess, tmp_path: Path
-) -> None:
-    job = run_job(agent, tmp_path, "ddp_job.py", 2, ["--truth", "--steps", str(STEPS)],
-                  run="ddp-comm", expect_steps=2 * STEPS)
-    gaps = []
-    for rank in (0, 1):
-        steps, summary = job.steps(rank), job.summary(rank)
-        truth, measured = truth_share(summary), exposed_share(steps)
-        assert truth > 0.3, summary  # the job is communication-heavy, as built
-        # What the training thread waited and worked for the all-reduce (DDP's copies into
-        # the buckets included), plus the CPU it lost to gloo's threads while they overlapped
-        # its backward. Left out: its work running slower beside them while on a CPU (shared
-        # caches). Measured on two shared cores: -0.07 to 0.00 alone, -0.19 to +0.13 beside
-        # one to three spinning processes, where the truth itself moves: the two ranks' truths
-        # of one run differed by up to 0.24 (each times its own no_sync twins).
-        assert abs(measured - truth) <= 0.25, (rank, measured, truth)
-        gaps.append(measured - truth)
-        counts = set()
-        for step in steps:
-            comm = step["comm"]
-            count, size, seconds = comm["ops"]["all_reduce"]
-            assert size == summary["grad_bytes"]  # every gradient byte, once per step
-            counts.add(count)
-            assert 0 < comm["exposed"] <= comm["busy"] <= step["duration"]
-            assert seconds > 0
-        assert counts == {3}  # 64 MiB in DDP's 25 MiB buckets
-        assert share_of(job.verdicts(rank), "communication") >= 0.8
-    # The job's exposed share against the job's truth, both ranks' together: -0.11 to +0.07
-    # in the runs above.
-    assert abs(statistics.mean(gaps)) <= 0.15, gaps
-
-
-def test_compute_heavy_ddp_shows_little_exposed_communication(
-    agent: AgentProcess, tmp_path: Path
-) -> None:
-    job = run_job(agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--truth", "--steps", "16"],
-                  run="ddp-compute", expect_steps=2 * 16)
-    gaps = []
-    for rank in (0, 1):
-        steps, summary = job.steps(rank), job.summary(rank)
-        # The truth is a median of noisy twins; so is the measured share here: a few steps in
-        # which one rank waited for its peer move a sum of 16 steps by 0.15 (a full run read
-        # 0.138 against a truth of -0.021), not a median. One rank's truth alone moves too: a
-        # loaded CI run read 0.21 against a measured 0.018 (its twins ran fast), so one rank is
-        # held to 0.25 and the job, both ranks together, to 0.15, as the comm-heavy job is.
-        truth, measured = truth_share(summary), statistics.median(_share(s) for s in steps)
-        assert truth < 0.3, summary  # compute-heavy as built
-        assert abs(measured - truth) <= 0.25, (rank, measured, truth)
-        gaps.append(measured - truth)
-        assert measured < 0.3
-        assert all(s["comm"]["ops"]["all_reduce"][1] == summary["grad_bytes"] for s in steps)
-    assert abs(statistics.mean(gaps)) <= 0.15, gaps
-    # The verdicts come from the job as it trains, without the no_sync twins: a twin lets the
-    # ranks drift apart (each times its own, unsynchronised), so the next step of the faster
-    # one genuinely waits for its peer, which no real job does.
-    plain = run_job(agent, tmp_path, "ddp_job.py", 2, ["--model", "compute", "--steps", "24"],
-                    run="ddp-compute-plain", expect_steps=2 * 24)
-    for rank in (0, 1):
-        # A rank's first window has no typical share to be weighed against (the ranks start
-        # out of step): one window of one or two steps, left out.
-        # Measured 0 % over 30 steps on a quiet machine, but 12-19 % in full suite runs on two
-        # shared cores, where the ranks keep drifting apart for several windows at a time: the
-        # 10 % this job should read is not reliably shown here. Without the typical-share rule
-        # it read 12-62 %. A CI run in a loaded hour read 32 %: the bound is 40 %.
-        first = len(plain.first_window(rank))
-        assert share_of(plain.verdicts(rank)[first:], "communication") <= 0.40
 
 
 @pytest.mark.parametrize("buckets", ["copied", "bucket-view"])
@@ -155,10 +81,13 @@ def test_a_rank_with_more_forward_work_waits_least(
         by_step.setdefault(step["step"], {})[step["rank"]] = step
     least_waiting = [min(ranks, key=lambda r: ranks[r]["comm"]["exposed"]) for ranks in by_step.values()]
     assert least_waiting.count(3) >= 0.8 * len(least_waiting), least_waiting
-    # Its peers wait for its extra 60 ms inside backward.
-    for rank in (0, 1, 2):
-        waits = sorted(s["comm"]["exposed"] for s in job.steps(rank))
-        assert waits[len(waits) // 2] >= 0.03, waits
+    # Its peers wait for its extra 60 ms inside backward, as long as their own clocks show
+    # them waiting (N: 0), and it waits for none of it (A: its 60 ms of device-like work in
+    # forward). Four ranks share two cores here, so the band is as wide as their run delay in
+    # backward: B (little overlaps: one bucket) and U are not reliably told apart; the delay
+    # and overlap tests (test_ddp_accuracy) are where they are.
+    judged([Bound("waits within the job's clocks", within_clocks(), fails="NA", either="BU")],
+           [row for rank in range(4) for row in rows_of(job, rank)])
     # The agent's verdicts, on all of its steps.
     slow = job.verdicts(3)
     assert flagged_share(slow) >= 0.8
@@ -180,9 +109,19 @@ def test_a_rank_with_a_slow_input_pipeline_makes_its_peer_wait(
                    "--slow-input-ms", "60"], run="ddp-slow-input",
                   expect_steps=2 * STRAGGLER_STEPS)
     slow, peer = job.steps(1), job.steps(0)
-    slow_data = sorted(s["phases"]["data"] for s in slow)
-    assert slow_data[len(slow_data) // 2] >= 0.05
+    # The data phase is the time the job's own generator took to make the batch (a 60 ms
+    # sleep, then the batch), read around it: never less, and in the median within 2 ms.
+    made = job.summary(1)["data_s"]
+    overhead = [s["phases"]["data"] - truth for s, truth in zip(slow, made, strict=True)]
+    assert min(overhead) >= 0 and statistics.median(overhead) <= 0.002, overhead
+    assert statistics.median(made) >= 0.06
     assert exposed_share(peer) > exposed_share(slow) + 0.15
+    # The peer waits for those 60 ms, as long as its clocks show it waiting (N: 0), and the
+    # slow rank waits for none of its input (A: its 60 ms of data). The band is the run delay
+    # in backward, wide enough on two shared cores that B (one bucket: nothing overlaps) and
+    # U are not reliably told apart (a quiet run told U apart: 46 ms against [63, 68]).
+    judged([Bound("waits within the job's clocks", within_clocks(), fails="NA", either="BU")],
+           rows_of(job, 0) + rows_of(job, 1))
     slow_verdicts, peer_verdicts = job.verdicts(1), job.verdicts(0)
     assert flagged_share(slow_verdicts) >= 0.8 and share_of(slow_verdicts, "input") >= 0.8
     assert {v.straggler_cause.value for v in slow_verdicts if v.straggler_cause is not None} == {"input"}
