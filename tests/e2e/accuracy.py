@@ -29,9 +29,10 @@ from typing import Any
 from gpumon.commands.classify import classify_file
 
 Row = dict[str, Any]
-"""One reported step: the recorded ``exposed``, ``busy`` and ``duration`` and the job's own
-clocks for it (``wall``, ``cpu``, ``wait``: run delay, ``steal``, ``slept``: device-like
-work), its ``kind`` and ``rank``."""
+"""One reported step: the recorded ``exposed``, ``busy`` and ``duration``, the job's own
+clocks over the part of it where collectives run (``backward``: wall, CPU time, run delay,
+steal, slept in device-like work), its ``kind``, ``rank`` and, if it was held late, how
+late (``late``)."""
 
 PRODUCTS: dict[str, Callable[[Row], Row]] = {
     "N": lambda r: {**r, "exposed": 0.0, "busy": 0.0},
@@ -62,18 +63,18 @@ class Bound:
 
 
 def rows_of(job: Any, rank: int) -> list[Row]:
-    """The recorded steps of ``rank`` beside the job's own clocks for each."""
+    """The recorded steps of ``rank`` beside the job's own clocks for each: the window its
+    collectives run in (``backward``: DDP's backward; a framework job's ``window_s``)."""
     steps, summary = job.steps(rank), job.summary(rank)
-    assert len(steps) == len(summary["synced_s"]), (len(steps), len(summary["synced_s"]))
+    windows = summary.get("backward_s") or summary["window_s"]
+    assert len(steps) == len(windows), (len(steps), len(windows))
     rows = []
     for i, step in enumerate(steps):
         comm = step.get("comm", {"exposed": 0.0, "busy": 0.0, "ops": {}})
         rows.append({"rank": rank, "line": step, "exposed": comm["exposed"], "busy": comm["busy"],
                      "duration": step["duration"], "ops": comm.get("ops", {}),
-                     "wall": summary["synced_s"][i], "cpu": summary["thread_cpu_s"][i],
-                     "wait": summary["cpu_wait_s"][i], "steal": summary["steal_s"][i],
-                     "slept": summary["slept_s"][i], "kind": summary["kinds"][i],
-                     "backward": summary["backward_s"][i], "late": summary["late_s"][i]})
+                     "backward": windows[i], "kind": summary.get("kinds", ["sync"] * len(steps))[i],
+                     "late": summary.get("late_s", [0.0] * len(steps))[i]})
     return rows
 
 
@@ -84,13 +85,15 @@ def waited(row: Row) -> tuple[float, float]:
     its collectives: at least that is exposed. Time it spent runnable without a CPU (run
     delay, steal) may be exposed too, as contention with the collectives' threads; time it
     spent on a CPU or asleep in device-like work is not. All of it in backward, the only
-    phase DDP's collectives run in. So, of backward's clocks::
+    phase DDP's collectives run in. Where a job timed the CPU spent inside blocking
+    collective calls (copies into their buffers), that too is communication. So, of
+    backward's clocks::
 
-        wall - cpu - wait - steal - slept  <=  exposed  <=  wall - cpu - slept
+        wall - cpu - wait - steal - slept  <=  exposed  <=  wall - cpu - slept + in calls
     """
-    wall_s, cpu_s, wait_s, steal_s, slept_s = row["backward"]
+    wall_s, cpu_s, wait_s, steal_s, slept_s, *in_calls = row["backward"]
     off = wall_s - cpu_s - slept_s
-    return off - wait_s - steal_s - SLACK_S, off + SLACK_S
+    return off - wait_s - steal_s - SLACK_S, off + sum(in_calls) + SLACK_S
 
 
 def within_clocks(kinds: tuple[str, ...] = ("sync", "sync-late")) -> Callable[[list[Row]], tuple[bool, str]]:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from gpumon.testing import AgentProcess
-from tests.e2e.distributed import AGENT, exposed_share, run_job, share_of
+from tests.e2e.accuracy import Bound, judged, rows_of, within_clocks
+from tests.e2e.distributed import AGENT, run_job, share_of
 
 STEPS = 8
 
@@ -31,8 +32,13 @@ def test_lightning_ddp_steps_carry_their_all_reduce(agent: AgentProcess, tmp_pat
         for step in steps:
             count, size, _ = step["comm"]["ops"]["all_reduce"]
             assert size == summary["grad_bytes"] and count >= 1
-        assert exposed_share(steps[1:]) > 0.2  # 64 MiB all-reduced for every 2-sample batch
         assert share_of(job.verdicts(rank), "communication") >= 0.8
+    # 64 MiB all-reduced for every 2-sample batch: most of the step waits for it (N: 0), not
+    # the forward and backward work (A: the whole step). The first step also waits for the
+    # ranks to meet. Between the bounds lies the run delay (contention, exposed by right):
+    # B (little overlaps) and U may fall inside it.
+    judged([Bound("within the job's clocks", within_clocks(), fails="NA", either="BU")],
+           rows_of(job, 0) + rows_of(job, 1))
 
 
 def test_hf_trainer_under_torchrun_steps_carry_their_all_reduce(
@@ -48,6 +54,11 @@ def test_hf_trainer_under_torchrun_steps_carry_their_all_reduce(
             count, size, _ = step["comm"]["ops"]["all_reduce"]
             assert size == summary["grad_bytes"] and count >= 1
             assert 0 < step["comm"]["exposed"] <= step["comm"]["busy"] <= step["duration"]
+    # The training thread waits for each step's all-reduce as long as its own clocks say
+    # (N: 0), not through its forward and backward work (A: all of it). B and U read within
+    # the run delay of the truth on a model this small, and may pass.
+    judged([Bound("within the job's clocks", within_clocks(), fails="NA", either="BU")],
+           rows_of(job, 0) + rows_of(job, 1))
 
 
 def test_fully_shard_steps_carry_their_all_gathers_and_reduce_scatters(
@@ -65,3 +76,7 @@ def test_fully_shard_steps_carry_their_all_gathers_and_reduce_scatters(
             assert ops["all_gather"][1] in (summary["grad_bytes"], 2 * summary["grad_bytes"])
             # Blocking collectives on gloo: all of their time held the training thread.
             assert step["comm"]["exposed"] == pytest.approx(step["comm"]["busy"], rel=0.05)
+    # ... as long as its clocks show it waiting (N: 0), not through its work (A). Nothing
+    # overlaps (B reads within 5 % of the product); U may fall inside the run delay.
+    judged([Bound("within the job's clocks", within_clocks(), fails="NA", either="BU")],
+           rows_of(job, 0) + rows_of(job, 1))

@@ -1,18 +1,68 @@
 """Training through a framework under ``torch.distributed.run`` (gloo, CPU), for the
 distributed tests: Lightning's ``ddp`` strategy, a Hugging Face ``Trainer``, or FSDP's
 ``fully_shard`` through the plain hook. Each rank writes ``OUT/rank<R>.json`` with what the
-tests compare the records against (its gradient bytes, as the model holds them)."""
+tests compare the records against (its gradient bytes, as the model holds them), and its
+training thread's clocks over each step's window where collectives run (``window_s``: wall,
+CPU time, run delay, steal, slept (nothing sleeps in these jobs) and the CPU time spent
+inside blocking collective calls, for each step)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+
+class Clocks:
+    """The training thread's clocks over windows: ``begin()`` ... ``end()``."""
+
+    def __init__(self) -> None:
+        self.windows: list[list[float]] = []
+        self._start: list[float] | None = None
+        self.in_calls_s = 0.0  # CPU time inside the collective calls timed (time_calls)
+
+    def now(self) -> list[float]:
+        with open("/proc/thread-self/schedstat") as f:
+            delay = int(f.read().split()[1]) / 1e9
+        with open("/proc/stat") as f:
+            steal = int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")  # all cores
+        return [time.perf_counter(), time.thread_time(), delay, steal, 0.0, self.in_calls_s]
+
+    def time_calls(self, *names: str) -> None:
+        """Count the thread's CPU time inside these ``torch.distributed`` functions."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d
+
+        for name in names:
+            original = getattr(distributed_c10d, name)
+
+            def timed(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+                c0 = time.thread_time()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    self.in_calls_s += time.thread_time() - c0
+
+            setattr(distributed_c10d, name, timed)
+            if getattr(dist, name) is original:
+                setattr(dist, name, timed)
+
+    def begin(self) -> None:
+        self._start = self.now()
+
+    def end(self) -> None:
+        if self._start is not None:
+            self.windows.append([b - a for a, b in zip(self._start, self.now(), strict=True)])
+            self._start = None
+
+
+CLOCKS = Clocks()
 
 
 def comm_heavy() -> nn.Module:
@@ -39,12 +89,26 @@ def lightning(steps: int) -> dict[str, Any]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-6)
 
+    class Window(pl.Callback):  # type: ignore[misc]
+        """From the batch's start (before gpumon's step opens) to the optimizer's."""
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            CLOCKS.begin()
+
+        def on_before_optimizer_step(self, *args: Any) -> None:
+            CLOCKS.end()
+
     module = Module()
     data = DataLoader(TensorDataset(torch.randn(64, 2048)), batch_size=2)
     callback = GpumonCallback()
-    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=steps, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, callbacks=[callback])
+    from lightning.pytorch.strategies import DDPStrategy
+
+    # Gradients as views of the buckets: no copies in and out, CPU work gpumon counts as
+    # communication and the window's clocks as work.
+    trainer = pl.Trainer(strategy=DDPStrategy(gradient_as_bucket_view=True), accelerator="cpu",
+                         devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Window(), callback])
     trainer.fit(module, data)
     return {"grad_bytes": _bytes(module.net), "strategy": type(trainer.strategy).__name__}
 
@@ -64,8 +128,17 @@ def hf(steps: int, out: Path) -> dict[str, Any]:
         gradient_accumulation_steps=2, use_cpu=True, ddp_backend="gloo", report_to=[],
         save_strategy="no", logging_steps=1000, disable_tqdm=True, dataloader_num_workers=0,
     )
+    class Window(transformers.TrainerCallback):  # type: ignore[misc]
+        """From the step's start (before gpumon's) to the optimizer's."""
+
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            CLOCKS.begin()
+
+        def on_pre_optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+            CLOCKS.end()
+
     trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset,
-                                   callbacks=[GpumonTrainerCallback()])
+                                   callbacks=[Window(), GpumonTrainerCallback()])
     trainer.train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     return {"grad_bytes": sum(p.numel() * p.element_size() for p in trainable),
@@ -85,16 +158,20 @@ def fsdp(steps: int) -> dict[str, Any]:
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
+    # FSDP's blocking calls do some CPU work inside (copies): communication, timed here.
+    CLOCKS.time_calls("all_gather_into_tensor", "reduce_scatter_tensor")
     mon = StepMonitor()
     mon.watch(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     x = torch.randn(8, 512)
     for _ in range(steps):
         with mon.step(samples=8):
+            CLOCKS.begin()  # all-gathers in forward and backward, reduce-scatters in backward
             with mon.phase("forward"):
                 loss = model(x).square().mean()
             with mon.phase("backward"):
                 loss.backward()
+            CLOCKS.end()
             with mon.phase("optimizer"):
                 opt.step()
                 opt.zero_grad()
@@ -122,7 +199,8 @@ def main() -> None:
         summary = fsdp(args.steps)
     args.out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ["RANK"])
-    (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **summary}))
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **summary,
+                                                           "window_s": CLOCKS.windows}))
 
 
 if __name__ == "__main__":
