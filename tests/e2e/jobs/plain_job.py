@@ -1,0 +1,145 @@
+"""Training jobs with nothing of gpumon in them, for ``gpumon run``'s distributed tests (CPU,
+gloo). Each rank writes ``OUT/rank<R>.json`` with what it counted itself: its optimizer steps
+and micro-batches, and for ``ddp`` the timings its ``no_sync`` truth is made of.
+
+* ``ddp`` (under ``torch.distributed.run``): the communication-heavy model of ``ddp_job.py``;
+  after every step, the same step under ``ddp.no_sync()`` on a helper thread (gpumon watches
+  the main thread, so it does not count it), timed here, then a barrier that re-aligns the ranks.
+* ``lightning`` (started as a plain script; Lightning's ``ddp`` strategy starts the second rank):
+  the same model, four micro-batches per optimizer step.
+* ``hf`` (under ``torch.distributed.run``): a small GPT-2 in a ``Trainer``, four micro-batches
+  per optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+from pathlib import Path
+from time import perf_counter
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def comm_heavy() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)])
+
+
+def ddp(steps: int, warmup: int) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = DistributedDataParallel(comm_heavy())
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    generator = torch.Generator().manual_seed(rank)
+    synced_s: list[float] = []
+    unsynced_s: list[float] = []
+
+    def train(x: torch.Tensor) -> None:
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def twin(x: torch.Tensor) -> None:
+        t0 = perf_counter()
+        with model.no_sync():
+            train(x)
+        unsynced_s.append(perf_counter() - t0)
+
+    for i in range(warmup + steps):
+        x = torch.randn(2, 2048, generator=generator)
+        t0 = perf_counter()
+        train(x)
+        if i >= warmup:
+            synced_s.append(perf_counter() - t0)
+        helper = threading.Thread(target=twin, args=(x,))
+        helper.start()
+        helper.join()
+        dist.barrier()
+    if len(unsynced_s) > steps:
+        del unsynced_s[:warmup]
+    dist.destroy_process_group()
+    return {"optimizer_steps": warmup + steps, "synced_s": synced_s, "unsynced_s": unsynced_s,
+            "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def lightning(steps: int) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Module(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = comm_heavy()
+            self.micro_batches = 0
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            self.micro_batches += 1
+            (x,) = batch
+            loss: torch.Tensor = self.net(x).square().mean()
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-6)
+
+    module = Module()
+    data = DataLoader(TensorDataset(torch.randn(256, 2048)), batch_size=2)
+    trainer = pl.Trainer(strategy="ddp", accelerator="cpu", devices=2, max_steps=steps, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, accumulate_grad_batches=4)
+    trainer.fit(module, data)
+    return {"rank": trainer.global_rank, "optimizer_steps": trainer.global_step,
+            "micro_batches": module.micro_batches,
+            "strategy": type(trainer.strategy).__name__}
+
+
+def hf(steps: int, out: Path) -> dict[str, Any]:
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=512, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config)
+    forwards = [0]
+    model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    ids = torch.randint(0, 512, (256, 32), generator=torch.Generator().manual_seed(0))
+    dataset = [{"input_ids": row, "labels": row} for row in ids]
+    args = transformers.TrainingArguments(
+        output_dir=str(out / "hf"), max_steps=steps, per_device_train_batch_size=2,
+        gradient_accumulation_steps=4, use_cpu=True, ddp_backend="gloo", report_to=[],
+        save_strategy="no", logging_steps=1000, disable_tqdm=True, dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    trainer.train()
+    return {"optimizer_steps": trainer.state.global_step, "micro_batches": forwards[0],
+            "wrapped": type(trainer.model_wrapped).__name__}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("framework", choices=("ddp", "lightning", "hf"))
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.framework == "ddp":
+        summary = ddp(args.steps, args.warmup)
+    elif args.framework == "lightning":
+        summary = lightning(args.steps)
+    else:
+        summary = hf(args.steps, args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rank = summary.pop("rank", None)
+    rank = int(os.environ["RANK"]) if rank is None else rank
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **summary}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Unmodified training jobs through ``gpumon run`` against a real agent, beside what the jobs
+count themselves and what the same jobs hooked by hand report: the CPU example (input-bound
+and not: the same verdicts as ``examples/train_cpu.py`` hooked), a communication-heavy 2-rank
+DDP job under torchrun (its exposed share against its own ``no_sync`` truth), Lightning's
+``ddp`` strategy on 2 devices and a Hugging Face ``Trainer`` under torchrun, both with four
+micro-batches per optimizer step: one step per optimizer step on every rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from gpumon.testing import AgentProcess, free_port
+from tests.e2e.distributed import AGENT, Job, exposed_share, share_of, truth_share
+from tests.helpers import RECORDING, ROOT
+
+JOBS = Path(__file__).resolve().parent / "jobs"
+TIMEOUT_S = 300
+STEPS = 8
+
+pytestmark = [pytest.mark.slow, AGENT]
+
+
+def watched(agent: AgentProcess, tmp_path: Path, run: str, command: list[str], expect_steps: int,
+            torchrun: int = 0) -> Job:
+    """Run ``command`` under ``gpumon run --run RUN`` (under torchrun on ``torchrun`` ranks);
+    return once it exited 0 and the agent recorded ``expect_steps`` steps of it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("GPUMON_RUN", "GPUMON_SOCKET", "GPUMON_PURE_PYTHON", "GPUMON_RUN_DISABLE"):
+        env.pop(name, None)
+    if torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
+                   "--master-port", str(free_port()), *command]
+    else:
+        command = [sys.executable, *command]
+    gpumon = [sys.executable, "-m", "gpumon.cli", "run", "--run", run, "--socket", str(agent.socket_path),
+              "--"]
+    done = subprocess.run(gpumon + command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env,
+                          cwd=ROOT)
+    assert done.returncode == 0, f"job failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    job = Job(tmp_path / run, tmp_path / RECORDING, run)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (job.recording.exists() and len(job.steps()) >= expect_steps):
+        time.sleep(0.2)
+    assert len(job.steps()) == expect_steps, (len(job.steps()), agent.log()[-3000:])
+    return job
+
+
+def hooked(agent: AgentProcess, run: str, args: list[str]) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "examples/train_cpu.py", "--run", run, "--socket", str(agent.socket_path),
+               *args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT_S, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def primary(job: Job) -> str:
+    """The verdict most of the run's steps got."""
+    return Counter(v.primary.value for v in job.verdicts(0)).most_common(1)[0][0]
+
+
+@pytest.mark.parametrize("input_bound", [True, False], ids=["input-bound", "not-input-bound"])
+def test_the_cpu_example_unmodified_gets_the_verdicts_it_gets_hooked(
+    agent: AgentProcess, tmp_path: Path, input_bound: bool
+) -> None:
+    args = ["--steps", "60", "--warmup", "1", "--threads", "1"] + (["--input-bound"] if input_bound else [])
+    hooked(agent, "hooked", args)
+    plain = watched(agent, tmp_path, "plain", ["examples/train_plain.py", *args], expect_steps=60)
+    by_hand = Job(tmp_path / "hooked", tmp_path / RECORDING, "hooked")
+    assert len(by_hand.steps()) == 60
+    assert primary(plain) == primary(by_hand)
+    if input_bound:
+        assert primary(plain) == "input" and share_of(plain.verdicts(0), "input") >= 0.8
+    else:
+        assert primary(plain) != "input" and share_of(plain.verdicts(0), "input") <= 0.2
+    for step in plain.steps():
+        assert {"data", "forward", "backward", "optimizer"} <= set(step["phases"])
+        assert step["samples"] == 64
+
+
+def test_comm_heavy_ddp_unmodified_exposed_share_matches_its_no_sync_truth(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    warmup = 3
+    job = watched(agent, tmp_path, "ddp-plain",
+                  [str(JOBS / "plain_job.py"), "ddp", "--out", str(tmp_path / "ddp-plain"),
+                   "--steps", "14", "--warmup", str(warmup)],
+                  expect_steps=2 * (14 + warmup), torchrun=2)
+    gaps = []
+    for rank in (0, 1):
+        summary = job.summary(rank)
+        steps = job.steps(rank)
+        assert len(steps) == summary["optimizer_steps"]  # the twins on the helper thread: not steps
+        synced = [s for s in steps if s["step"] >= warmup]
+        truth, measured = truth_share(summary), exposed_share(synced)
+        assert truth > 0.3, summary
+        assert abs(measured - truth) <= 0.25, (rank, measured, truth)
+        gaps.append(measured - truth)
+        for step in synced:
+            count, size, _ = step["comm"]["ops"]["all_reduce"]
+            assert size == summary["grad_bytes"] and count == 3
+            assert {"forward", "backward", "optimizer"} <= set(step["phases"])
+        assert share_of(job.verdicts(rank), "communication") >= 0.8
+    assert abs(sum(gaps) / 2) <= 0.15, gaps
+
+
+def test_lightning_ddp_unmodified_counts_one_step_per_optimizer_step(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    job = watched(agent, tmp_path, "lightning-plain",
+                  [str(JOBS / "plain_job.py"), "lightning", "--out", str(tmp_path / "lightning-plain"),
+                   "--steps", str(STEPS)], expect_steps=2 * STEPS)
+    for rank in (0, 1):
+        summary, steps = job.summary(rank), job.steps(rank)
+        assert summary["strategy"] == "DDPStrategy"
+        assert len(steps) == summary["optimizer_steps"] == STEPS
+        assert summary["micro_batches"] == 4 * STEPS
+        for step in steps:
+            assert step["world"] == 2 and step["samples"] >= 4 * 2
+            count, _, _ = step["comm"]["ops"]["all_reduce"]
+            assert count >= 1  # the fourth micro-batch's; the first three run under no_sync
+            assert {"data", "forward", "backward", "optimizer"} <= set(step["phases"])
+
+
+def test_hf_trainer_unmodified_under_torchrun_counts_one_step_per_optimizer_step(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    job = watched(agent, tmp_path, "hf-plain",
+                  [str(JOBS / "plain_job.py"), "hf", "--out", str(tmp_path / "hf-plain"),
+                   "--steps", str(STEPS)], expect_steps=2 * STEPS, torchrun=2)
+    for rank in (0, 1):
+        summary, steps = job.summary(rank), job.steps(rank)
+        assert summary["wrapped"] == "DistributedDataParallel"
+        assert len(steps) == summary["optimizer_steps"] == STEPS
+        assert summary["micro_batches"] == 4 * STEPS
+        for step in steps:
+            count, _, _ = step["comm"]["ops"]["all_reduce"]
+            assert count >= 1
+            assert 0 < step["comm"]["exposed"] <= step["comm"]["busy"] <= step["duration"]
