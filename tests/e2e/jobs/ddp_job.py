@@ -1,13 +1,9 @@
 """A DDP training job on CPU (gloo) for the distributed tests, launched by ``torch.distributed.run``.
 
 Each rank reports its steps through ``StepMonitor`` with ``watch(ddp)`` and writes what it
-measured itself, independently of gpumon, to ``OUT/rank<R>.json``: with ``--truth``, every
-reported (synchronising) step is followed by the same step under ``ddp.no_sync()``, timed here
-and not reported, then a barrier (untimed) that re-aligns the ranks, so ``1 - t(no_sync) /
-t(sync)`` is the share of the step communication cost.
-
-Every reported step also leaves the job's own clocks for the window it spans: wall time, the
-training thread's CPU time, its run delay (runnable, waiting for a CPU), the time the
+measured itself, independently of gpumon, to ``OUT/rank<R>.json``: for every reported step,
+its own clocks over the step and over its backward (where DDP's collectives run): wall time,
+the training thread's CPU time, its run delay (runnable, waiting for a CPU), the time the
 hypervisor stole from its core, and how long it slept in device-like work. Off a CPU and not
 runnable is waiting; less the sleeps, what is left is what it waited for its peers.
 
@@ -54,7 +50,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--model", choices=("comm", "compute", "small", "device"), default="comm")
-    parser.add_argument("--truth", action="store_true", help="time a no_sync twin of every step")
     parser.add_argument("--slow-rank", type=int, default=-1)
     parser.add_argument("--slow-forward-ms", type=float, default=0.0)
     parser.add_argument("--slow-input-ms", type=float, default=0.0)
@@ -155,26 +150,15 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
 
-    def unsynced(x: torch.Tensor) -> float:
-        t0, c0 = perf_counter(), time.thread_time()
-        with ddp.no_sync():
-            train(x, monitored=False)
-        unsynced_cpu_s.append(time.thread_time() - c0)
-        return perf_counter() - t0
-
     core = f"cpu{next(iter(os.sched_getaffinity(0)))}" if args.pin or args.hog_rank >= 0 else "cpu"
     fetched_s: list[float] = []  # how long each batch took to make, inside the generator
     data_s: list[float] = []  # ... for each reported step, the batch it trained on
     late_s: list[float] = []  # each reported step's latest held future: how late it completed
-    unsynced_cpu_s: list[float] = []  # the training thread's CPU time in each no_sync twin
     backward_s: list[list[float]] = []  # each reported step's backward: as _clocks()
     data = batches()
     for _ in range(args.warmup):  # DDP sizes its buckets after the first step; not reported
         train(next(data), monitored=False)
-        if args.truth:
-            unsynced(next(data))
-            dist.barrier()
-    synced_s, unsynced_s = [], []
+    wall_s: list[float] = []
     thread_cpu_s: list[float] = []  # CPU time of the training thread: its work, not its waits
     process_cpu_s: list[float] = []  # ... and of the whole process (gloo's threads too)
     preempted: list[int] = []  # times the training thread was switched out while runnable
@@ -196,7 +180,7 @@ def main() -> None:
         delay = _run_delay_s()
         with mon.step(samples=batch), ddp.no_sync() if kind == "no_sync" else nullcontext():
             train(x, monitored=True)
-        synced_s.append(perf_counter() - t0)
+        wall_s.append(perf_counter() - t0)
         thread_cpu_s.append(time.thread_time() - c0)
         process_cpu_s.append(time.process_time() - p0)
         preempted.append(resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw - switches)
@@ -210,11 +194,6 @@ def main() -> None:
             break
         if args.delay_ms or args.pin:
             dist.barrier()  # the next step starts with the ranks aligned, as the job is built
-        if args.truth:
-            unsynced_s.append(unsynced(x))
-            # Each rank times its own twin, so they end apart: without this the faster
-            # rank's next synced step would wait for its peer's twin, which no real job does.
-            dist.barrier()
     # The gradients of one more synchronised step, kept for comparing runs.
     ddp(next(data)).square().mean().backward()
     grads = [p.grad.detach().clone() for p in ddp.parameters() if p.grad is not None]
@@ -223,8 +202,7 @@ def main() -> None:
         hog.kill()
         hog.wait()
     summary = {
-        "rank": rank, "world": world, "synced_s": synced_s, "unsynced_s": unsynced_s,
-        "unsynced_cpu_s": unsynced_cpu_s[args.warmup:],
+        "rank": rank, "world": world, "wall_s": wall_s,
         "thread_cpu_s": thread_cpu_s, "process_cpu_s": process_cpu_s, "preempted": preempted,
         "cpu_wait_s": cpu_wait_s, "steal_s": steal_s, "slept_s": slept_s, "kinds": kinds,
         "backward_s": backward_s, "data_s": data_s, "late_s": late_s,
