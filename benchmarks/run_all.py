@@ -78,6 +78,13 @@ BENCHMARKS: dict[str, tuple[list[str], list[Check]]] = {
          lambda r: r["offered_zero_loss_per_s"], lambda x: f"{x:,.0f}/s",
          lambda x: x >= 50_000),
     ]),
+    "fleet": (["bench_fleet.py"], [
+        ("fleet: the store ingests every scraped series each scrape (ingest × interval ÷ series ≥ 0.9)",
+         lambda r: r["load"]["ingest_samples_per_s"] * r["load"]["scrape_s"] / r["load"]["raw_series"],
+         lambda x: f"{x:.2f}", lambda x: x >= 0.9),
+        ("fleet: the run-level rule chain of the largest run evaluates within a 15 s interval",
+         lambda r: r["ranks_per_run"][-1]["chain_s"], lambda x: f"{x:.2f} s", lambda x: x <= 15.0),
+    ]),
 }
 
 
@@ -87,6 +94,7 @@ QUICK: dict[str, list[str]] = {
     "hook": ["--blocks", "4", "--block-steps", "20"],
     "train": ["--pairs", "5", "--steps", "25", "--blocks", "5", "--block-steps", "2"],  # 20 warm-up steps
     "ingest": ["--seconds", "0.3", "--rates", "2000"],
+    "fleet": ["--quick"],
 }
 """Arguments for a tiny run of each benchmark (``--quick``): it starts, runs every part once
 and prints its JSON line, so a broken benchmark shows in minutes; its figures mean nothing."""

@@ -35,16 +35,16 @@ class Service:
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def get_json(self, path: str, **params: str) -> Any:
+    def get_json(self, path: str, timeout: float = 10.0, **params: str) -> Any:
         """The parsed body of a GET (AssertionError unless 200)."""
         query = ("?" + urllib.parse.urlencode(params)) if params else ""
-        status, body = http_get(self.url + path + query, timeout=10)
+        status, body = http_get(self.url + path + query, timeout=timeout)
         assert status == 200, (self.name, path, status, body[:2000])
         return json.loads(body)
 
-    def query(self, promql: str) -> list[dict[str, Any]]:
+    def query(self, promql: str, timeout: float = 10.0) -> list[dict[str, Any]]:
         """The result vector of an instant query on a Prometheus-compatible API."""
-        data = self.get_json("/api/v1/query", query=promql)
+        data = self.get_json("/api/v1/query", timeout=timeout, query=promql)
         assert data["status"] == "success", data
         return list(data["data"]["result"])
 
