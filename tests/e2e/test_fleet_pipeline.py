@@ -42,7 +42,7 @@ from gpumon.testing.pipeline import (
 from tests.e2e.distributed import JOBS
 from tests.e2e.test_dashboards import _label_values, _load, _panels, _substitute
 from tests.helpers import ROOT
-from tests.testing.fakenvml_fixtures import SCENARIOS, fake_nvml_lib  # noqa: F401
+from tests.testing.fakenvml_fixtures import SCENARIOS, Scenario, fake_nvml_lib  # noqa: F401
 
 FLEET = ROOT / "deploy" / "fleet"
 RULE_FILE = ROOT / "alerts" / "gpumon.rules.yml"
@@ -108,13 +108,22 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, fake_nvml_lib: Path  # no
     services: list[Service] = []
     agents: list[AgentProcess] = []
     try:
-        xid_env = agent_env(fake_nvml_lib.parent, SCENARIOS / "xid79.scn")
+        # The XID is written into the scenario once the agent listens for it: one due before
+        # the agent registered (a slow start) would be lost, as with a real driver.
+        scenario = Scenario.load(SCENARIOS / "xid79.scn")
+        xids = list(scenario.gpu(1).xids)
+        scenario.gpu(1).xids.clear()
+        scenario_path = tmp / "xid.scn"
+        scenario.dump(scenario_path)
+        xid_env = agent_env(fake_nvml_lib.parent, scenario_path)
         agents.append(start_agent(tmp, "--interval", "1", env=xid_env, wait_ready=False))
         agents += [start_agent(tmp, "--simulate", "2", "--interval", "1", wait_ready=False)
                    for _ in range(3)]
         for agent in agents:
             wait_for(lambda agent=agent: agent.json("/readyz")[0] == 200, timeout=60,
                      what=f"agent on {agent.port}")
+        scenario.gpu(1).xids.extend(xids)
+        scenario.dump(scenario_path)
         store = start_victoria_metrics(tmp)
         services.append(store)
         alertmanager = start_alertmanager(tmp)
