@@ -98,9 +98,3 @@ def exposed_share(steps: list[dict[str, Any]]) -> float:
     """Exposed communication seconds over step seconds."""
     return float(sum(s["comm"]["exposed"] for s in steps)) / float(sum(s["duration"] for s in steps))
 
-
-def truth_share(summary: dict[str, Any]) -> float:
-    """1 - t(no_sync) / t(sync), as a job measured itself with twins of its steps (medians)."""
-    synced = sorted(summary["synced_s"])[len(summary["synced_s"]) // 2]
-    unsynced = sorted(summary["unsynced_s"])[len(summary["unsynced_s"]) // 2]
-    return 1.0 - float(unsynced) / float(synced)

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from gpumon.testing import AgentProcess, free_port
-from tests.e2e.distributed import AGENT, Job, exposed_share, share_of, truth_share
+from tests.e2e.accuracy import Bound, judged, rows_of, within_clocks
+from tests.e2e.distributed import AGENT, Job, share_of
 from tests.helpers import RECORDING, ROOT
 
 JOBS = Path(__file__).resolve().parent / "jobs"
@@ -84,7 +85,7 @@ def test_the_cpu_example_unmodified_gets_the_verdicts_it_gets_hooked(
         assert step["samples"] == 64
 
 
-def test_comm_heavy_ddp_unmodified_exposed_share_matches_its_no_sync_truth(
+def test_comm_heavy_ddp_unmodified_is_exposed_as_long_as_its_ranks_waited(
     agent: AgentProcess, tmp_path: Path
 ) -> None:
     warmup = 3
@@ -92,22 +93,21 @@ def test_comm_heavy_ddp_unmodified_exposed_share_matches_its_no_sync_truth(
                   [str(JOBS / "plain_job.py"), "ddp", "--out", str(tmp_path / "ddp-plain"),
                    "--steps", "14", "--warmup", str(warmup)],
                   expect_steps=2 * (14 + warmup), torchrun=2)
-    gaps = []
     for rank in (0, 1):
         summary = job.summary(rank)
         steps = job.steps(rank)
         assert len(steps) == summary["optimizer_steps"]  # the twins on the helper thread: not steps
         synced = [s for s in steps if s["step"] >= warmup]
-        truth, measured = truth_share(summary), exposed_share(synced)
-        assert truth > 0.3, summary
-        assert abs(measured - truth) <= 0.25, (rank, measured, truth)
-        gaps.append(measured - truth)
         for step in synced:
             count, size, _ = step["comm"]["ops"]["all_reduce"]
             assert size == summary["grad_bytes"] and count == 3
             assert {"forward", "backward", "optimizer"} <= set(step["phases"])
         assert share_of(job.verdicts(rank), "communication") >= 0.8
-    assert abs(sum(gaps) / 2) <= 0.15, gaps
+    # Each step waits for its 64 MiB all-reduce as long as the training thread's clocks over
+    # backward show it off a CPU (N: 0), not through its work there (A: the whole step);
+    # between the bounds lies its run delay, where B (little overlaps) and U may fall.
+    rows = [row for rank in (0, 1) for row in rows_of(job, rank) if row["line"]["step"] >= warmup]
+    judged([Bound("within the job's clocks", within_clocks(), fails="NA", either="BU")], rows)
 
 
 def test_lightning_ddp_unmodified_counts_one_step_per_optimizer_step(

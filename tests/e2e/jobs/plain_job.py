@@ -1,10 +1,11 @@
 """Training jobs with nothing of gpumon in them, for ``gpumon run``'s distributed tests (CPU,
 gloo). Each rank writes ``OUT/rank<R>.json`` with what it counted itself: its optimizer steps
-and micro-batches, and for ``ddp`` the timings its ``no_sync`` truth is made of.
+and micro-batches, and for ``ddp`` its training thread's clocks over each step's backward.
 
-* ``ddp`` (under ``torch.distributed.run``): the communication-heavy model of ``ddp_job.py``;
-  after every step, the same step under ``ddp.no_sync()`` on a helper thread (gpumon watches
-  the main thread, so it does not count it), timed here, then a barrier that re-aligns the ranks.
+* ``ddp`` (under ``torch.distributed.run``): the communication-heavy model of ``ddp_job.py``
+  (gradients as views of DDP's buckets); for every step, the training thread's wall time, CPU
+  time, run delay and the steal over its backward, where DDP's all-reduce runs, then a barrier
+  that re-aligns the ranks.
 * ``lightning`` (started as a plain script; Lightning's ``ddp`` strategy starts the second rank):
   the same model, four micro-batches per optimizer step.
 * ``hf`` (under ``torch.distributed.run``): a small GPT-2 in a ``Trainer``, four micro-batches
@@ -16,9 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import threading
+import time
 from pathlib import Path
-from time import perf_counter
 from typing import Any
 
 import torch
@@ -36,38 +36,32 @@ def ddp(steps: int, warmup: int) -> dict[str, Any]:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    model = DistributedDataParallel(comm_heavy())
+    model = DistributedDataParallel(comm_heavy(), gradient_as_bucket_view=True)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
     generator = torch.Generator().manual_seed(rank)
-    synced_s: list[float] = []
-    unsynced_s: list[float] = []
+    backward_s: list[list[float]] = []
 
-    def train(x: torch.Tensor) -> None:
-        model(x).square().mean().backward()
+    for _ in range(warmup + steps):
+        x = torch.randn(2, 2048, generator=generator)
+        loss = model(x).square().mean()
+        before = _clocks()
+        loss.backward()
+        backward_s.append([b - a for a, b in zip(before, _clocks(), strict=True)])
         optimizer.step()
         optimizer.zero_grad()
-
-    def twin(x: torch.Tensor) -> None:
-        t0 = perf_counter()
-        with model.no_sync():
-            train(x)
-        unsynced_s.append(perf_counter() - t0)
-
-    for i in range(warmup + steps):
-        x = torch.randn(2, 2048, generator=generator)
-        t0 = perf_counter()
-        train(x)
-        if i >= warmup:
-            synced_s.append(perf_counter() - t0)
-        helper = threading.Thread(target=twin, args=(x,))
-        helper.start()
-        helper.join()
         dist.barrier()
-    if len(unsynced_s) > steps:
-        del unsynced_s[:warmup]
     dist.destroy_process_group()
-    return {"optimizer_steps": warmup + steps, "synced_s": synced_s, "unsynced_s": unsynced_s,
+    return {"optimizer_steps": warmup + steps, "backward_s": backward_s,
             "grad_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def _clocks() -> list[float]:
+    """Wall, the thread's CPU time, its run delay, the steal from all cores, slept (none)."""
+    with open("/proc/thread-self/schedstat") as f:
+        delay = int(f.read().split()[1]) / 1e9
+    with open("/proc/stat") as f:
+        steal = int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    return [time.perf_counter(), time.thread_time(), delay, steal, 0.0]
 
 
 def lightning(steps: int) -> dict[str, Any]:
