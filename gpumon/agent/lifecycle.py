@@ -36,6 +36,7 @@ from gpumon.agent.views import AgentCollector, readiness, snapshot_document
 from gpumon.collectors.base import EventWatcher, GpuSource
 from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer, IngestStatus
+from gpumon.collectors.liveness import ProcessLiveness
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.export.server import MetricsServer
 from gpumon.export.webconfig import WebConfigError, load_web_config
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 HOST_INTERVAL_S = 5.0
 DISCOVER_EVERY_CYCLES = 30  # look for GPUs that appeared after start (30 s at 1 s polls)
 HOUSEKEEPING_INTERVAL_S = 1.0
+LIVENESS_INTERVAL_S = 5.0
+"""How often the training processes are looked for in /proc: an exit is seen within 5 s."""
 
 
 class AgentError(RuntimeError):
@@ -77,6 +80,8 @@ class Agent:
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
         self._discovered_at = time.monotonic()
+        self._liveness = ProcessLiveness()
+        self._liveness_at = 0.0
         self.started_at = time.time()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -223,6 +228,11 @@ class Agent:
 
     def _housekeeping(self, now: float, monotonic: float) -> None:
         expired = self.rank_store.expire(monotonic)
+        if monotonic - self._liveness_at >= LIVENESS_INTERVAL_S:
+            self._liveness_at = monotonic
+            ended = self._liveness.ended(set(self.rank_store.watched_pids()))
+            if ended:
+                self.rank_store.mark_exited(ended, monotonic)
         self.analyzer.advance(now, expired, self.state.snapshot(now), self.state.gpu_history())
         if self._recorder is not None:
             self._recorder.flush()

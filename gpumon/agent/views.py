@@ -16,6 +16,7 @@ from prometheus_client.core import Metric
 
 from gpumon import __version__
 from gpumon.agent.analyzer import SharedAnalyzer
+from gpumon.analysis.stall import RankCondition, waits_on_label
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.ingest import IngestStatus
 from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
@@ -23,8 +24,10 @@ from gpumon.collectors.samples import GpuSample
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.health_metrics import eviction_families, ingest_families, recording_families
 from gpumon.export.memory_metrics import MemoryFamilies
+from gpumon.export.rank_state_metrics import rank_state_families
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.state.node import NodeSnapshot, NodeState
+from gpumon.state.rank_states import rank_conditions
 from gpumon.state.ranks import RankStore, RankTotals
 from gpumon.state.recording import RecorderStatus
 
@@ -57,6 +60,7 @@ class AgentCollector:
         yield from self._step_families.steps(ranks, records, dropped, snap.processes, resolved)
         yield from self._step_families.analyses(analyses)
         yield from self._memory_families.families(ranks, analyses)
+        yield from rank_state_families(rank_conditions(ranks, time.monotonic()))
         yield from eviction_families(self._rank_store.evictions())
         yield from ingest_families(self._ingest())
         yield from recording_families(self._recording())
@@ -98,6 +102,7 @@ def snapshot_document(snap: NodeSnapshot, ranks: list[RankTotals],
                       analyses: list[RankAnalysis]) -> dict[str, Any]:
     """The node, its GPUs and its ranks as JSON-ready data."""
     by_rank = {(a.run, a.rank): a for a in analyses}
+    conditions = rank_conditions(ranks, time.monotonic())
     gpus = []
     for gpu in snap.gpus:
         sample = snap.latest.get(gpu.index)
@@ -122,7 +127,7 @@ def snapshot_document(snap: NodeSnapshot, ranks: list[RankTotals],
             "memory_total_bytes": host.memory_total_bytes},
         "xid_errors": [{"gpu": g, "xid": x, "count": c}
                        for (g, x), c in sorted(snap.xid_counts.items())],
-        "ranks": [_rank_dict(r, by_rank.get((r.run, r.rank)))
+        "ranks": [_rank_dict(r, by_rank.get((r.run, r.rank)), conditions.get((r.run, r.rank)))
                   for r in sorted(ranks, key=lambda r: (r.run, r.rank))],
     }
 
@@ -135,7 +140,8 @@ def _sample_dict(sample: GpuSample) -> dict[str, Any]:
     return data
 
 
-def _rank_dict(state: RankTotals, analysis: RankAnalysis | None) -> dict[str, Any]:
+def _rank_dict(state: RankTotals, analysis: RankAnalysis | None,
+               condition: RankCondition | None) -> dict[str, Any]:
     return {
         "run": state.run, "rank": state.rank, "world": state.world,
         "local_rank": state.local_rank, "pid": state.pid, "gpu": state.gpu_hint,
@@ -150,6 +156,30 @@ def _rank_dict(state: RankTotals, analysis: RankAnalysis | None) -> dict[str, An
         "memory_breakdown": None if state.memory_breakdown is None
         else asdict(state.memory_breakdown),
         "analysis": None if analysis is None else _analysis_dict(analysis),
+        "condition": None if condition is None else _condition_dict(condition),
+    }
+
+
+def _condition_dict(condition: RankCondition) -> dict[str, Any]:
+    """The rank's state and, while stalled, its place and stack (``gpumon stacks``)."""
+    report = condition.report
+    flight = None if report is None else report.in_flight
+    stalled = condition.state == "stalled"
+    return {
+        "state": condition.state,
+        "stalled_seconds": condition.stalled_s,
+        "phase": condition.phase if stalled else None,
+        "location": condition.location if stalled else None,
+        "waits_on": list(condition.waits_on),
+        "waits_on_label": waits_on_label(condition.waits_on),
+        "collective": None if flight is None or not stalled else {
+            "op": flight.op, "seq": flight.seq, "bytes": flight.nbytes, "since": flight.since,
+            "on_device": flight.on_device},
+        "collectives_launched": None if report is None else report.launched,
+        "steps": None if report is None else report.steps,
+        "stack": [] if report is None or not stalled else [
+            {"file": f.file, "line": f.line, "function": f.function, "own": f.own}
+            for f in report.stack],
     }
 
 

@@ -29,7 +29,15 @@ from gpumon.analysis.stream import RankKey
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.collectors.sender_shares import SenderShares
 from gpumon.state.collectives import CommTotals
-from gpumon.wire import KNOWN_PHASES, EventRecord, HelloRecord, MemoryBreakdown, Record, StepRecord
+from gpumon.wire import (
+    KNOWN_PHASES,
+    EventRecord,
+    HelloRecord,
+    MemoryBreakdown,
+    Record,
+    StateRecord,
+    StepRecord,
+)
 
 # Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
 # large-model steps; le="+Inf" is added on export.
@@ -89,6 +97,14 @@ class RankTotals:
     """Collective communication, once a step has reported any (measured or a comm phase)."""
     memory_breakdown: MemoryBreakdown | None = None
     """The latest sampled breakdown (``watch(model, optimizer)``)."""
+    kernel_pid: int | None = None
+    """The sender's pid as the kernel gave it (SCM_CREDENTIALS): a process the agent can see."""
+    report: StateRecord | None = None
+    """The hook's latest word on its progress, and its place while stalled."""
+    report_monotonic: float | None = None
+    last_step_monotonic: float | None = None
+    exited_monotonic: float | None = None
+    """When the agent saw the process end (``None``: alive, or not seen)."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does (RankStore stamps it)."""
 
@@ -174,10 +190,19 @@ class RankStore:
                 pid = sender.pid if sender.pid is not None else record.pid
                 if pid is not None:
                     state.pid = pid
+                if sender.pid is not None and sender.pid != state.kernel_pid:
+                    state.kernel_pid = sender.pid  # a new process of this rank (a restart)
+                    state.exited_monotonic = None
+                if isinstance(record, StateRecord):
+                    # Rendered at each scrape from the report: the step series stay as they are.
+                    self.records_total["state"] += 1
+                    state.report, state.report_monotonic = record, monotonic
+                    continue
                 if isinstance(record, StepRecord):
                     self.records_total["step"] += 1
                     _note_identity(state, record.world, record.local_rank, record.gpu)
                     state.add_step(record, now_t)
+                    state.last_step_monotonic = monotonic
                     accepted.append(record)
                 elif isinstance(record, EventRecord):
                     self.records_total["event"] += 1
@@ -254,6 +279,23 @@ class RankStore:
         """Pairs evicted to make room under the cap, by reason."""
         with self._lock:
             return dict(self.evicted_total)
+
+    def watched_pids(self) -> dict[int, list[RankKey]]:
+        """pid (as the kernel gave it) -> the ranks it sends for, of every rank not seen to
+        have exited."""
+        with self._lock:
+            pids: dict[int, list[RankKey]] = {}
+            for key, s in self._ranks.items():
+                if s.kernel_pid is not None and s.exited_monotonic is None:
+                    pids.setdefault(s.kernel_pid, []).append(key)
+            return pids
+
+    def mark_exited(self, pids: set[int], monotonic: float) -> None:
+        """The processes ``pids`` ended: their ranks are ``exited`` (kept until they expire)."""
+        with self._lock:
+            for s in self._ranks.values():
+                if s.kernel_pid in pids and s.exited_monotonic is None:
+                    s.exited_monotonic = monotonic
 
     def pids(self) -> dict[int, RankKey]:
         """pid -> (run, rank) of every live rank whose pid is known."""
