@@ -228,6 +228,25 @@ def top(
     raise typer.Exit(run_top(url, interval, once=once, rank=rank))
 
 
+@app.command()
+def stacks(
+    url: Annotated[str, typer.Option(metavar="URL", help="The agent's base URL.")] = f"http://127.0.0.1:{DEFAULT_PORT}",
+    run_name: Annotated[str | None, typer.Option("--run", metavar="RUN", help="Only this run [default: every run].")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON document instead of text.")] = False,
+) -> None:
+    """Where every rank of a run is: state, phase, collective, whom it waits on, and its stack."""
+    from gpumon.commands.stacks import run_stacks
+    from gpumon.commands.top import snapshot_url
+
+    try:
+        snapshot_url(url)
+    except ValueError as exc:
+        _fail(str(exc), 2)
+    code, text = run_stacks(url, run_name, as_json)
+    (sys.stdout if code == 0 else sys.stderr).write(text)
+    raise typer.Exit(code)
+
+
 @app.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 def run(
     command: Annotated[list[str] | None, typer.Argument(metavar="COMMAND", help="The training command, unchanged: python train.py, torchrun ..., deepspeed ..., accelerate launch ...")] = None,
