@@ -159,7 +159,7 @@ class StallWatch:
 
     def _place(self, record: StateRecord) -> StateRecord:
         """``record`` with where the training thread is: phase, collective, stack."""
-        phase = self._core.open_phase
+        phase = getattr(self._core, "open_phase", None)  # None from a core built before it
         op = self._in_flight.oldest()
         flight = None if op is None else InFlight(op.op, op.seq, op.nbytes, op.since_unix_s, op.on_device)
         frame = None if self.training_thread is None else sys._current_frames().get(self.training_thread)
