@@ -166,9 +166,16 @@ def load_run(tmp: Path, nodes: int, interval: float, scrape_s: int, eval_s: int,
         cpu0 = {a.process.pid: cpu_seconds(a.process.pid) for a in agents}
         t0 = time.monotonic()
         time.sleep(seconds / 2)  # every series born, a few scrapes and evaluations done
+        shard_a, shard_b = services[2], services[3]
+        sent1 = (_total(_metrics(shard_a.url), "prometheus_remote_storage_bytes_total"),
+                 _total(_metrics(shard_b.url), "vmagent_remotewrite_bytes_sent_total"))
         m1, t1 = _metrics(store.url), time.monotonic()
         time.sleep(seconds / 2)
         m2, t2 = _metrics(store.url), time.monotonic()
+        sent2 = (_total(_metrics(shard_a.url), "prometheus_remote_storage_bytes_total"),
+                 _total(_metrics(shard_b.url), "vmagent_remotewrite_bytes_sent_total"))
+        sizes = (half, nodes - half)
+        wire = [(b - a) / (t2 - t1) / n for a, b, n in zip(sent1, sent2, sizes, strict=True)]
         agent_cpu = sum(cpu_seconds(a.process.pid) - c for a, c in
                         ((a, cpu0[a.process.pid]) for a in agents)) / (t2 - t0)
         rows = _total(m2, "vm_rows_inserted_total") - _total(m1, "vm_rows_inserted_total")
@@ -189,6 +196,7 @@ def load_run(tmp: Path, nodes: int, interval: float, scrape_s: int, eval_s: int,
             "eval_s": eval_s, "seconds": t2 - t0,
             "ingest_samples_per_s": ingest, "series": series, "raw_series": raw,
             "store_rss_bytes": _total(m2, "process_resident_memory_bytes"),
+            "remote_write_bytes_per_s_per_node": {"prometheus": wire[0], "vmagent": wire[1]},
             "store_data_bytes": _total(m2, "vm_data_size_bytes"),
             "store_rows": _total(m2, "vm_rows"),
             "vmalert_group_s": groups,
@@ -209,6 +217,8 @@ def load_run(tmp: Path, nodes: int, interval: float, scrape_s: int, eval_s: int,
         ["store ingest", f"{ingest:,.0f} samples/s ({ingest / nodes:.1f} per node)"],
         ["store series (raw scrape series)", f"{series:,.0f} ({raw:,.0f})"],
         ["store RSS", f"{result['store_rss_bytes'] / 2**20:.0f} MiB"],
+        ["remote write per node (Prometheus / vmagent shard)",
+         f"{wire[0]:,.0f} / {wire[1]:,.0f} bytes/s"],
         ["store bytes per sample (so far)",
          f"{result['store_data_bytes'] / max(result['store_rows'], 1):.2f}"],
         *[[f"vmalert group {g}", f"{s * 1e3:.1f} ms"] for g, s in sorted(groups.items())],
