@@ -14,6 +14,7 @@ import argparse
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from itertools import islice
 
 import torch
@@ -39,7 +40,8 @@ class SlowDataset(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         return self._data[index]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; exits with a message on bad flags."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=5, help="steps not counted in the throughput")
@@ -48,16 +50,29 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--input-bound", action="store_true", help="slow Dataset: waiting on input dominates")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not 0 <= args.warmup < args.steps:
         parser.error("--warmup must be at least 0 and below --steps")
+    return args
+
+
+@dataclass
+class Job:
+    """A model, its optimizer and loss, and an endless supply of batches."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: nn.Module
+    data: Iterator[tuple[torch.Tensor, torch.Tensor]]
+
+
+def make_job(args: argparse.Namespace) -> Job:
+    """The MLP, AdamW and the data ``args`` describe (seeded: every job starts the same)."""
     torch.manual_seed(0)
     if args.threads:
         torch.set_num_threads(args.threads)
     model = nn.Sequential(nn.Linear(FEATURES, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden),
                           nn.ReLU(), nn.Linear(args.hidden, CLASSES))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    loss_fn = nn.CrossEntropyLoss()
     size = args.batch_size * 32
     dataset: Dataset[tuple[torch.Tensor, torch.Tensor]] = (
         SlowDataset(size) if args.input_bound
@@ -69,19 +84,29 @@ def main() -> None:
         while True:
             yield from loader
 
-    data = batches()
+    return Job(model, torch.optim.AdamW(model.parameters(), lr=1e-3), nn.CrossEntropyLoss(), batches())
+
+
+def train(job: Job, steps: int) -> float:
+    """Run ``steps`` training steps; the last loss."""
     loss = torch.zeros(())
-    timed_from = 0.0
-    for i, (x, y) in enumerate(islice(data, args.steps)):
-        if i == args.warmup:
-            timed_from = time.perf_counter()
-        loss = loss_fn(model(x), y)
+    for x, y in islice(job.data, steps):
+        loss = job.loss_fn(job.model(x), y)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        job.optimizer.step()
+        job.optimizer.zero_grad()
+    return float(loss.item())
+
+
+def main() -> None:
+    args = parse_args()
+    job = make_job(args)
+    train(job, args.warmup)
+    timed_from = time.perf_counter()
+    loss = train(job, args.steps - args.warmup)
     elapsed = time.perf_counter() - timed_from
     print(json.dumps({"samples_per_second": (args.steps - args.warmup) * args.batch_size / elapsed,
-                      "steps": args.steps, "final_loss": float(loss.item())}))
+                      "steps": args.steps, "final_loss": loss}))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ class _State:
     """This process's watch: what the hooks share (touched by the training thread only)."""
 
     def __init__(self) -> None:
-        self.main = threading.get_ident()
+        self.main = threading.main_thread().ident
         self.finder: StepFinder | None = None
         self.inert = False  # decided: this process is not watched
         self.module_depth = 0
@@ -85,7 +85,8 @@ def install() -> bool:
     if compiling is None or not hasattr(optimizer, "register_optimizer_step_post_hook"):
         return False
     _is_compiling = compiling
-    _state = _State()
+    if _state.inert:  # taken out by uninstall(): a new watch
+        _state = _State()
     _handles.append(optimizer.register_optimizer_step_pre_hook(_optimizer_pre))
     _handles.append(optimizer.register_optimizer_step_post_hook(_optimizer_post))
     _patch(module.Module, "__call__", _wrap_call)
@@ -100,18 +101,24 @@ def install() -> bool:
 def uninstall() -> None:
     """Take every hook out again and forget this process's watch (its monitor is closed)."""
     global _state
-    for handle in _handles:
-        handle.remove()
-    _handles.clear()
-    for restore in _restore:
-        restore()
-    _restore.clear()
+    take_out()
     finder = _state.finder
     _state = _State()
     _state.inert = True
     if finder is not None:
         finder.close()
         finder.monitor.close()
+
+
+def take_out() -> None:
+    """Take every hook out of torch, keeping this process's watch: ``install()`` puts them back
+    on the same monitor (to compare a job with and without them in one process)."""
+    for handle in _handles:
+        handle.remove()
+    _handles.clear()
+    for restore in _restore:
+        restore()
+    _restore.clear()
 
 
 def _patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
@@ -148,9 +155,10 @@ def _finder() -> StepFinder | None:
 
 
 def _others() -> int:
-    """Monitors in this process that are not gpumon run's."""
+    """Open monitors in this process that are not gpumon run's."""
     finder = _state.finder
-    return sum(1 for m in list(_monitor_module._live_monitors) if finder is None or m is not finder.monitor)
+    return sum(1 for m in list(_monitor_module._live_monitors)
+               if not m._closed and (finder is None or m is not finder.monitor))
 
 
 def _after_step() -> None:
