@@ -143,3 +143,12 @@ def test_hf_trainer_unmodified_under_torchrun_counts_one_step_per_optimizer_step
             count, _, _ = step["comm"]["ops"]["all_reduce"]
             assert count >= 1
             assert 0 < step["comm"]["exposed"] <= step["comm"]["busy"] <= step["duration"]
+
+
+def test_a_job_with_the_lightning_callback_is_counted_once(agent: AgentProcess, tmp_path: Path) -> None:
+    # framework_job.py reports through GpumonCallback itself: gpumon run must add no steps.
+    job = watched(agent, tmp_path, "lightning-callback",
+                  [str(JOBS / "framework_job.py"), "lightning", "--out", str(tmp_path / "lightning-callback"),
+                   "--steps", str(STEPS)], expect_steps=2 * STEPS, torchrun=2)
+    for rank in (0, 1):
+        assert [s["step"] for s in job.steps(rank)] == list(range(STEPS))
