@@ -1,8 +1,9 @@
 """Write deploy/kubernetes/prometheusrule.yaml (a Prometheus Operator PrometheusRule) from the
 rule files in alerts/, so Kubernetes gets exactly the rules promtool tests.
 
-Run ``python deploy/generate_prometheusrule.py`` after editing alerts/*.rules.yml;
-tests/e2e/test_deploy.py fails when the checked-in file differs from what this writes.
+Run ``python deploy/generate_prometheusrule.py`` after editing alerts/*.rules.yml (it also
+writes deploy/fleet/'s copies); tests/e2e/test_deploy.py and test_fleet_deploy.py fail when a
+checked-in file differs from what this writes.
 """
 
 from __future__ import annotations
@@ -52,10 +53,14 @@ def render() -> str:
 
 
 def main() -> int:
-    """Write the PrometheusRule next to the other Kubernetes manifests."""
+    """Write the PrometheusRule next to the other Kubernetes manifests, and the sharded
+    pipeline's copies of the rules (deploy/fleet/generate.py)."""
     OUTPUT.write_text(render())
     print(f"wrote {OUTPUT.relative_to(ROOT)}")
-    return 0
+    sys.path.insert(0, str(ROOT / "deploy" / "fleet"))
+    import generate as fleet  # deploy/fleet/generate.py
+
+    return int(fleet.main())
 
 
 if __name__ == "__main__":
