@@ -52,6 +52,9 @@ _ledgers: list[CommLedger] = []
 """The ledgers the wrapped functions report to (one per watching monitor, usually one)."""
 _installed = False
 _install_lock = threading.Lock()
+_inside = threading.local()
+"""``collective`` is True on a thread inside a wrapped function: one that calls another
+(torch's ``all_gather_into_tensor`` calls ``all_gather_single``) is one collective, counted once."""
 
 
 def tap_into(ledger: CommLedger) -> bool:
@@ -98,16 +101,19 @@ def install_tap() -> bool:
 def _wrap(original: Callable[..., Any], name: str, position: int, keyword: str) -> Callable[..., Any]:
     @functools.wraps(original)
     def collective(*args: Any, **kwargs: Any) -> Any:
-        if not _ledgers:
+        if not _ledgers or getattr(_inside, "collective", False):
             return original(*args, **kwargs)
         payload = _payload(args, kwargs, position, keyword)
         seq = _opened(name, payload)
         c0, t0 = thread_time(), perf_counter()
+        _inside.collective = True
         try:
             result = original(*args, **kwargs)
         except BaseException:
             IN_FLIGHT.end(seq)
             raise
+        finally:
+            _inside.collective = False
         t1, c1 = perf_counter(), thread_time()
         try:
             _follow(seq, payload, result)
