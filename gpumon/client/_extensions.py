@@ -4,10 +4,11 @@ breakdown, the wait for a CPU): the monitor's one extension point, ``StepMonitor
 A watcher attaches to a monitor with ``monitor.extensions.attach(Kind, factory)``: the
 monitor's extension of class ``Kind``, made by ``factory()`` (default ``Kind()``) and registered
 on the first call, returned as it is on every later one (one extension of each class per
-monitor, so watching twice registers nothing twice). ``monitor.extensions.device_clock()`` is
+monitor, so watching twice registers nothing twice). ``monitor.extensions.describe(framework,
+zero_stage)`` names what drives the loop, for the agent. ``monitor.extensions.device_clock()`` is
 the monitor's CUDA clock once CUDA is seen in use, else ``None``; it holds no reference to the
 monitor, so an extension a process-wide hook keeps never keeps its monitor alive. Watchers use
-these two and nothing else of the monitor.
+these three and nothing else of the monitor.
 
 An extension is any object with ``step_begin() -> None`` and ``step_end(fields) -> None``.
 Both run on the training thread, at the start and the end of every outermost step from the
@@ -136,8 +137,10 @@ class Extensions:
     or ``None`` once nothing is left to call.
     """
 
-    def __init__(self, activate: Callable[[StepExtensions | None], None]) -> None:
+    def __init__(self, activate: Callable[[StepExtensions | None], None],
+                 describe: Callable[[str, int | None], None] | None = None) -> None:
         self._activate = activate
+        self._describe = describe
         self._attached: dict[type, StepExtension] = {}
         self._calls = StepExtensions(on_empty=lambda: activate(None))
         self._closed = False
@@ -158,6 +161,12 @@ class Extensions:
             self._calls.add(extension)
             self._activate(self._calls)
         return extension
+
+    def describe(self, framework: str, zero_stage: int | None = None) -> None:
+        """Tell the agent what drives the loop (``deepspeed``) and its ZeRO stage: sent with
+        the monitor's hello, and exported per rank. A name that is not a label is ignored."""
+        if self._describe is not None and not self._closed:
+            self._describe(framework, zero_stage)
 
     def get(self, kind: type[E]) -> E | None:
         """The monitor's extension of class ``kind``, or ``None`` if none is attached."""

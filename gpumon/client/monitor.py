@@ -13,6 +13,7 @@ step through ``monitor.extensions`` alone (``attach(Kind, factory)``, ``device_c
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 import threading
 import weakref
@@ -147,7 +148,7 @@ class StepMonitor:
         self._buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         # The hot-path state, touched only by the training thread.
         self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
-        self.extensions = Extensions(self._core.set_extensions)
+        self.extensions = Extensions(self._core.set_extensions, self._describe)
         """Where watchers attach what they measure in each step:
         ``extensions.attach(Kind, factory)`` and ``extensions.device_clock()`` (see
         ``gpumon.client._extensions``)."""
@@ -329,6 +330,15 @@ class StepMonitor:
             self._sender.set_gpu(clock.gpu)
         if final:  # CUDA came into use after the hello: say hello again, with the device
             self._sender.add_control(self._sender.hello)
+
+    def _describe(self, framework: str, zero_stage: int | None) -> None:
+        """Say hello again, naming the framework (and its ZeRO stage) a watcher found."""
+        if not is_label(framework, MAX_LABEL_CHARS) or (
+                zero_stage is not None and not (type(zero_stage) is int and 0 <= zero_stage <= 3)):
+            return
+        hello = dataclasses.replace(self._sender.hello, framework=framework, zero_stage=zero_stage)
+        self._sender.hello = hello
+        self._sender.add_control(hello)
 
     def _step_failed(self, exc: BaseException | None, step: int | None) -> None:
         if _cuda.is_out_of_memory(exc):

@@ -106,6 +106,7 @@ class _StepFamilySet(NamedTuple):
     ooms: CounterFamily
     cpu: CounterFamily
     rss: GaugeFamily
+    framework: GaugeFamily
 
 
 def _step_families() -> _StepFamilySet:
@@ -142,6 +143,10 @@ def _step_families() -> _StepFamilySet:
                       "CPU time of the training process.", labels=RANK_LABELS),
         GaugeFamily("gpumon_process_resident_memory_bytes",
                     "Resident memory of the training process.", labels=RANK_LABELS),
+        GaugeFamily("gpumon_rank_framework_info",
+                    "What drives each rank's loop, where a watcher found it (deepspeed), and "
+                    "the ZeRO stage it runs (0-3; empty when none).",
+                    labels=[*RANK_LABELS, "framework", "zero_stage"]),
     )
 
 
@@ -153,7 +158,7 @@ def _add_steps(families: _StepFamilySet, ranks: list[RankSource]) -> None:
 def _add_rank_steps(families: _StepFamilySet, state: RankTotals, process: ProcessSample | None,
                     gpu: str) -> None:
     (info, steps, duration, phases, samples, tokens, flops, last,
-     allocated, reserved, peak, retries, ooms, cpu, rss) = families
+     allocated, reserved, peak, retries, ooms, cpu, rss, framework) = families
     labels = [state.run, str(state.rank)]
     info.add_metric([*labels, _text(state.world), _text(state.local_rank),
                      _text(state.pid), gpu], 1.0)
@@ -177,6 +182,8 @@ def _add_rank_steps(families: _StepFamilySet, state: RankTotals, process: Proces
         if value is not None:
             family.add_metric(labels, float(value))
     ooms.add_metric(labels, float(state.ooms_total))
+    if state.framework is not None:
+        framework.add_metric([*labels, state.framework, _text(state.zero_stage)], 1.0)
     if process is not None:
         cpu.add_metric(labels, process.cpu_seconds_total)
         rss.add_metric(labels, float(process.resident_memory_bytes))

@@ -105,6 +105,10 @@ class RankTotals:
     last_step_monotonic: float | None = None
     exited_monotonic: float | None = None
     """When the agent saw the process end (``None``: alive, or not seen)."""
+    framework: str | None = None
+    """What drives the rank's loop, as its hello said (``deepspeed``)."""
+    zero_stage: int | None = None
+    """The ZeRO stage it runs, as its hello said."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does (RankStore stamps it)."""
 
@@ -212,6 +216,8 @@ class RankStore:
                 elif isinstance(record, HelloRecord):
                     self.records_total["hello"] += 1
                     _note_identity(state, record.world, record.local_rank, record.gpu)
+                    if record.framework is not None:
+                        state.framework, state.zero_stage = record.framework, record.zero_stage
                 state.version = next(_versions)
         return accepted
 

@@ -310,6 +310,7 @@ def _check_event(obj: Mapping[str, object]) -> EventRecord:
 def _check_hello(obj: Mapping[str, object]) -> HelloRecord:
     run, rank, world, local_rank = _check_identity(obj)
     version = obj.get("client_version")
+    framework = obj.get("framework")
     return HelloRecord(
         run=run,
         rank=rank,
@@ -318,6 +319,8 @@ def _check_hello(obj: Mapping[str, object]) -> HelloRecord:
         pid=_opt_int(obj, "pid"),
         gpu=_check_gpu(obj),
         client_version=None if version is None else check_label(version, "client_version"),
+        framework=None if framework is None else check_label(framework, "framework"),
+        zero_stage=_opt_int(obj, "zero_stage"),
     )
 
 

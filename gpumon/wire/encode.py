@@ -85,6 +85,8 @@ def to_wire(record: Record) -> dict[str, object]:
             "pid": record.pid,
             "gpu": record.gpu,
             "client_version": record.client_version,
+            "framework": record.framework,
+            "zero_stage": record.zero_stage,
         }
     out.update((k, v) for k, v in fields.items() if v is not None)
     return out

@@ -124,6 +124,7 @@ FIELD_LIMITS: dict[str, Limit] = {
     "comm.bytes": _in_comm(integer=True, high=MAX_INT),
     "comm.seconds": _in_comm(integer=False, high=MAX_DURATION_S),
     "cpu_wait": Limit(integer=False, high=MAX_DURATION_S, within_step=True),
+    "zero_stage": Limit(integer=True, high=3),
     "memb": Limit(integer=True, high=MAX_INT, type_reason="bad_memory_breakdown",
                   value_reason="bad_memory_breakdown"),
     "since": Limit(integer=False, high=MAX_UNIX_TIME_S),
@@ -138,13 +139,14 @@ FIELD_LIMITS: dict[str, Limit] = {
 """Every numeric field by name (``mem``, ``memb``: each of their counts; ``phase``: each phase;
 ``comm.*``: the figures inside ``comm``; ``cpu_wait``: seconds the training thread was
 runnable but waiting for a CPU; ``since``, ``threshold``, ``launched``, ``flight.*`` and
-``frame.line``: a ``state`` record's)."""
+``frame.line``: a ``state`` record's; ``zero_stage``: a hello's ZeRO stage)."""
 
 LABEL_LIMITS: dict[str, int] = {
     "run": MAX_RUN_CHARS,
     "phase": MAX_LABEL_CHARS,
     "event": MAX_LABEL_CHARS,
     "client_version": MAX_LABEL_CHARS,
+    "framework": MAX_LABEL_CHARS,
     "gpu": MAX_GPU_CHARS,
     "collective": MAX_COLLECTIVE_CHARS,
     "dev": MAX_LABEL_CHARS,

@@ -121,6 +121,10 @@ class HelloRecord:
     pid: int | None = None
     gpu: str | int | None = None
     client_version: str | None = None
+    framework: str | None = None
+    """What drives the training loop, when a watcher knows (``deepspeed``)."""
+    zero_stage: int | None = None
+    """The ZeRO stage the framework runs (0-3), when it shards with ZeRO."""
 
 
 @dataclass(frozen=True, slots=True)
