@@ -45,7 +45,7 @@ import os
 import weakref
 from collections.abc import Callable, Iterable
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -61,13 +61,31 @@ RETAINED_SAMPLES = 64
 Key = tuple[int, torch.device]
 
 
+class Holdings(Protocol):
+    """What a wrapper keeps outside its model's ``param.data`` and ``param.grad`` (ZeRO's
+    partitions: ``deepspeed_memory``), read at each sampled step."""
+
+    def parameters(self) -> Iterable[torch.Tensor]: ...
+
+    def gradients(self) -> Iterable[torch.Tensor]: ...
+
+    def optimizer_states(self) -> Iterable[torch.Tensor]:
+        """Fp32 master partitions the optimizer updates but does not list between steps."""
+        ...
+
+    def buffers(self) -> Iterable[torch.Tensor]:
+        """Communication buffers (reduction buckets): counted in ``other``."""
+        ...
+
+
 def watch_memory(monitor: StepMonitor, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer | None = None) -> MemoryBreakdownSampler:
+                 optimizer: torch.optim.Optimizer | None = None,
+                 holdings: Holdings | None = None) -> MemoryBreakdownSampler:
     """The monitor's sampler, registered as a step extension on first use, now also watching
-    ``model`` and ``optimizer`` (again: nothing changes)."""
+    ``model``, ``optimizer`` and ``holdings`` (again: nothing changes)."""
     sampler = monitor.extensions.attach(
         MemoryBreakdownSampler, lambda: MemoryBreakdownSampler(interval_s=_interval_from_env()))
-    sampler.add(model, optimizer)
+    sampler.add(model, optimizer, holdings)
     return sampler
 
 
@@ -100,6 +118,7 @@ class MemoryBreakdownSampler:
                  clock: Callable[[], float] = perf_counter) -> None:
         self._models: list[weakref.ref[torch.nn.Module]] = []
         self._optimizers: list[weakref.ref[torch.optim.Optimizer]] = []
+        self._holdings: list[Holdings] = []
         if model is not None:
             self.add(model, optimizer)
         self._interval_s = interval_s
@@ -123,11 +142,15 @@ class MemoryBreakdownSampler:
         self._retained: dict[Key, int] | None = None
         self.samples = 0
 
-    def add(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Watch ``model`` (and ``optimizer``) too; what is watched already is not added twice."""
+    def add(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+            holdings: Holdings | None = None) -> None:
+        """Watch ``model`` (and ``optimizer``, and a wrapper's ``holdings``) too; what is
+        watched already is not added twice."""
         for ref, obj in ((self._models, model), (self._optimizers, optimizer)):
             if obj is not None and not any(r() is obj for r in ref):
                 ref.append(weakref.ref(obj))
+        if holdings is not None and not any(h is holdings for h in self._holdings):
+            self._holdings.append(holdings)
 
     def _live(self) -> tuple[Model, list[torch.optim.Optimizer]] | None:
         models = [m for m in (r() for r in self._models) if m is not None]
@@ -151,7 +174,7 @@ class MemoryBreakdownSampler:
         self._segment, self._weight_copies, self._saved = {}, {}, []
         self._copy_refs = []
         self._boundary = None
-        params = [*model.parameters(), *_updated(optimizers)]
+        params = [*model.parameters(), *_updated(optimizers), *self._held("parameters")]
         self._param_tensors = {id(p) for p in params}
         self._param_keys = {key for key, _ in (_storage(p) for p in params) if key is not None}
         self._retained = self._still_alive() if self._earlier else None
@@ -179,21 +202,24 @@ class MemoryBreakdownSampler:
         if not self._backward_seen:
             self._weight_copies.update(self._alive_copies())
         seen: set[Key] = set()
-        parameters = _unique_bytes(model.parameters(), seen)
+        parameters = _unique_bytes([*model.parameters(), *self._held("parameters")], seen)
         parameters += sum(n for k, n in self._weight_copies.items() if k not in seen)
         seen.update(self._weight_copies)
-        gradients = max(self._gradients, _unique_bytes(_grads(model, optimizers), seen))
+        buffers = _unique_bytes(self._held("buffers"), seen)
+        gradients = max(self._gradients,
+                        _unique_bytes([*_grads(model, optimizers), *self._held("gradients")], seen))
         breakdown: dict[str, int] = {"parameters": parameters, "gradients": gradients}
         if optimizers:
             breakdown["optimizer_states"] = _unique_bytes(
-                _optimizer_tensors(model, optimizers), seen)
+                [*_optimizer_tensors(model, optimizers), *self._held("optimizer_states")], seen)
         if hooks is not None:
             breakdown["activations"] = self._activations or sum(self._segment.values())
         if self._boundary is not None:
             reserved, named = self._boundary
             breakdown["other"] = max(0, reserved - named - breakdown.get("activations", 0))
-        elif self._retained is not None:
-            breakdown["other"] = sum(n for k, n in self._retained.items() if k not in seen)
+        elif self._retained is not None or buffers:
+            retained = self._retained or {}
+            breakdown["other"] = buffers + sum(n for k, n in retained.items() if k not in seen)
         fields["memb"] = breakdown
         if self._saved:
             self._earlier.append(self._saved)
@@ -242,18 +268,35 @@ class MemoryBreakdownSampler:
             return
         model, optimizers = live
         seen: set[Key] = set()
-        named = _unique_bytes(model.parameters(), seen)
-        named += _unique_bytes(_grads(model, optimizers), seen)
-        named += _unique_bytes(_optimizer_tensors(model, optimizers), seen)
+        named = _unique_bytes([*model.parameters(), *self._held("parameters")], seen)
+        named += _unique_bytes([*_grads(model, optimizers), *self._held("gradients")], seen)
+        named += _unique_bytes([*_optimizer_tensors(model, optimizers),
+                                *self._held("optimizer_states")], seen)
         named += sum(n for k, n in self._weight_copies.items() if k not in seen)
         self._boundary = (torch.cuda.memory_reserved(device), named)
+
+    def backward_done(self) -> None:
+        """A wrapper's backward returned (DeepSpeed reduces gradients into its partitions
+        after autograd's pass, and frees them in the optimizer step): read the gradients
+        again, on a sampled step."""
+        if self._sampling:
+            self._after_backward()
 
     def _after_backward(self) -> None:
         live = self._live()
         if live is not None:
             model, optimizers = live
-            self._gradients = max(self._gradients,
-                                  _unique_bytes(_grads(model, optimizers), set()))
+            seen: set[Key] = set()
+            _unique_bytes([*model.parameters(), *self._held("parameters"), *self._held("buffers")], seen)
+            grads = [*_grads(model, optimizers), *self._held("gradients")]
+            self._gradients = max(self._gradients, _unique_bytes(grads, seen))
+
+    def _held(self, part: str) -> list[torch.Tensor]:
+        """The holdings' tensors of ``part`` (``parameters``, ``gradients``, ``buffers``)."""
+        tensors: list[torch.Tensor] = []
+        for holdings in self._holdings:
+            tensors.extend(getattr(holdings, part)())
+        return tensors
 
     def _alive_copies(self) -> dict[Key, int]:
         """The weight copies saved for backward whose storage still holds them: FSDP frees its

@@ -5,7 +5,9 @@ Dispatches on what ``model`` is through one table, ``WRAPPERS``: a row per wrapp
 the function that watches it; a new wrapper is one more row. Today:
 ``DistributedDataParallel`` → its gradient all-reduces (``ddp``); an FSDP module (``fully_shard``
 or ``FullyShardedDataParallel``, at the root or inside) → its all-gathers and reduce-scatters
-(``comm``'s wrapped collectives); a DeepSpeed engine → listed, not measured yet. All three also
+(``comm``'s wrapped collectives); a DeepSpeed engine → its forward, backward and optimizer
+step as phases, a step per accumulation boundary, the collectives ``deepspeed.comm`` makes and
+what ZeRO holds on this rank (``deepspeed``, ``deepspeed_memory``). All three also
 get the training thread's wait for a CPU (``cpu_wait``): what slows a rank slows its peers. Any torch
 module → its sampled memory breakdown (``memory``), with the optimizer's states when one is
 given (a later call with the optimizer adds it). Anything it
@@ -146,8 +148,21 @@ def _watch_fsdp(monitor: StepMonitor, model: object) -> None:
         log.warning("gpumon: torch.distributed is not available: FSDP communication not measured")
 
 
-def _watch_deepspeed(monitor: StepMonitor, model: object) -> None:
-    log.warning("gpumon: DeepSpeed engines are not measured yet")
+def _watch_deepspeed(monitor: StepMonitor, engine: Any) -> None:
+    from gpumon.client.deepspeed import rebind_backend, time_gather_waits, watch_engine, zero_stage
+    from gpumon.client.deepspeed_memory import DeepSpeedHoldings
+    from gpumon.client.memory import watch_memory
+
+    watch_engine(monitor, engine)
+    monitor.extensions.describe("deepspeed", zero_stage(engine))
+    ledger = comm_ledger(monitor)
+    if tap_into(ledger):
+        rebind_backend()
+        time_gather_waits(ledger)
+    else:
+        log.warning("gpumon: torch.distributed is not available: DeepSpeed communication not measured")
+    watch_memory(monitor, engine, _torch_optimizer(getattr(engine, "optimizer", None)),
+                 DeepSpeedHoldings(engine))
 
 
 @dataclass(frozen=True, slots=True)
