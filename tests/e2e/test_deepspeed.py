@@ -18,7 +18,7 @@ from gpumon.testing import AgentProcess
 from tests.e2e.distributed import AGENT, Job, exposed_share, run_job, share_of
 
 STAGES = (0, 1, 2, 3)
-STEPS = 6
+STEPS = 8
 WORLD = 2
 
 pytestmark = [pytest.mark.slow, AGENT]
@@ -44,9 +44,10 @@ def _median(values: list[float]) -> float:
 def test_zero_stages_watched_from_the_engine_alone(agent: AgentProcess, tmp_path: Path) -> None:
     job = run_job(agent, tmp_path, "deepspeed_job.py", WORLD,
                   ["--truth", "--user-steps", "--steps", str(STEPS)], run="ds", expect_steps=0)
-    gaps: dict[int, list[float]] = {}
     for stage in STAGES:
         staged = _stage_job(job, stage)
+        summaries = [_summary(job, rank, stage) for rank in range(WORLD)]
+        measured = []
         for rank in range(WORLD):
             steps, summary = staged.steps(rank), _summary(job, rank, stage)
             params = summary["params"]
@@ -60,13 +61,27 @@ def test_zero_stages_watched_from_the_engine_alone(agent: AgentProcess, tmp_path
                 _assert_payload(stage, comm["ops"], params)
             # The verdicts on a job whose step is mostly communication.
             assert share_of(staged.verdicts(rank), "communication") >= 0.8, (stage, rank)
-            truth = 1.0 - _median(summary["twins_s"]) / _median(summary["steps_s"])
-            measured = exposed_share(steps)
-            assert truth > 0.2, summary  # communication-heavy, as built
-            gaps.setdefault(stage, []).append(measured - truth)
+            measured.append(exposed_share(steps))
+            # The job's own clock around DeepSpeed's collective calls and its waits on their
+            # work (beneath nothing of gpumon's): the exposed time holds all of it, and what
+            # it adds (the training thread kept off its CPU while they ran) stays small.
+            inside, exposed = sum(summary["inside_s"]), sum(s["comm"]["exposed"] for s in steps)
+            duration = sum(s["duration"] for s in steps)
+            assert 0.98 * inside <= exposed <= inside + 0.15 * duration, (stage, rank, inside, exposed)
             _assert_memory(stage, steps, params)
-    for stage, stage_gaps in gaps.items():
-        assert abs(statistics.mean(stage_gaps)) <= 0.15, (stage, stage_gaps)
+        truth = _truth(summaries)
+        assert truth > 0.2, (stage, truth)  # communication-heavy, as built
+        # Measured -0.08 to +0.09 on two cores shared with other jobs (load 8-10).
+        assert abs(statistics.mean(measured) - truth) <= 0.15, (stage, measured, truth)
+
+
+def _truth(summaries: list[dict[str, Any]]) -> float:
+    """The share of the job's step its communication costs: 1 - t(twin) / t(step), each the
+    median over the steps of the slower rank's time (a synchronous job steps at its slower
+    rank's pace; each rank's twins, which wait for no peer, are timed on their own)."""
+    steps = [max(pair) for pair in zip(*(s["steps_s"] for s in summaries), strict=True)]
+    twins = [max(pair) for pair in zip(*(s["twins_s"] for s in summaries), strict=True)]
+    return 1.0 - _median(twins) / _median(steps)
 
 
 def _assert_payload(stage: int, ops: dict[str, list[float]], params: int) -> None:
