@@ -49,6 +49,8 @@ class Panel:
     overrides: list[dict[str, Any]] = field(default_factory=list)
     repeat: str | None = None
     """A multi-value variable: one copy of the panel per selected value."""
+    mappings: list[dict[str, Any]] = field(default_factory=list)
+    """Grafana value mappings: a number shown as a word, in a colour."""
 
 
 def timeseries(title: str, description: str, *targets: Target, **kw: Any) -> Panel:
@@ -99,6 +101,8 @@ def _panel(p: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
         defaults["min"] = p.min
     if p.max is not None:
         defaults["max"] = p.max
+    if p.mappings:
+        defaults["mappings"] = p.mappings
     options: dict[str, Any] = {}
     if p.kind == "timeseries":
         defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10,
@@ -246,6 +250,30 @@ def _communication_panels() -> list[Panel]:
     ]
 
 
+def _rank_state_panels() -> list[Panel]:
+    """Whether each rank steps, and where a stalled run's ranks are."""
+    states = {"0": ("stepping", "green"), "1": ("stalled", "red"), "2": ("exited", "purple")}
+    return [
+        row("Rank state"),
+        Panel("status-history", "Rank state",
+              "Each rank: stepping, stalled (no step for longer than its hook's threshold, or "
+              "its hook silent while its process lives) or exited (its process ended). Where "
+              "a stalled rank is: the table beside, or gpumon stacks.",
+              [Target(f'sum by (rank) (gpumon_rank_state{{{RUN},state="stalled"}})'
+                      f'\n  + 2 * sum by (rank) (gpumon_rank_state{{{RUN},state="exited"}})',
+                      "rank {{rank}}")],
+              max=2, mappings=[{"type": "value", "options": {
+                  value: {"text": text, "color": color, "index": int(value)}
+                  for value, (text, color) in states.items()}}]),
+        table("Where stalled ranks are", "While a rank is stalled: its open phase, the "
+              "collective it is in, the innermost frame of the job's own code, the ranks it "
+              "waits on (GpumonTrainingStalled names them too), and for how long.",
+              Target(f"max by (rank, phase, op, location, waits_on) "
+                     f"(gpumon_rank_stall_info{{{RUN}}})"),
+              Target(f"max by (rank) (gpumon_rank_stalled_seconds{{{RUN}}} > 0)")),
+    ]
+
+
 def training() -> dict[str, Any]:
     """One run: speed, where each step's time goes, verdicts and memory."""
     q = f"sum by (le) (rate(gpumon_step_duration_seconds_bucket{{{RUN}}}[{RATE}]))"
@@ -269,6 +297,7 @@ def training() -> dict[str, Any]:
         stat("Max OOM risk", "Highest out-of-memory risk over the selected ranks (high from 0.8).",
              Target(f"max(gpumon_oom_risk_ratio{{{RUN}}})"), unit="percentunit", max=1,
              thresholds=[(None, "green"), (0.5, "orange"), (0.8, "red")]),
+        *_rank_state_panels(),
         row("Speed"),
         timeseries("Step time p50 / p95", "Quantiles of the step-duration histogram over the "
                    "selected ranks.",

@@ -38,6 +38,8 @@ GIB = 1024**3
 ALLOWED_EMPTY = {
     ("gpumon-node.json", "GPU memory by process"):
         "simulated GPUs have no process list (tests/collectors/test_nvml_agent.py covers the metric)",
+    ("gpumon-training.json", "Where stalled ranks are"):
+        "a stepping run has no stalled rank (tests/e2e/test_stalled_runs.py covers the metrics)",
     ("gpumon-node.json", "XID errors by GPU"):
         "simulated GPUs raise no XID; the 'XID errors' stat shows 0 through `or vector(0)`",
 }
