@@ -57,6 +57,9 @@ def render(snapshot: Mapping[str, Any], title: str | None = None,
     ranks = snapshot.get("ranks") or []
     if ranks:
         parts.append(_rank_table(ranks))
+        stalled = _stalled_places(ranks)
+        if stalled is not None:
+            parts.append(stalled)
         shown = select_rank(ranks, rank)
         if shown is not None:
             parts.append(memory_table(shown, _capacity(gpus, shown)))
@@ -114,10 +117,10 @@ def _gpu_table(gpus: list[Mapping[str, Any]]) -> Table:
 
 def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
     table = Table(title="Ranks", title_justify="left", expand=False, pad_edge=False)
-    for name in ("run", "rank", "GPU", "steps", "step", "verdict", "conf", "flags", "MFU",
-                 "peak GiB", "OOM risk", "OOM in"):
-        table.add_column(name, justify="left" if name in ("run", "verdict", "flags") else "right",
-                         no_wrap=True)
+    for name in ("run", "rank", "state", "GPU", "steps", "step", "verdict", "conf", "flags",
+                 "MFU", "peak GiB", "OOM risk", "OOM in"):
+        table.add_column(name, justify="left" if name in ("run", "state", "verdict", "flags")
+                         else "right", no_wrap=True)
     for rank in ranks:
         analysis = rank.get("analysis") or {}
         verdict = analysis.get("bottleneck")
@@ -125,8 +128,10 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
         gpu = analysis.get("gpu")
         if gpu is None:
             gpu = rank.get("gpu")
+        state = (rank.get("condition") or {}).get("state") or "—"
         table.add_row(
             str(rank.get("run", "")), str(rank.get("rank", "")),
+            Text(state, style=_STATE_STYLES.get(state, "")),
             "—" if gpu is None else _short_gpu(gpu),
             str(rank.get("steps_total", "—")),
             _seconds(rank.get("last_step_duration_seconds")),
@@ -139,6 +144,33 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
             _seconds(oom.get("predicted_seconds"), whole=True),
         )
     return table
+
+
+_STATE_STYLES = {"stepping": "green", "stalled": "bold red", "exited": "magenta"}
+
+
+def _stalled_places(ranks: list[Mapping[str, Any]]) -> Text | None:
+    """One line per stalled rank: for how long, its phase and place, its collective, whom it
+    waits on (``gpumon stacks`` shows the stacks)."""
+    lines = []
+    for rank in ranks:
+        cond = rank.get("condition") or {}
+        if cond.get("state") != "stalled":
+            continue
+        line = (f"{rank.get('run')} rank {rank.get('rank')}: stalled "
+                f"{_seconds(cond.get('stalled_seconds'), whole=True)} in {cond.get('phase')} at "
+                f"{cond.get('location')}")
+        collective = cond.get("collective")
+        if collective:
+            line += f", in {collective.get('op')} #{collective.get('seq')}"
+        if cond.get("waits_on_label"):
+            line += f", waiting on rank(s) {cond['waits_on_label']}"
+        lines.append(line)
+    if not lines:
+        return None
+    text = Text("Stalled (gpumon stacks shows where):\n", style="bold red")
+    text.append("\n".join(lines))
+    return text
 
 
 def _flags(analysis: Mapping[str, Any]) -> Text:

@@ -74,8 +74,9 @@ def test_demo_logs_one_line_per_phase_when_not_on_a_terminal(tmp_path: Path) -> 
 def test_demo_live_view_in_a_terminal(tmp_path: Path) -> None:
     demo = PtyProcess(demo_command(0, tmp_path / "t.sock", "--duration", "30"))
     try:
-        screen = demo.wait_for(lambda text: row(text.rsplit("phase 1/7", 1)[-1], "demo", "1", "1"),
-                               30, "a frame with rank 1 on GPU 1")
+        screen = demo.wait_for(
+            lambda text: row(text.rsplit("phase 1/7", 1)[-1], "demo", "1", "stepping", "1"),
+            30, "a frame with rank 1 on GPU 1")
         frame = screen.rsplit("phase 1/7", 1)[-1]
         assert frame.startswith(" compute (")
         assert row(frame, "2", "NVIDIA H100 80GB HBM3")

@@ -76,9 +76,9 @@ def test_render_shows_gpus_ranks_verdicts_and_oom_risk() -> None:
                "54.4 GB/s", "640 W", "71 °C")
     assert row(text, "1", "NVIDIA H100 80GB HBM3", "lost")
     assert row(text, "2", "NVIDIA H100 PCIe", "5%", "—", "—", "—", "—/—")  # absent, not 0
-    assert row(text, "llama", "0", "0", "1234", "0.41 s", "input", "91%",
+    assert row(text, "llama", "0", "—", "0", "1234", "0.41 s", "input", "91%",
                "memory_pressure, straggler", "18%", "72.0", "93%", "42 s")
-    assert row(text, "llama", "1", "—", "3", "—", "—", "—", "—", "—", "—", "—", "—")
+    assert row(text, "llama", "1", "—", "—", "3", "—", "—", "—", "—", "—", "—", "—", "—")
 
 
 def test_render_names_the_stragglers_cause_and_whom_its_peers_wait_on() -> None:
@@ -92,9 +92,30 @@ def test_render_names_the_stragglers_cause_and_whom_its_peers_wait_on() -> None:
          "analysis": {"bottleneck": "compute", "flags": ["throttled", "straggler"]}},
     ]
     text = text_of(render({**SNAPSHOT, "ranks": ranks}))
-    assert row(text, "ddp", "0", "—", "90", "—", "communication", "—", "waits on rank 3")
-    assert row(text, "ddp", "3", "—", "90", "—", "compute", "—", "straggler (input)")
-    assert row(text, "ddp", "4", "—", "90", "—", "compute", "—", "throttled, straggler")
+    assert row(text, "ddp", "0", "—", "—", "90", "—", "communication", "—", "waits on rank 3")
+    assert row(text, "ddp", "3", "—", "—", "90", "—", "compute", "—", "straggler (input)")
+    assert row(text, "ddp", "4", "—", "—", "90", "—", "compute", "—", "throttled, straggler")
+
+
+def test_render_shows_a_stalled_runs_ranks_and_where_they_are() -> None:
+    ranks = [
+        {"run": "ddp", "rank": 0, "steps_total": 15,
+         "condition": {"state": "stalled", "stalled_seconds": 74.2, "phase": "backward",
+                       "location": "train.py:88 train_step", "waits_on_label": "1",
+                       "collective": {"op": "all_reduce", "seq": 16}}},
+        {"run": "ddp", "rank": 1, "steps_total": 15,
+         "condition": {"state": "stalled", "stalled_seconds": 75.0, "phase": "data",
+                       "location": "data.py:41 Shards.read_shard", "waits_on_label": "",
+                       "collective": None}},
+        {"run": "ddp", "rank": 2, "steps_total": 15, "condition": {"state": "exited"}},
+    ]
+    text = text_of(render({**SNAPSHOT, "ranks": ranks}))
+    assert row(text, "ddp", "0", "stalled", "—", "15")
+    assert row(text, "ddp", "2", "exited", "—", "15")
+    assert ("ddp rank 0: stalled 74 s in backward at train.py:88 train_step, in all_reduce #16, "
+            "waiting on rank(s) 1") in text
+    assert "ddp rank 1: stalled 75 s in data at data.py:41 Shards.read_shard\n" in text
+    assert "ddp rank 2:" not in text
 
 
 def test_render_says_what_is_missing() -> None:
@@ -194,7 +215,7 @@ def test_top_in_a_terminal_shows_the_gpus_and_ranks(live_agent: Agent) -> None:
     try:
         def complete(text: str) -> bool:
             frame = text.rsplit("gpumon top", 1)[-1]  # the latest frame
-            return all(row(frame, "ptyjob", str(r), str(r)) for r in (0, 1)) \
+            return all(row(frame, "ptyjob", str(r), "stepping", str(r)) for r in (0, 1)) \
                 and frame.count("compute") >= 2
         screen = top.wait_for(complete, 30, "both ranks with a compute verdict")
         frame = screen.rsplit("gpumon top", 1)[-1]
