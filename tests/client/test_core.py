@@ -460,7 +460,7 @@ class CommEveryStep:
 def monitor_script(mon: Any) -> None:
     """What a training loop does with a monitor, every path: loader, counts, nested and
     repeated phases, caller step numbers and memory, a failed step, an OOM, an extension."""
-    torch = pytest.importorskip("torch")
+    import torch  # scripts/setup installs it: its absence fails
     for batch in mon.loader(range(3)):
         with mon.step(samples=8 + batch, tokens=16, flops=2.5e9):
             with mon.phase("forward"):
