@@ -34,7 +34,10 @@ before ``--budget-s``):
    step records must carry the measured ``comm`` field ("not available" before ``watch``).
 7. memory (``memory``, where that module exists): the live memory breakdown against
    ``torch.cuda.memory_stats()``.
-8. replay: ``gpumon classify`` over the recording.
+8. stall (``stall``): a rank stuck behind a kernel, its NCCL all-reduce not passed on the GPU,
+   told apart from one stuck on the host, as the agent reports them (the host case only in a
+   dry run).
+9. replay: ``gpumon classify`` over the recording.
 
 Without CUDA (a dry run on a CPU machine) the NVML child loads the project's fake
 libnvidia-ml (gpumon.testing.fakenvml, built with gcc) with an H200-like scenario, the training
@@ -60,7 +63,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gpu_checks import agent as agent_checks  # noqa: E402
-from gpu_checks import ddp, hook, nvml, oom  # noqa: E402
+from gpu_checks import ddp, hook, nvml, oom, stall  # noqa: E402
 from gpu_checks.environment import section_environment  # noqa: E402
 from gpu_checks.nvml_probe import nvml_child  # noqa: E402
 from gpu_checks.report import Report, SkipSection, jsonable, now, tb  # noqa: E402
@@ -99,7 +102,8 @@ def main() -> int:
         return 0
 
     args.out.mkdir(parents=True, exist_ok=True)
-    report = Report(args.out, args.budget_s, markdown=[nvml.markdown, hook.markdown, oom.markdown],
+    report = Report(args.out, args.budget_s, markdown=[nvml.markdown, hook.markdown, oom.markdown,
+                                                      stall.markdown],
                     quick=args.quick)
     report.start_watchdog()
     scratch = Path(tempfile.mkdtemp(prefix="gpumon-node-check-"))
@@ -165,6 +169,8 @@ def main() -> int:
                 st["mon"].close()
             report.run("ddp", watched_ddp, need_s=30)
             report.run("memory", lambda r: memory_section(report, r), need_s=20)
+            report.run("stall", lambda r: stall.section_stall(report, r, agent, st["device"]),
+                       need_s=45)
             report.run("replay", lambda r: agent_checks.section_replay(report, r, st["env"]),
                        need_s=10)
         else:

@@ -33,7 +33,7 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
     errors = {name: s.get("error") for name, s in sections.items() if s.get("status") == "error"}
     assert not errors, errors
     for name in ("environment", "nvml", "agent_start", "training", "endpoints", "overhead",
-                 "oom", "oom_event", "replay", "agent_stop"):
+                 "oom", "oom_event", "stall", "replay", "agent_stop"):
         assert sections[name]["status"] == "ok", (name, sections[name])
     # Sections that depend on parts still to come say so instead of failing.
     for name in ("ddp", "memory"):
@@ -44,7 +44,8 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
     assert not failed, {name: checks[name]["detail"] for name in failed}
     for name in ("nvml.gpu0.essentials", "nvml.gpumon_matches_raw_calls", "agent.steps_arrived",
                  "agent.verdict_metrics", "hook.phase_sum_vs_step_time", "oom.event_counted",
-                 "replay.classify_recording", "agent.clean_exit", "agent.log_without_errors"):
+                 "replay.classify_recording", "agent.clean_exit", "agent.log_without_errors",
+                 "stall.host_case_stalled", "stall.host_case_place"):
         assert checks[name]["ok"] is True, (name, checks[name])
     brought_back = {p.name for p in out.iterdir()}
     assert {"summary.json", "summary.md", "agent.log", "recording.jsonl.gz",
