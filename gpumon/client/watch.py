@@ -21,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -116,6 +117,8 @@ def find_wrapper(model: object) -> object | None:
     if not classes:
         return None
     for obj in gc.get_objects():
+        if isinstance(obj, weakref.ProxyTypes):  # a dead proxy raises on isinstance()
+            continue
         if isinstance(obj, classes) and getattr(obj, "module", None) is model:
             found: object = obj
             return found
