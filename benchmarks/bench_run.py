@@ -2,14 +2,16 @@
 
     python benchmarks/bench_run.py [--blocks 41] [--block-steps 40] [--ddp-pairs 5] [--ddp-steps 12]
 
-- ``cpu``: ``examples/train_plain.py``'s loop (the MLP on in-memory data, one intra-op thread)
-  in this one process, in blocks of ``--block-steps`` steps alternating with ``gpumon run``'s
-  hooks in torch (``gpumon.client.autowatch.hooks.install()``, what its ``sitecustomize`` does)
-  and taken out again, the order flipping every round, reporting to a real Unix datagram socket
+- ``cpu``: ``examples/train_cpu.py``'s loop (the MLP on in-memory data, one intra-op thread)
+  in this one process, in blocks of ``--block-steps`` steps, rotating between bare (the
+  example's ``--no-hook`` loop, which calls nothing of gpumon), that same loop with ``gpumon
+  run``'s hooks in torch (``gpumon.client.autowatch.hooks.install()``, what its
+  ``sitecustomize`` does; taken out again after the block) and the loop hooked by hand
+  (``StepMonitor``, ``watch(model, optimizer)``), all reporting to a real Unix datagram socket
   drained by a reader process. A watched block ends with a synchronous flush of its records,
-  timed with it. The figures are medians over rounds: the throughput ratio watched ÷ bare, and
-  the training thread's CPU time, bare ÷ watched and added per step (far less noisy than the
-  wall clock on a shared machine). ``tiny`` runs the same loop on a model of 8 units and a
+  timed with it. The figures are medians over rounds: the throughput ratio to bare, and the
+  training thread's CPU time, bare ÷ watched and added per step (less noisy than the wall
+  clock on a shared machine). ``tiny`` runs the same loop on a model of 8 units and a
   batch of 8, where the loop's own Python is most of the step and what the hooks add shows.
 - ``ddp``: the communication-heavy 2-rank DDP job (4 × Linear(2048, 2048), batch 2, gloo) as a
   whole, under ``torch.distributed.run``, started plain and under ``gpumon run``, in
@@ -59,56 +61,69 @@ def main() -> None:
 
 
 def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
+    """Rounds of three blocks of ``examples/train_cpu.py``'s loop, in rotating order: bare (its
+    ``--no-hook`` loop, which calls nothing of gpumon), with ``gpumon run``'s hooks in torch
+    around that same loop, and hooked by hand (``StepMonitor`` and ``watch(model, optimizer)``).
+    Medians over rounds of each one's throughput and training-thread CPU against bare."""
     from bench_hook import drained_socket
-    from train_plain import make_job, parse_args, train
+    from train_cpu import make_job, parse_args, train
 
     from gpumon.client import StepMonitor
     from gpumon.client.autowatch import hooks
 
     with drained_socket() as (socket_path, finish):
         hooks.make_monitor = lambda: StepMonitor("bench-run", socket_path=socket_path)
+        # The hand-hooked arm's monitor lives in this process too: gpumon run's hooks would take
+        # it for the job's own and stand down. Here they are told of no other monitor.
+        hooks._others = lambda: 0
         job = make_job(parse_args(["--threads", "1", *extra]))
-        cpu_s: dict[bool, float] = {}
+        by_hand = StepMonitor("bench-run-hooked", socket_path=socket_path)
+        by_hand.watch(job.model, job.optimizer)
 
-        def seconds(watched: bool) -> float:
-            if watched:
+        def seconds(kind: str) -> tuple[float, float]:
+            if kind == "run":
                 hooks.install()
-            c0 = time.thread_time()
-            t0 = time.perf_counter()
-            train(job, block_steps)
-            if watched:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            train(job, block_steps, by_hand if kind == "hooked" else None)
+            if kind == "run":
                 finder = hooks._state.finder
                 if finder is not None:
                     finder.monitor.flush()
-            elapsed = time.perf_counter() - t0
-            cpu_s[watched] = time.thread_time() - c0
-            if watched:
+            elif kind == "hooked":
+                by_hand.flush()
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            if kind == "run":
                 hooks.take_out()
-            return elapsed
+            return wall, cpu
 
-        seconds(False), seconds(True)  # warm both up (the watch starts on the first watched step)
-        ratios, cpu_ratios, added_us = [], [], []
+        kinds = ["bare", "run", "hooked"]
+        for kind in kinds:  # warm every path up (the watch starts on the first watched step)
+            seconds(kind)
+        ratios: dict[str, list[float]] = {"run": [], "hooked": [], "run_cpu": [], "hooked_cpu": [],
+                                          "run_added_us": [], "hooked_added_us": [], "bare_ms": []}
         for i in range(blocks):
-            order = (False, True) if i % 2 == 0 else (True, False)
-            times = {watched: seconds(watched) for watched in order}
-            ratios.append(times[False] / times[True])
-            cpu_ratios.append(cpu_s[False] / cpu_s[True])
-            added_us.append((cpu_s[True] - cpu_s[False]) / block_steps * 1e6)
+            shift = i % len(kinds)
+            result = {kind: seconds(kind) for kind in kinds[shift:] + kinds[:shift]}
+            for kind in ("run", "hooked"):
+                ratios[kind].append(result["bare"][0] / result[kind][0])
+                ratios[f"{kind}_cpu"].append(result["bare"][1] / result[kind][1])
+                ratios[f"{kind}_added_us"].append((result[kind][1] - result["bare"][1]) / block_steps * 1e6)
+            ratios["bare_ms"].append(result["bare"][1] / block_steps * 1e3)
         finder = hooks._state.finder
         steps = 0 if finder is None else finder.monitor.stats.steps
         hooks.uninstall()
+        by_hand.close()
         received = finish()
-    low, _, high = statistics.quantiles(ratios, n=4)
-    result = {"throughput_ratio": statistics.median(ratios),
-              "thread_cpu_ratio": statistics.median(cpu_ratios),
-              "thread_cpu_added_us_per_step": statistics.median(added_us),
-              "bare_step_ms": statistics.median(cpu_s.values()) / block_steps * 1e3}
-    print(f"cpu {' '.join(extra) or 'example'}: {blocks} rounds of {block_steps}-step blocks, {steps} steps "
-          f"watched, {received} records received; throughput watched / bare: median "
-          f"{result['throughput_ratio']:.4f} (quartiles {low:.4f} .. {high:.4f}); training thread's CPU "
-          f"bare / watched {result['thread_cpu_ratio']:.4f}, "
-          f"{result['thread_cpu_added_us_per_step']:+.1f} µs a step")
-    return result
+    figures = {key: statistics.median(values) for key, values in ratios.items()}
+    print(f"cpu {' '.join(extra) or 'example'}: {blocks} rounds of {block_steps}-step blocks "
+          f"({figures['bare_ms']:.2f} ms of CPU a bare step), {steps} steps through gpumon run's "
+          f"hooks, {received} records received")
+    for kind, name in (("run", "gpumon run"), ("hooked", "hooked by hand")):
+        low, _, high = statistics.quantiles(ratios[kind], n=4)
+        print(f"  {name:15s} throughput / bare {figures[kind]:.4f} (quartiles {low:.4f} .. {high:.4f}); "
+              f"training thread's CPU bare / it {figures[kind + '_cpu']:.4f}, "
+              f"{figures[kind + '_added_us']:+.1f} µs a step")
+    return figures
 
 
 def ddp_pairs(pairs: int, steps: int) -> float:

@@ -63,6 +63,7 @@ class _State:
 _state = _State()
 _handles: list[Any] = []
 _fork_handler = False
+_get_ident = threading.get_ident
 _restore: list[Callable[[], None]] = []
 _is_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
 make_monitor: Callable[[], StepMonitor] = StepMonitor
@@ -178,24 +179,20 @@ def _after_fork_in_child() -> None:
 
 
 # --- the hooks: each returns at once unless it is the training thread's outermost call ----
-# What they do beyond that runs under ``_safely``: an error in it leaves the process unwatched
-# from then on, and never reaches the training loop.
+# An error in what they do beyond that leaves the process unwatched from then on
+# (``_give_up``), and never reaches the training loop.
 
 
-def _safely(call: Callable[..., object], *args: Any) -> bool:
-    try:
-        call(*args)
-        return True
-    except Exception:
-        log.debug("gpumon: stopped watching this process", exc_info=True)
-        state = _state
-        finder, state.finder, state.inert = state.finder, None, True
-        if finder is not None:
-            try:
-                finder.monitor.close()
-            except Exception:
-                pass
-        return False
+def _give_up() -> None:
+    """An error in gpumon's own work: stop watching this process."""
+    log.debug("gpumon: stopped watching this process", exc_info=True)
+    state = _state
+    finder, state.finder, state.inert = state.finder, None, True
+    if finder is not None:
+        try:
+            finder.monitor.close()
+        except Exception:
+            pass
 
 
 def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -203,58 +200,65 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
         state = _state
         if state.module_depth or state.inert:  # inside a forward already: as fast as can be
             return original(self, *args, **kwargs)
-        if _is_compiling() or threading.get_ident() != state.main:
+        if _is_compiling() or _get_ident() != state.main:
             return original(self, *args, **kwargs)
-        if not _safely(_forward_begins, state, self) or state.finder is None:
+        finder = state.finder
+        try:
+            if finder is None:
+                finder = _finder()
+            if finder is not None:
+                if self not in state.watched:
+                    _watch(finder, self)
+                finder.begin("forward")
+        except Exception:
+            _give_up()
+            finder = None
+        if finder is None:
             return original(self, *args, **kwargs)
+        state.module_depth = 1
         try:
             return original(self, *args, **kwargs)
         finally:
             state.module_depth = 0
-            if state.finder is not None:
-                _safely(state.finder.end)
+            try:
+                finder.end()
+            except Exception:
+                _give_up()
 
     return __call__
-
-
-def _forward_begins(state: _State, module: Any) -> None:
-    finder = _finder()
-    if finder is None:
-        return
-    if module not in state.watched:
-        _watch(finder, module)
-    state.module_depth = 1
-    finder.begin("forward")
 
 
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _is_compiling():
         return
     state = _state
-    if state.inert or threading.get_ident() != state.main:
+    if state.inert or _get_ident() != state.main:
         return
     state.optimizer_depth += 1
     if state.optimizer_depth == 1:
-        _safely(_optimizer_begins, state, optimizer)
-
-
-def _optimizer_begins(state: _State, optimizer: Any) -> None:
-    finder = _finder()
-    if finder is not None:
-        if optimizer not in state.optimizers:
-            _pair(finder, optimizer)
-        finder.optimizer_begin()
+        try:
+            finder = state.finder or _finder()
+            if finder is not None:
+                if optimizer not in state.optimizers:
+                    _pair(finder, optimizer)
+                finder.begin("optimizer")
+        except Exception:
+            _give_up()
 
 
 def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _is_compiling():
         return
     state = _state
-    if state.inert or threading.get_ident() != state.main or not state.optimizer_depth:
+    if state.inert or _get_ident() != state.main or not state.optimizer_depth:
         return
     state.optimizer_depth -= 1
-    if not state.optimizer_depth and state.finder is not None:
-        _safely(state.finder.optimizer_end, id(optimizer))
+    finder = state.finder
+    if not state.optimizer_depth and finder is not None:
+        try:
+            finder.optimizer_end(id(optimizer))
+        except Exception:
+            _give_up()
 
 
 def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -262,47 +266,53 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         if _is_compiling():
             return original(*args, **kwargs)
         state = _state
-        if state.inert or threading.get_ident() != state.main:
+        if state.inert or _get_ident() != state.main:
             return original(*args, **kwargs)
-        if not _safely(_backward_begins) or state.finder is None:
+        try:
+            finder = state.finder or _finder()
+            if finder is not None:
+                finder.begin("backward")
+        except Exception:
+            _give_up()
+            finder = None
+        if finder is None:
             return original(*args, **kwargs)
         try:
             return original(*args, **kwargs)
         finally:
-            if state.finder is not None:
-                _safely(state.finder.end)
+            try:
+                finder.end()
+            except Exception:
+                _give_up()
 
     return backward
-
-
-def _backward_begins() -> None:
-    finder = _finder()
-    if finder is not None:
-        finder.begin("backward")
 
 
 def _wrap_next(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
     def __next__(self: Any) -> Any:
         state = _state
-        if state.inert or threading.get_ident() != state.main:
+        if state.inert or _get_ident() != state.main:
             return original(self)
         t0 = perf_counter()
         try:
             batch = original(self)
         except StopIteration:
-            _safely(_fetched, state, t0, None, False)
+            _fetched(state, t0, None, False)
             raise
-        _safely(_fetched, state, t0, batch, True)
+        _fetched(state, t0, batch, True)
         return batch
 
     return __next__
 
 
 def _fetched(state: _State, t0: float, batch: Any, got: bool) -> None:
-    finder = _finder()
-    if finder is not None:
-        state.optimizer_depth = 0  # a batch is never fetched inside an optimizer step
-        finder.fetched(t0, perf_counter(), batch, got)
+    try:
+        finder = state.finder or _finder()
+        if finder is not None:
+            state.optimizer_depth = 0  # a batch is never fetched inside an optimizer step
+            finder.fetched(t0, perf_counter(), batch, got)
+    except Exception:
+        _give_up()
 
 
 def _watch(finder: StepFinder, module: Any) -> None:

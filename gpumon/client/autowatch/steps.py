@@ -40,8 +40,8 @@ class StepFinder:
         self.monitor = monitor
         self._on_step_end = on_step_end
         self._step: Step | None = None
-        self._phase: Phase | None = None  # the one open in the monitor: the stack's top
-        self._stack: list[str] = []
+        self._stack: list[Phase] = []  # phases begun and not ended; the top one is open
+        self._phases: dict[str, Phase] = {}
         self._samples = 0
         self._deferred = False  # an optimizer stepped in the open step; another may follow
         self._since_fetch: list[int] | None = None  # optimizers stepped since the last fetch
@@ -68,16 +68,25 @@ class StepFinder:
         self.monitor._data_wait(t0, t1)
 
     def begin(self, name: str) -> None:
-        """A ``forward`` or ``backward`` begins (an optimizer step: ``optimizer_begin``)."""
-        self._open()
-        self._push(name)
+        """A phase begins: ``forward``, ``backward`` or ``optimizer``."""
+        if self._step is None:
+            self._open()
+        stack = self._stack
+        if stack:
+            stack[-1].__exit__(None, None, None)
+        phase = self._phases.get(name)
+        if phase is None:
+            phase = self._phases[name] = self.monitor.phase(name)
+        stack.append(phase)
+        phase.__enter__()
 
     def end(self) -> None:
         """The innermost phase begun ends."""
-        if not self._stack:
-            return
-        self._stack.pop()
-        self._switch(self._stack[-1] if self._stack else None)
+        stack = self._stack
+        if stack:
+            stack.pop().__exit__(None, None, None)
+            if stack:
+                stack[-1].__enter__()
 
     def optimizer_begin(self) -> None:
         """An optimizer step begins (the outermost one, if optimizers wrap others)."""
@@ -99,8 +108,7 @@ class StepFinder:
 
     def close(self) -> None:
         """Drop an open step without recording it (the job ended, or the monitor stands down)."""
-        self._stack.clear()
-        self._switch(None)
+        self._end_phases()
         step, self._step = self._step, None
         if step is not None:
             error = RuntimeError("the step was left open")
@@ -114,21 +122,14 @@ class StepFinder:
             step.__enter__()
             self._step = step
 
-    def _push(self, name: str) -> None:
-        self._stack.append(name)
-        self._switch(name)
-
-    def _switch(self, name: str | None) -> None:
-        phase, self._phase = self._phase, None
-        if phase is not None:
-            phase.__exit__(None, None, None)
-        if name is not None and self._step is not None:
-            self._phase = self.monitor.phase(name)
-            self._phase.__enter__()
+    def _end_phases(self) -> None:
+        stack = self._stack
+        if stack:
+            stack[-1].__exit__(None, None, None)
+            stack.clear()
 
     def _close(self) -> None:
-        self._stack.clear()
-        self._switch(None)
+        self._end_phases()
         step, self._step = self._step, None
         self._deferred = False
         if step is None:
