@@ -125,3 +125,20 @@ def test_a_step_left_open_is_not_recorded(finder: StepFinder, transport: MemoryT
     micro_batch(finder, 1.0)  # an evaluation after the last optimizer step, say
     finder.close()
     assert len(records(finder, transport)) == 1
+
+
+def test_driven_by_a_watcher_that_makes_the_steps_only_the_data_wait_is_passed_on(
+    finder: StepFinder, transport: MemoryTransport
+) -> None:
+    # A DeepSpeed engine's watcher opens and closes the steps at its accumulation boundaries.
+    finder.driven = True
+    mon = finder.monitor
+    for i in range(3):
+        micro_batch(finder, float(i))
+        with mon.step():  # as the watcher would make it
+            with mon.phase("forward"):
+                pass
+            optimizer_step(finder, 1)
+    steps = records(finder, transport)
+    assert len(steps) == 3 and all("data" in s.phases_s for s in steps)
+    assert all(set(s.phases_s) == {"data", "forward"} for s in steps[1:])

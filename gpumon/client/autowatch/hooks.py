@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -324,8 +325,19 @@ def _watch(finder: StepFinder, module: Any) -> None:
             return
         _state.models.add(module)
         finder.monitor.watch(module)
+        if _drives_steps(finder.monitor):
+            finder.close()  # a step opened before (a forward of another module): not its own
+            finder.driven = True
     except Exception:
         log.debug("gpumon: could not watch %s", type(module).__name__, exc_info=True)
+
+
+def _drives_steps(monitor: StepMonitor) -> bool:
+    """Whether a watcher attached to ``monitor`` makes the steps itself: a DeepSpeed engine's
+    (``gpumon.client.deepspeed``'s ``StepDriver``), whose steps are its accumulation boundaries
+    and whose phases its own forward, backward and step."""
+    driver = getattr(sys.modules.get("gpumon.client.deepspeed"), "StepDriver", None)
+    return isinstance(driver, type) and monitor.extensions.get(driver) is not None
 
 
 def _pair(finder: StepFinder, optimizer: Any) -> None:

@@ -46,6 +46,9 @@ class StepFinder:
         self._deferred = False  # an optimizer stepped in the open step; another may follow
         self._since_fetch: list[int] | None = None  # optimizers stepped since the last fetch
         self._followed: set[int] = set()  # optimizers seen followed by another on one batch
+        self.driven = False
+        """A watcher makes the steps and phases itself (a DeepSpeed engine's, at its
+        accumulation boundaries): only the data wait is reported from here."""
 
     @property
     def in_step(self) -> bool:
@@ -55,7 +58,7 @@ class StepFinder:
     def fetched(self, t0: float, t1: float, batch: Any, got: bool = True) -> None:
         """The training thread waited from ``t0`` to ``t1`` (perf_counter) for a batch; ``got``
         is False when the loader was exhausted instead."""
-        if self._deferred:
+        if self._deferred and not self.driven:
             self._close()
         self._since_fetch = []
         if not got:
@@ -69,6 +72,8 @@ class StepFinder:
 
     def begin(self, name: str) -> None:
         """A phase begins: ``forward``, ``backward`` or ``optimizer``."""
+        if self.driven:
+            return
         if self._step is None:
             self._open()
         stack = self._stack
@@ -95,6 +100,8 @@ class StepFinder:
     def optimizer_end(self, optimizer_id: int) -> None:
         """That optimizer step ended: the step closes unless ``optimizer_id`` is known to be
         followed by another optimizer on the same batch."""
+        if self.driven:
+            return
         self.end()
         since = self._since_fetch
         if since is not None:

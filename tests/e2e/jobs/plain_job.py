@@ -10,6 +10,8 @@ and micro-batches, and for ``ddp`` its training thread's clocks over each step's
   the same model, four micro-batches per optimizer step.
 * ``hf`` (under ``torch.distributed.run``): a small GPT-2 in a ``Trainer``, four micro-batches
   per optimizer step.
+* ``deepspeed`` (under the ``deepspeed`` launcher, ``DS_ACCELERATOR=cpu``): a small MLP in a
+  ZeRO-1 engine, four micro-batches per optimizer step.
 """
 
 from __future__ import annotations
@@ -115,9 +117,37 @@ def hf(steps: int, out: Path) -> dict[str, Any]:
             "wrapped": type(trainer.model_wrapped).__name__}
 
 
+def deepspeed_job(steps: int) -> dict[str, Any]:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4,
+              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    stepped = [0]
+    optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, stepped[0] + 1))
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    micro_batches = 0
+    while engine.global_steps < steps:
+        loss = engine(torch.randn(4, 256, generator=generator)).square().mean()
+        engine.backward(loss)
+        engine.step()
+        micro_batches += 1
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return {"rank": rank, "optimizer_steps": engine.global_steps, "inner_steps": stepped[0],
+            "micro_batches": micro_batches}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("framework", choices=("ddp", "lightning", "hf"))
+    parser.add_argument("framework", choices=("ddp", "lightning", "hf", "deepspeed"))
+    parser.add_argument("--local_rank", type=int, default=None, help="given by the deepspeed launcher")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
@@ -127,6 +157,8 @@ def main() -> None:
         summary = ddp(args.steps, args.warmup)
     elif args.framework == "lightning":
         summary = lightning(args.steps)
+    elif args.framework == "deepspeed":
+        summary = deepspeed_job(args.steps)
     else:
         summary = hf(args.steps, args.out)
     args.out.mkdir(parents=True, exist_ok=True)
