@@ -1,7 +1,7 @@
 """gpumon against nvitop-exporter and gpustat on the same fake 8×H100 node: CPU and scrapes.
 
     .venv/bin/python benchmarks/bench_peers.py [--rounds 5] [--window 10] [--interval 0.25]
-                                               [--scrapes 300] [--ranks 64]
+                                               [--scrapes 300] [--ranks 64] [--soak 600]
 
 Every collector loads the same library: the fake NVML (gpumon/testing/fakenvml) compiled together
 with peer_nvml_stubs.c (entry points the peers call and the fake lacks), with the
@@ -18,7 +18,11 @@ h100_8x_live scenario. The peers come from PyPI into benchmarks/.peers-venv.
    over its socket; ``/metrics`` of gpumon and nvitop-exporter and a `gpustat --json` per
    GET (a tenth as many: each takes 0.8 s) are timed in rotation, with gpumon's /healthz
    as the HTTP floor.
-Prints the tables, what each covers, and a JSON line.
+3. Soak (``--soak S``): gpumon alone at a 1 s interval, fed ``--soak-ranks`` ranks of live
+   steps (8: one rank a GPU), scraped once a second for S seconds as Prometheus would; the
+   scrapes' p50/p99/max and the agent's RSS (at every scrape: the largest and the last).
+Prints the tables, what each covers, the targets' figures of this one run side by side, and a
+JSON line.
 """
 
 from __future__ import annotations
@@ -204,6 +208,37 @@ def scrape(lib: Path, scenario: Path, tmp: Path, scrapes: int, ranks: int, inter
     return stats, bodies
 
 
+def soak(lib: Path, scenario: Path, tmp: Path, seconds: float, ranks: int) -> dict[str, Any]:
+    """gpumon fed ``ranks`` ranks of steps and scraped once a second for ``seconds``."""
+    gpumon = start("gpumon", lib, scenario, tmp, 1.0)
+    feeder = mp.get_context("fork").Process(
+        target=_feed, args=(str(gpumon.socket_path), ranks, 0.5, seconds + 120.0), daemon=True)
+    feeder.start()
+    try:
+        def every_rank_has_a_verdict() -> bool:
+            text = get(f"{gpumon.url}/metrics").decode()
+            return text.count("gpumon_step_bottleneck_confidence{") >= ranks
+
+        wait_for(every_rank_has_a_verdict, timeout=60, what="a verdict for every rank")
+        times: list[float] = []
+        rss: list[int] = []
+        size = 0
+        next_t = time.monotonic()
+        end = next_t + seconds
+        while next_t < end:
+            time.sleep(max(next_t - time.monotonic(), 0.0))
+            t, size = latencies(f"{gpumon.url}/metrics", 1)
+            times += t
+            rss.append(gpumon.rss_bytes())
+            next_t += 1.0
+    finally:
+        feeder.kill()
+        gpumon.stop()
+    return {"seconds": seconds, "scrapes": len(times), "p50_s": statistics.median(times),
+            "p99_s": quantile(times, 0.99), "max_s": max(times), "bytes": size,
+            "rss_max_bytes": max(rss), "rss_last_bytes": rss[-1]}
+
+
 def _samples(text: str) -> list[tuple[str, dict[str, str]]]:
     return [(name, dict(labels)) for name, labels in parse_metrics(text)]
 
@@ -248,6 +283,10 @@ def main() -> None:
                         help="collection interval (nvitop-exporter's minimum is 0.25)")
     parser.add_argument("--scrapes", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=64)
+    parser.add_argument("--soak", type=float, default=0.0,
+                        help="seconds of one scrape a second (0: none)")
+    parser.add_argument("--soak-ranks", type=int, default=8,
+                        help="ranks of live steps fed during the soak")
     args = parser.parse_args()
     peers_python()
     with tempfile.TemporaryDirectory(prefix="gpumon-peers") as tmp_name:
@@ -257,6 +296,7 @@ def main() -> None:
             cpu = collection(lib, scenario, tmp, args.rounds, args.window, args.interval,
                              args.warmup)
             scrape_stats, bodies = scrape(lib, scenario, tmp, args.scrapes, args.ranks, 1.0)
+            soaked = soak(lib, scenario, tmp, args.soak, args.soak_ranks) if args.soak else None
     cover = coverage(bodies)
 
     gpus = 8
@@ -297,9 +337,29 @@ def main() -> None:
                  if "series_total" in c else "")
         print(f"{name}: {c['series_gpu0']} for GPU 0{extra}")
         print(f"    {', '.join(str(m) for m in c['metrics_gpu0'])}")  # type: ignore[attr-defined]
+    if soaked is not None:
+        print(f"\nSoak: gpumon fed {args.soak_ranks} ranks, /metrics once a second for "
+              f"{soaked['seconds']:.0f} s ({soaked['scrapes']} scrapes, "
+              f"{soaked['bytes'] / 1024:.0f} KiB each)")
+        print_table(["p50", "p99", "max", "RSS max", "RSS last"], [[
+            f"{soaked['p50_s'] * 1e3:.2f} ms", f"{soaked['p99_s'] * 1e3:.2f} ms",
+            f"{soaked['max_s'] * 1e3:.2f} ms", f"{soaked['rss_max_bytes'] / 1e6:.1f} MB",
+            f"{soaked['rss_last_bytes'] / 1e6:.1f} MB"]])
+    print("\nThis run's figures for the agent's targets")
+    rss_mb = _median(cpu["gpumon"], "rss_bytes") / 1e6
+    rows = [["collection CPU per cycle, gpumon / nvitop-exporter (≤ 0.25×)",
+             f"{base / per_cycle['nvitop-exporter']:.3f}× ({base * 1e3:.2f} vs "
+             f"{per_cycle['nvitop-exporter'] * 1e3:.2f} ms)"],
+            ["gpumon RSS, collecting (≤ 40 MB)", f"{rss_mb:.1f} MB"]]
+    if soaked is not None:
+        rows += [[f"gpumon RSS, fed {args.soak_ranks} ranks, largest over the soak (≤ 40 MB)",
+                  f"{soaked['rss_max_bytes'] / 1e6:.1f} MB"],
+                 [f"/metrics p99, a scrape a second, {args.soak_ranks} ranks (≤ 10 ms)",
+                  f"{soaked['p99_s'] * 1e3:.2f} ms over {soaked['scrapes']} scrapes"]]
+    print_table(["target", "this run"], rows)
     print(json.dumps({"benchmark": "peers", "interval_s": args.interval,
                       "cpu_per_cycle_s": per_cycle, "collection_rounds": cpu,
-                      "scrape": scrape_stats, "coverage": cover}))
+                      "scrape": scrape_stats, "soak": soaked, "coverage": cover}))
 
 
 if __name__ == "__main__":
