@@ -19,8 +19,9 @@ h100_8x_live scenario. The peers come from PyPI into benchmarks/.peers-venv.
    GET (a tenth as many: each takes 0.8 s) are timed in rotation, with gpumon's /healthz
    as the HTTP floor.
 3. Soak (``--soak S``): gpumon alone at a 1 s interval, fed ``--soak-ranks`` ranks of live
-   steps (8: one rank a GPU), scraped once a second for S seconds as Prometheus would; the
-   scrapes' p50/p99/max and the agent's RSS (at every scrape: the largest and the last).
+   steps (8: one rank a GPU), scraped once a second for S seconds as Prometheus would, with
+   /healthz half a second after each as the HTTP floor; the scrapes' p50/p99/max and the
+   agent's RSS (at every scrape: the largest and the last).
 Prints the tables, what each covers, the targets' figures of this one run side by side, and a
 JSON line.
 """
@@ -221,6 +222,7 @@ def soak(lib: Path, scenario: Path, tmp: Path, seconds: float, ranks: int) -> di
 
         wait_for(every_rank_has_a_verdict, timeout=60, what="a verdict for every rank")
         times: list[float] = []
+        floor: list[float] = []  # /healthz half a second later: this machine's HTTP floor
         rss: list[int] = []
         size = 0
         next_t = time.monotonic()
@@ -230,12 +232,15 @@ def soak(lib: Path, scenario: Path, tmp: Path, seconds: float, ranks: int) -> di
             t, size = latencies(f"{gpumon.url}/metrics", 1)
             times += t
             rss.append(gpumon.rss_bytes())
+            time.sleep(max(next_t + 0.5 - time.monotonic(), 0.0))
+            floor += latencies(f"{gpumon.url}/healthz", 1)[0]
             next_t += 1.0
     finally:
         feeder.kill()
         gpumon.stop()
     return {"seconds": seconds, "scrapes": len(times), "p50_s": statistics.median(times),
             "p99_s": quantile(times, 0.99), "max_s": max(times), "bytes": size,
+            "healthz_p50_s": statistics.median(floor), "healthz_p99_s": quantile(floor, 0.99),
             "rss_max_bytes": max(rss), "rss_last_bytes": rss[-1]}
 
 
@@ -341,10 +346,11 @@ def main() -> None:
         print(f"\nSoak: gpumon fed {args.soak_ranks} ranks, /metrics once a second for "
               f"{soaked['seconds']:.0f} s ({soaked['scrapes']} scrapes, "
               f"{soaked['bytes'] / 1024:.0f} KiB each)")
-        print_table(["p50", "p99", "max", "RSS max", "RSS last"], [[
+        print_table(["p50", "p99", "max", "/healthz p50 / p99", "RSS max", "RSS last"], [[
             f"{soaked['p50_s'] * 1e3:.2f} ms", f"{soaked['p99_s'] * 1e3:.2f} ms",
-            f"{soaked['max_s'] * 1e3:.2f} ms", f"{soaked['rss_max_bytes'] / 1e6:.1f} MB",
-            f"{soaked['rss_last_bytes'] / 1e6:.1f} MB"]])
+            f"{soaked['max_s'] * 1e3:.2f} ms",
+            f"{soaked['healthz_p50_s'] * 1e3:.2f} / {soaked['healthz_p99_s'] * 1e3:.2f} ms",
+            f"{soaked['rss_max_bytes'] / 1e6:.1f} MB", f"{soaked['rss_last_bytes'] / 1e6:.1f} MB"]])
     print("\nThis run's figures for the agent's targets")
     rss_mb = _median(cpu["gpumon"], "rss_bytes") / 1e6
     rows = [["collection CPU per cycle, gpumon / nvitop-exporter (≤ 0.25×)",
@@ -355,7 +361,8 @@ def main() -> None:
         rows += [[f"gpumon RSS, fed {args.soak_ranks} ranks, largest over the soak (≤ 40 MB)",
                   f"{soaked['rss_max_bytes'] / 1e6:.1f} MB"],
                  [f"/metrics p99, a scrape a second, {args.soak_ranks} ranks (≤ 10 ms)",
-                  f"{soaked['p99_s'] * 1e3:.2f} ms over {soaked['scrapes']} scrapes"]]
+                  f"{soaked['p99_s'] * 1e3:.2f} ms over {soaked['scrapes']} scrapes "
+                  f"(/healthz p99 {soaked['healthz_p99_s'] * 1e3:.2f} ms)"]]
     print_table(["target", "this run"], rows)
     print(json.dumps({"benchmark": "peers", "interval_s": args.interval,
                       "cpu_per_cycle_s": per_cycle, "collection_rounds": cpu,
