@@ -1,9 +1,11 @@
 """Unmodified training jobs through ``gpumon run`` against a real agent, beside what the jobs
 count themselves and what the same jobs hooked by hand report: the CPU example (input-bound
 and not: the same verdicts as ``examples/train_cpu.py`` hooked), a communication-heavy 2-rank
-DDP job under torchrun (its exposed share against its own ``no_sync`` truth), Lightning's
+DDP job under torchrun (its exposed time within its own clocks over backward), Lightning's
 ``ddp`` strategy on 2 devices and a Hugging Face ``Trainer`` under torchrun, both with four
-micro-batches per optimizer step: one step per optimizer step on every rank."""
+micro-batches per optimizer step, and a DeepSpeed ZeRO-1 engine under the ``deepspeed``
+launcher, four micro-batches per optimizer step: one step per optimizer step on every rank.
+(A job with a monitor of its own is not counted twice: tests/client/test_autowatch_hooks.py.)"""
 
 from __future__ import annotations
 
@@ -29,13 +31,16 @@ pytestmark = [pytest.mark.slow, AGENT]
 
 
 def watched(agent: AgentProcess, tmp_path: Path, run: str, command: list[str], expect_steps: int,
-            torchrun: int = 0) -> Job:
-    """Run ``command`` under ``gpumon run --run RUN`` (under torchrun on ``torchrun`` ranks);
-    return once it exited 0 and the agent recorded ``expect_steps`` steps of it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+            torchrun: int = 0, launcher: list[str] | None = None) -> Job:
+    """Run ``command`` under ``gpumon run --run RUN`` (under torchrun on ``torchrun`` ranks, or
+    under ``launcher``); return once it exited 0 and the agent recorded ``expect_steps`` steps
+    of it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     for name in ("GPUMON_RUN", "GPUMON_SOCKET", "GPUMON_PURE_PYTHON", "GPUMON_RUN_DISABLE"):
         env.pop(name, None)
-    if torchrun:
+    if launcher:
+        command = [*launcher, *command]
+    elif torchrun:
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
                    "--master-port", str(free_port()), *command]
     else:
@@ -145,10 +150,19 @@ def test_hf_trainer_unmodified_under_torchrun_counts_one_step_per_optimizer_step
             assert 0 < step["comm"]["exposed"] <= step["comm"]["busy"] <= step["duration"]
 
 
-def test_a_job_with_the_lightning_callback_is_counted_once(agent: AgentProcess, tmp_path: Path) -> None:
-    # framework_job.py reports through GpumonCallback itself: gpumon run must add no steps.
-    job = watched(agent, tmp_path, "lightning-callback",
-                  [str(JOBS / "framework_job.py"), "lightning", "--out", str(tmp_path / "lightning-callback"),
-                   "--steps", str(STEPS)], expect_steps=2 * STEPS, torchrun=2)
+def test_deepspeed_unmodified_under_its_launcher_counts_one_step_per_optimizer_step(
+    agent: AgentProcess, tmp_path: Path
+) -> None:
+    launcher = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2",
+                "--master_port", str(free_port())]
+    job = watched(agent, tmp_path, "deepspeed-plain",
+                  [str(JOBS / "plain_job.py"), "deepspeed", "--out", str(tmp_path / "deepspeed-plain"),
+                   "--steps", str(STEPS)], expect_steps=2 * STEPS, launcher=launcher)
     for rank in (0, 1):
-        assert [s["step"] for s in job.steps(rank)] == list(range(STEPS))
+        summary, steps = job.summary(rank), job.steps(rank)
+        assert len(steps) == summary["optimizer_steps"] == summary["inner_steps"] == STEPS
+        assert summary["micro_batches"] == 4 * STEPS
+        for step in steps:
+            assert step["world"] == 2 and step["samples"] == 4 * 4  # four micro-batches of 4
+            assert all(step["phases"].get(name, 0) > 0 for name in ("forward", "backward", "optimizer"))
+            assert step["comm"]["busy"] > 0  # ZeRO-1's collectives
