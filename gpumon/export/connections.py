@@ -10,6 +10,8 @@ and a client trickling a byte every few seconds never hit the per-read timeout. 
 * the request line and headers must arrive within ``REQUEST_DEADLINE_S`` of the connection
   (the TLS handshake included), and the answer must be taken within
   ``RESPONSE_DEADLINE_S``; a connection past its deadline is shut down by a reaper thread.
+  The reaper sleeps until the earliest deadline, and without a timeout while no connection
+  is open: an idle agent's HTTP server wakes nothing.
 
 What was refused or cut is counted by reason.
 """
@@ -25,7 +27,6 @@ from dataclasses import dataclass, field
 MAX_CONNECTIONS = 64
 REQUEST_DEADLINE_S = 5.0
 RESPONSE_DEADLINE_S = 30.0
-REAP_EVERY_S = 0.5
 
 
 @dataclass(eq=False)
@@ -49,9 +50,11 @@ class ConnectionGate:
         self.request_deadline_s = request_deadline_s
         self.response_deadline_s = response_deadline_s
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._wake_at = float("inf")  # when the reaper next looks; inf: asleep until told
         self._live: set[Connection] = set()
         self.refused_total: Counter[str] = Counter()
-        self._stop = threading.Event()
+        self._stopping = False
         self._reaper = threading.Thread(target=self._reap_loop, name="gpumon-http-reaper",
                                         daemon=True)
 
@@ -61,7 +64,9 @@ class ConnectionGate:
 
     def stop(self) -> None:
         """Stop the reaper."""
-        self._stop.set()
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
         if self._reaper.is_alive():
             self._reaper.join()
 
@@ -78,6 +83,8 @@ class ConnectionGate:
                 self._cut(min(waiting, key=lambda c: c.started), "replaced_waiting")
             connection = Connection(sock, now + self.request_deadline_s)
             self._live.add(connection)
+            if connection.deadline < self._wake_at:
+                self._wake.notify()  # the reaper sleeps past this deadline (or without one)
             return connection
 
     def requested(self, connection: Connection) -> None:
@@ -97,12 +104,26 @@ class ConnectionGate:
             return sum(1 for c in self._live if not c.cut)
 
     def _reap_loop(self) -> None:
-        while not self._stop.wait(REAP_EVERY_S):
-            now = time.monotonic()
-            with self._lock:
-                for connection in [c for c in self._live if not c.cut and c.deadline < now]:
-                    self._cut(connection,
-                              "slow_response" if connection.requested else "slow_request")
+        # A deadline only moves later once set (requested() extends it), so sleeping until the
+        # earliest one known misses nothing; admit() wakes the reaper for an earlier one.
+        with self._lock:
+            while not self._stopping:
+                now = time.monotonic()
+                pending = []
+                for connection in self._live:
+                    if connection.cut:
+                        continue
+                    if connection.deadline <= now:
+                        self._cut(connection,
+                                  "slow_response" if connection.requested else "slow_request")
+                    else:
+                        pending.append(connection.deadline)
+                self._wake_at = min(pending, default=float("inf"))
+                if self._wake_at == float("inf"):
+                    self._wake.wait()
+                else:
+                    self._wake.wait(self._wake_at - now)
+                self._wake_at = float("inf")
 
     def _cut(self, connection: Connection, reason: str) -> None:
         """Shut the connection down under its thread (which then finishes); lock held."""
