@@ -71,7 +71,7 @@ def agent(
     web_config: Annotated[str | None, typer.Option(metavar="PATH", help="TLS and basic-auth file in the Prometheus exporters' web config format [env GPUMON_WEB_CONFIG].")] = None,
 ) -> None:
     """Run the node agent: collect, classify and serve /metrics until SIGTERM/SIGINT."""
-    from gpumon.commands.agent import AgentCommandError, run_agent
+    from gpumon.commands.agent import AgentCommandError, exec_agent, run_agent
 
     flags: dict[str, Any] = {
         "address": address, "port": port, "socket": socket, "socket_group": socket_group,
@@ -80,6 +80,7 @@ def agent(
         "collectors": [c.value for c in collector] if collector else None,
         "log_level": log_level, "web_config": web_config,
     }
+    exec_agent(flags, _signals)  # returns only when the agent's own entry could not start
     try:
         run_agent(flags, _signals)
     except AgentCommandError as exc:
