@@ -33,6 +33,7 @@ class CycleCount:
         os.ftruncate(fd, 8)
         self._map = mmap.mmap(fd, 8)
         os.close(fd)
+        self.path = path
         self.value = 0
 
     def bump(self) -> None:
@@ -59,11 +60,25 @@ def read_count(path: str) -> int:
 
 
 def run_gpumon(count: CycleCount, args: list[str]) -> None:
-    from gpumon.agent.lifecycle import Agent
+    """The command line parses the flags, then execs (as ``gpumon agent`` does) this file
+    again as ``gpumon-agent``, the agent's own entry point with its cycles counted."""
+    import functools
 
-    Agent._collect_gpus = count.wrap(Agent._collect_gpus)  # type: ignore[method-assign]
+    import gpumon.commands.agent as command
+
+    this = [sys.executable, os.path.abspath(__file__), count.path, "gpumon-agent"]
+    exec_agent = functools.partial(command.exec_agent, entry=this)
+    command.exec_agent = exec_agent  # type: ignore[assignment]
     sys.argv = ["gpumon", "agent", *args]
     runpy.run_module("gpumon.cli", run_name="__main__")
+
+
+def run_gpumon_agent(count: CycleCount, args: list[str]) -> None:
+    from gpumon.agent.lifecycle import Agent
+    from gpumon.commands.agent import main
+
+    Agent._collect_gpus = count.wrap(Agent._collect_gpus)  # type: ignore[method-assign]
+    main(args)
 
 
 def run_nvitop(count: CycleCount, args: list[str]) -> None:
@@ -120,8 +135,8 @@ def run_gpustat(count: CycleCount, args: list[str]) -> None:
 def main() -> None:
     path, which, args = sys.argv[1], sys.argv[2], sys.argv[3:]
     count = CycleCount(path)
-    runs = {"gpumon": run_gpumon, "nvitop-exporter": run_nvitop, "gpustat": run_gpustat,
-            "idle-loop": run_idle}
+    runs = {"gpumon": run_gpumon, "gpumon-agent": run_gpumon_agent, "nvitop-exporter": run_nvitop,
+            "gpustat": run_gpustat, "idle-loop": run_idle}
     runs[which](count, args)
 
 

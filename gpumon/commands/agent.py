@@ -100,15 +100,20 @@ class AgentCommandError(Exception):
         self.exit_code = exit_code
 
 
-def exec_agent(flags: dict[str, Any], signals: SignalInbox) -> None:
+def exec_agent(flags: dict[str, Any], signals: SignalInbox,
+               entry: list[str] | None = None) -> None:
     """Replace this process with the agent's own entry point (``python -m gpumon.agent``,
     run from the file so that it imports this same tree of gpumon), which runs
-    ``run_agent``; returns only when the exec failed (then run the agent here)."""
-    import gpumon.agent
+    ``run_agent``; returns only when the exec failed (then run the agent here). ``entry``:
+    another program that ends in ``main`` (a benchmark's wrapper), its argv before the
+    hand-over's arguments."""
+    if entry is None:
+        import gpumon.agent
 
-    entry = os.path.join(os.path.dirname(gpumon.agent.__file__ or ""), "__main__.py")
-    # -P: no script directory at the front of sys.path; the entry puts this tree's there.
-    argv = [sys.executable, "-P", entry, signals.hand_over(), json.dumps(flags)]
+        path = os.path.join(os.path.dirname(gpumon.agent.__file__ or ""), "__main__.py")
+        # -P: no script directory at the front of sys.path; the entry puts this tree's there.
+        entry = [sys.executable, "-P", path]
+    argv = [*entry, signals.hand_over(), json.dumps(flags)]
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # an exec drops what is buffered
     try:
