@@ -28,6 +28,8 @@ from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from gpumon.client._cuda import MEMORY_OOMS
+
 if TYPE_CHECKING:
     from gpumon.client._cuda import CudaClock, Mark, MemoryTuple
     from gpumon.client._extensions import StepExtensions
@@ -234,7 +236,7 @@ class Step:
                 m._next_device_t = t1 + cuda.device_interval_s
                 mem = cuda.memory()
                 if mem is not None:
-                    m._last_ooms = mem[4]
+                    m._last_ooms = mem[MEMORY_OOMS]
             m._device = t1 >= m._next_device_t
         if mem is None:
             mem = self._memory

@@ -15,9 +15,16 @@ import sys
 from time import perf_counter
 from typing import Any
 
+from gpumon.wire.records import MEM_WIRE_NAMES
+
 MemoryTuple = tuple[int, int, int, int, int]
-"""allocated, reserved, peak (since the previous reading: the previous step, or for steps
-shorter than ``MEMORY_INTERVAL_S`` the several since), alloc retries, OOMs."""
+"""The allocator statistics in the wire's order, ``MEM_WIRE_NAMES``: allocated, reserved, peak
+(since the previous reading: the previous step, or for steps shorter than ``MEMORY_INTERVAL_S``
+the several since), alloc retries, OOMs. The encoder writes it as it stands."""
+
+MEMORY_OOMS = MEM_WIRE_NAMES.index("ooms")
+"""Where a ``MemoryTuple`` holds the allocator's OOM count (``_hook.c`` reads the same index;
+``tests/client/test_core.py`` holds both cores to it)."""
 
 Mark = tuple[str, Any, Any]
 """A phase name with its start and end CUDA events (a phase that began as the one before it

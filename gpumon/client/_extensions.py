@@ -138,9 +138,11 @@ class Extensions:
     """
 
     def __init__(self, activate: Callable[[StepExtensions | None], None],
-                 describe: Callable[[str, int | None], None] | None = None) -> None:
+                 describe: Callable[[str, int | None], None] | None = None,
+                 data_wait: Callable[[float, float], None] | None = None) -> None:
         self._activate = activate
         self._describe = describe
+        self._data_wait = data_wait
         self._attached: dict[type, StepExtension] = {}
         self._calls = StepExtensions(on_empty=lambda: activate(None))
         self._closed = False
@@ -167,6 +169,12 @@ class Extensions:
         the monitor's hello, and exported per rank. A name that is not a label is ignored."""
         if self._describe is not None and not self._closed:
             self._describe(framework, zero_stage)
+
+    def data_wait(self, t0: float, t1: float) -> None:
+        """Count ``t1 - t0`` (``perf_counter``) as waiting for input before the next step, for
+        watchers and integrations whose framework fetches the batches itself."""
+        if self._data_wait is not None and not self._closed:
+            self._data_wait(t0, t1)
 
     def get(self, kind: type[E]) -> E | None:
         """The monitor's extension of class ``kind``, or ``None`` if none is attached."""

@@ -31,6 +31,9 @@ static PyObject *str_append, *str_event, *str_memory, *str_share_gap_s, *str_dat
 static PyObject *step_kwnames[5]; /* samples, tokens, flops, step, memory */
 
 #define OR_NONE(x) ((x) == NULL ? Py_None : (x))
+/* Where CudaClock.memory()'s tuple holds the OOM count: _cuda.MEMORY_OOMS, the index of "ooms"
+   in the wire's MEM_WIRE_NAMES (tests/client/test_core.py holds both cores to it). */
+#define MEMORY_OOMS 4
 
 static inline double
 now(void)
@@ -577,7 +580,7 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
             if (mem == Py_None) {
                 Py_CLEAR(mem);
             } else {
-                PyObject *ooms = PySequence_GetItem(mem, 4);
+                PyObject *ooms = PySequence_GetItem(mem, MEMORY_OOMS);
                 if (ooms == NULL)
                     goto error;
                 Py_SETREF(m->last_ooms, ooms);

@@ -36,7 +36,7 @@ class PhaseSequence:
         if self._step is not None:
             self.end_step()
         if wait_start is not None:
-            self.monitor._data_wait(wait_start, perf_counter())
+            self.monitor.extensions.data_wait(wait_start, perf_counter())
         self._step = self.monitor.step(samples=samples, tokens=tokens, flops=flops)
         self._step.__enter__()
 

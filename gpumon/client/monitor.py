@@ -148,7 +148,7 @@ class StepMonitor:
         self._buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         # The hot-path state, touched only by the training thread.
         self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
-        self.extensions = Extensions(self._core.set_extensions, self._describe)
+        self.extensions = Extensions(self._core.set_extensions, self._describe, self._core.data_wait)
         """Where watchers attach what they measure in each step:
         ``extensions.attach(Kind, factory)`` and ``extensions.device_clock()`` (see
         ``gpumon.client._extensions``)."""
@@ -274,7 +274,7 @@ class StepMonitor:
             # allocator counted an OOM since the last step, that is what ended it.
             mem = self._cuda.read_memory()
             last_ooms = core.last_ooms
-            if mem is not None and last_ooms is not None and mem[4] > last_ooms:
+            if mem is not None and last_ooms is not None and mem[_cuda.MEMORY_OOMS] > last_ooms:
                 self._event("oom", "an out-of-memory error ended the last step", core.steps)
         self._closed = True
         self._stall.close(*monotonic_and_unix())
@@ -294,11 +294,6 @@ class StepMonitor:
         self.close()
 
     # --- used by the integrations and watchers --------------------------------------------
-
-    def _data_wait(self, t0: float, t1: float) -> None:
-        """Count ``t1 - t0`` (perf_counter) as waiting for input before the next step, for
-        frameworks that fetch batches themselves."""
-        self._core.data_wait(t0, t1)
 
     def _event(self, name: str, message: str | None, step: int) -> None:
         """Queue an event record (e.g. ``oom``) for the next flush."""

@@ -28,6 +28,7 @@ from gpumon.client._step_tuple import StepFields
 from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.client.transport import MemoryTransport
 from gpumon.wire import EventRecord, MemoryStats, StateRecord, StepRecord
+from gpumon.wire.records import MEM_WIRE_NAMES
 from tests.client.conftest import ManualClock
 
 _hook = pytest.importorskip("gpumon.client._hook") if sys.platform != "linux" else None
@@ -51,9 +52,11 @@ class FakeClock:
         self.events += 1
         return f"event{self.events}"
 
-    def memory(self) -> tuple[int, int, int, int, int]:
+    def memory(self) -> tuple[int, ...]:
         self.reads += 1
-        return (100 * self.reads, 200, 150, 0, self.reads // 3)
+        stats = {"allocated": 100 * self.reads, "reserved": 200, "peak": 150, "retries": 0,
+                 "ooms": self.reads // 3}  # built in the wire's order: the cores read ooms by it
+        return tuple(stats[name] for name in MEM_WIRE_NAMES)
 
 
 class Harness:

@@ -24,7 +24,18 @@ from gpumon.client.transport import MemoryTransport
 from gpumon.wire import StepRecord
 
 CLIENT = Path(watch.__file__).resolve().parent
-WATCHERS = [CLIENT / "watch.py", CLIENT / "memory.py", CLIENT.parent / "sim" / "job.py"]
+WATCHERS = sorted(
+    [p for p in CLIENT.rglob("*.py") if p.name != "monitor.py"] + list((CLIENT.parent / "sim").rglob("*.py"))
+)
+"""Every module that drives a monitor from outside it: watchers, integrations, the simulator."""
+
+
+def _names_a_monitor(node: ast.expr) -> bool:
+    """``monitor``/``mon``, or ``self.monitor``/``self.mon``/``self._monitor``."""
+    if isinstance(node, ast.Name):
+        return node.id in ("monitor", "mon")
+    return (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+            and node.value.id == "self" and node.attr in ("monitor", "mon", "_monitor"))
 
 
 class Counter:
@@ -151,8 +162,8 @@ def test_watchers_name_no_private_attribute_of_the_monitor() -> None:
         tree = ast.parse(path.read_text())
         private = [
             f"{path.name}:{node.lineno} monitor.{node.attr}" for node in ast.walk(tree)
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-            and node.value.id in ("monitor", "mon") and node.attr.startswith("_")
+            if isinstance(node, ast.Attribute) and _names_a_monitor(node.value)
+            and node.attr.startswith("_")
         ]
         assert private == []
         assert "getattr(monitor" not in path.read_text()

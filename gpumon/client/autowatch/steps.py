@@ -68,7 +68,7 @@ class StepFinder:
             self._samples += size
         # Outside a step this starts the next one at t0 (it opens at the next forward, when
         # what the first forward watches is attached).
-        self.monitor._data_wait(t0, t1)
+        self.monitor.extensions.data_wait(t0, t1)
 
     def begin(self, name: str) -> None:
         """A phase begins: ``forward``, ``backward`` or ``optimizer``."""
