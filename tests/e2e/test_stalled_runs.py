@@ -209,9 +209,10 @@ def test_a_rank_holding_the_interpreter_lock_is_stalled_with_its_place_unknown(
 
 def test_one_slow_step_of_a_healthy_run_is_never_a_stall(
         agent: AgentProcess, tmp_path: Path, jobs: list[RunningJob]) -> None:
-    # Steps of ~0.1 s, one of them 0.8 s longer (a checkpoint save): below 10 typical steps.
+    # Steps of ~0.15 s, one of them 0.5 s longer (a checkpoint save, about 4 typical steps):
+    # below the threshold of 10 typical steps even as the watch sees steps at 0.25 s ticks.
     job = RunningJob(agent, tmp_path, "healthy", 2, "--scenario", "slow", "--stop-after", "30",
-                     "--steps", "60", "--slow-ms", "800")
+                     "--steps", "60", "--work-ms", "100", "--slow-ms", "500")
     jobs.append(job)
     states: set[str] = set()
     deadline = time.monotonic() + 90
