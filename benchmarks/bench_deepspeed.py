@@ -65,8 +65,9 @@ def main() -> None:
         ranks = sorted((json.loads(p.read_text()) for p in Path(results).glob("rank*.json")),
                        key=lambda r: r["rank"])
     for r in ranks:
-        print(f"rank {r['rank']}: throughput watched/plain {r['ratio']:.3f} "
-              f"(rounds {', '.join(f'{x:.3f}' for x in r['ratios'])}); plain step {r['plain_step_ms']:.0f} ms")
+        rounds = ", ".join(f"{x:.3f}" for x in r["ratios"])
+        print(f"rank {r['rank']}: throughput watched/plain {r['ratio']:.3f} (rounds {rounds}); "
+              f"plain step {r['plain_step_ms']:.0f} ms")
     print(f"records received by the reader: {received}")
     rank0 = ranks[0]
     print(json.dumps({"bench": "deepspeed", "stage": args.stage, "control": args.control,
