@@ -414,9 +414,14 @@ def _memory_breakdown_panels() -> list[Panel]:
                    Target(f"sum by (component) (gpumon_memory_bytes{{{RUN}}})", "{{component}}"),
                    Target(f"max(run_rank:gpumon_gpu_memory_total_bytes{{{RUN}}})", "capacity"),
                    unit="bytes", stack="normal", overrides=[capacity], repeat="rank"),
+        table("Framework and ZeRO stage", "What drives each rank's loop, where watch() found "
+              "it (a DeepSpeed engine), and the ZeRO stage it runs: the projection below starts "
+              "from that stage.",
+              Target(f"max by (rank, framework, zero_stage) (gpumon_rank_framework_info{{{RUN}}})")),
         table("ZeRO projection", "Per-GPU bytes of each rank's measured memory under ZeRO "
               "stage 1 (optimizer states sharded), 2 (and gradients) and 3 (and parameters) "
-              "over the run's GPUs and 2x and 4x as many; activations and other stay per GPU.",
+              "over the run's GPUs and 2x and 4x as many, from the stage the run uses on; "
+              "activations and other stay per GPU.",
               Target(f"max by (rank, stage, gpus) (gpumon_memory_zero_projected_bytes{{{RUN}}})"),
               unit="bytes"),
         table("What fills the memory", "The component an out-of-memory warning names for each "

@@ -145,21 +145,29 @@ class ZeroProjection:
 
 def project_zero(breakdown: MemoryBreakdown, world: int,
                  scales: Sequence[int] = PROJECTION_SCALES,
-                 stages: Sequence[int] = ZERO_STAGES) -> list[ZeroProjection]:
-    """The measured breakdown under each ZeRO stage at ``world`` × each scale GPUs.
+                 stages: Sequence[int] = ZERO_STAGES, current_stage: int = 0) -> list[ZeroProjection]:
+    """The measured breakdown under each ZeRO stage from ``current_stage`` on (the one the run
+    uses, 0 for plain data parallelism) at ``world`` × each scale GPUs.
 
-    The measurement is taken as one replica's full model states (plain data parallelism, as
-    DDP holds them); the optimizer states include any fp32 master copy, so stage 1 shards it
-    as the ZeRO paper's K = 12 does. Activations and the rest stay as measured per GPU.
+    The measurement is one rank's share under ``current_stage`` over ``world`` GPUs: what that
+    stage shards (from 1 the optimizer states, from 2 also the gradients, at 3 also the
+    parameters) is taken back to one replica's full model states first. The optimizer states
+    include any fp32 master copy, so stage 1 shards it as the ZeRO paper's K = 12 does.
+    Activations and the rest stay as measured per GPU.
     """
     if world < 1:
         raise ValueError(f"world must be at least 1, got {world!r}")
-    measured = ModelStates(breakdown.parameters or 0, breakdown.gradients or 0,
-                           breakdown.optimizer_states or 0)
+    if current_stage not in (0, 1, 2, 3):
+        raise ValueError(f"current_stage must be 0, 1, 2 or 3, got {current_stage!r}")
+    sharded = {part: world if current_stage >= from_stage else 1
+               for part, from_stage in (("optimizer_states", 1), ("gradients", 2), ("parameters", 3))}
+    measured = ModelStates((breakdown.parameters or 0) * sharded["parameters"],
+                           (breakdown.gradients or 0) * sharded["gradients"],
+                           (breakdown.optimizer_states or 0) * sharded["optimizer_states"])
     activations, other = breakdown.activations or 0, breakdown.other or 0
     out = []
     for scale in scales:
-        for stage in stages:
+        for stage in (s for s in stages if s >= current_stage):
             held = shard_model_states(measured, stage, world * scale)
             out.append(ZeroProjection(stage, world * scale, held.parameters, held.gradients,
                                       held.optimizer_states, activations, other))

@@ -39,7 +39,8 @@ def _families() -> _MemoryFamilySet:
                     labels=[*RANK_LABELS, "component"]),
         GaugeFamily("gpumon_memory_zero_projected_bytes",
                     "Per-GPU bytes of the rank's measured memory under ZeRO stage `stage` over "
-                    "`gpus` data-parallel GPUs (the run's world size, 2x and 4x it).",
+                    "`gpus` data-parallel GPUs (the run's world size, 2x and 4x it), from the "
+                    "stage the run uses on (gpumon_rank_framework_info).",
                     labels=[*RANK_LABELS, "stage", "gpus"]),
         GaugeFamily("gpumon_oom_component_bytes",
                     "The memory component an out-of-memory warning names: the one that grew "
@@ -58,7 +59,8 @@ def _fill(families: _MemoryFamilySet, sources: list[MemorySource]) -> None:
                 value = getattr(breakdown, name)
                 if value is not None:
                     families.breakdown.add_metric([*labels, name], float(value))
-            for projection in project_zero(breakdown, state.world or 1):
+            for projection in project_zero(breakdown, state.world or 1,
+                                           current_stage=state.zero_stage or 0):
                 families.projected.add_metric(
                     [*labels, str(projection.stage), str(projection.gpus)],
                     float(projection.total))

@@ -151,6 +151,10 @@ def _feed(agent: AgentProcess, gpus: list[str], stop: threading.Event) -> None:
     peak."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.sendto(b"this is not json", str(agent.socket_path))  # one counted drop
+    for rank in range(3):  # as watch(engine) says hello for a DeepSpeed engine at ZeRO-1
+        hello = {"v": 1, "kind": "hello", "run": "llm", "rank": rank, "world": 3,
+                 "framework": "deepspeed", "zero_stage": 1}
+        sock.sendto(json.dumps(hello).encode(), str(agent.socket_path))
     step = 0
     while not stop.is_set():
         t_start = time.time() - 0.3
