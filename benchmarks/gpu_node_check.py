@@ -32,6 +32,9 @@ before ``--budget-s``):
    risk must come back down), then a *raised* torch.OutOfMemoryError through the hook's step.
 6. ddp (``ddp``): a world-size-1 NCCL DDP job through ``mon.watch(model, optimizer)``; its
    step records must carry the measured ``comm`` field ("not available" before ``watch``).
+6b. deepspeed (``deepspeed``): a world-size-1 DeepSpeed job (ZeRO-2, NCCL) through
+   ``mon.watch(engine)`` alone: one step per optimizer step with the engine's phases, ZeRO's
+   memory breakdown, the framework and stage exported ("not available" without DeepSpeed).
 7. memory (``memory``, where that module exists): the live memory breakdown against
    ``torch.cuda.memory_stats()``.
 8. stall (``stall``): a rank stuck behind a kernel, its NCCL all-reduce not passed on the GPU,
@@ -41,7 +44,8 @@ before ``--budget-s``):
 
 Without CUDA (a dry run on a CPU machine) the NVML child loads the project's fake
 libnvidia-ml (gpumon.testing.fakenvml, built with gcc) with an H200-like scenario, the training
-runs a tiny model on the CPU, DDP runs on gloo, and the CUDA-only checks are informational.
+runs a tiny model on the CPU, DDP and DeepSpeed run on gloo, and the CUDA-only checks are
+informational.
 ``--quick`` shortens every loop for the test suite's dry run.
 """
 
@@ -64,6 +68,7 @@ if str(ROOT) not in sys.path:
 
 from gpu_checks import agent as agent_checks  # noqa: E402
 from gpu_checks import ddp, hook, nvml, oom, stall  # noqa: E402
+from gpu_checks import deepspeed as deepspeed_check  # noqa: E402
 from gpu_checks.environment import section_environment  # noqa: E402
 from gpu_checks.nvml_probe import nvml_child  # noqa: E402
 from gpu_checks.report import Report, SkipSection, jsonable, now, tb  # noqa: E402
@@ -151,6 +156,13 @@ def main() -> int:
             r["note"] = "no CUDA: DDP on gloo (dry run of the code path), not NCCL"
         ddp.section_ddp(report, r, st["torch"], st["agent"], st["device"])
 
+    def watched_deepspeed(r: dict[str, Any]) -> None:
+        if st["torch"] is None:
+            raise SkipSection("torch did not import")
+        if st["device"] != "cuda":
+            r["note"] = "no CUDA: DeepSpeed's CPU accelerator on gloo (dry run of the code path), not NCCL"
+        deepspeed_check.section_deepspeed(report, r, st["torch"], st["agent"], st["device"])
+
     try:
         report.run("environment", environment)
         report.run("nvml_setup", nvml_setup)
@@ -168,6 +180,7 @@ def main() -> int:
             if st["mon"] is not None:
                 st["mon"].close()
             report.run("ddp", watched_ddp, need_s=30)
+            report.run("deepspeed", watched_deepspeed, need_s=25)
             report.run("memory", lambda r: memory_section(report, r), need_s=20)
             report.run("stall", lambda r: stall.section_stall(report, r, agent, st["device"]),
                        need_s=45)

@@ -33,7 +33,7 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
     errors = {name: s.get("error") for name, s in sections.items() if s.get("status") == "error"}
     assert not errors, errors
     for name in ("environment", "nvml", "agent_start", "training", "endpoints", "overhead",
-                 "oom", "oom_event", "stall", "replay", "agent_stop"):
+                 "oom", "oom_event", "stall", "deepspeed", "replay", "agent_stop"):
         assert sections[name]["status"] == "ok", (name, sections[name])
     # Sections that depend on parts still to come say so instead of failing.
     for name in ("ddp", "memory"):
@@ -45,7 +45,10 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
     for name in ("nvml.gpu0.essentials", "nvml.gpumon_matches_raw_calls", "agent.steps_arrived",
                  "agent.verdict_metrics", "hook.phase_sum_vs_step_time", "oom.event_counted",
                  "replay.classify_recording", "agent.clean_exit", "agent.log_without_errors",
-                 "stall.host_case_stalled", "stall.host_case_place"):
+                 "stall.host_case_stalled", "stall.host_case_place",
+                 "deepspeed.one_step_per_optimizer_step", "deepspeed.phases_from_the_engine",
+                 "deepspeed.samples_summed_over_micro_batches",
+                 "deepspeed.optimizer_states_hold_the_master_copy", "deepspeed.framework_exported"):
         assert checks[name]["ok"] is True, (name, checks[name])
     brought_back = {p.name for p in out.iterdir()}
     assert {"summary.json", "summary.md", "agent.log", "recording.jsonl.gz",
