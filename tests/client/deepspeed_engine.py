@@ -26,6 +26,10 @@ from gpumon.client import StepMonitor  # noqa: E402
 from gpumon.client.transport import MemoryTransport  # noqa: E402
 from gpumon.wire import StepRecord  # noqa: E402
 
+# DeepSpeed's CPU accelerator compiles a shared-memory all-reduce (a C++ op) at
+# init_distributed, for inference_all_reduce alone, which training never calls: off, so that
+# no compiler runs here.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 deepspeed.init_distributed(dist_backend="gloo")
 torch.set_num_threads(1)
 

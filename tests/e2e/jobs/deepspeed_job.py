@@ -39,6 +39,11 @@ from torch import nn  # noqa: E402
 
 from gpumon.client import StepMonitor  # noqa: E402
 
+# DeepSpeed's CPU accelerator compiles a shared-memory all-reduce (a C++ op) at
+# init_distributed, for inference_all_reduce alone, which training never calls: off, so that
+# no compiler runs here.
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
 
 def main() -> None:
     parser = argparse.ArgumentParser()
