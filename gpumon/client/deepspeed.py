@@ -15,7 +15,9 @@ fall inside them and no step is made for it (with gradient accumulation that is 
 per micro-step, unless the block wraps the whole accumulation). A forward outside training
 (evaluation, ``torch.no_grad()``) opens nothing, and the engine's methods called outside any
 step (evaluation, or work such a loop keeps out of its steps) are timed as no phase: a phase
-outside a step would count in the next one.
+outside a step would count in the next one. An engine watched from inside its first forward
+(``gpumon run`` watches a module as it is first called) starts its first step at that
+micro-batch's backward, counted at the configured micro-batch size.
 
 Communication: DeepSpeed's ``deepspeed.comm`` calls ``torch.distributed``'s collectives, which
 ``comm_tap`` wraps; the two its torch backend bound at ``init_distributed`` (all-gather into a
@@ -150,6 +152,10 @@ def watch_engine(monitor: StepMonitor, engine: Any) -> StepDriver | None:
             raise
 
     def timed_backward(*args: Any, **kwargs: Any) -> Any:
+        if not driver.in_step and torch_grad_enabled():
+            # A forward that ran before watch() (watched from inside it, as ``gpumon run``
+            # does): its micro-batch starts the step here, counted at the configured size.
+            _safely(driver.micro_batch, engine, (), {})
         if not driver.in_step:
             return backward(*args, **kwargs)
         try:
@@ -199,9 +205,13 @@ def _boundary_test(engine: Any) -> Callable[[], bool]:
 
 
 def _training(engine: Any) -> bool:
+    return torch_grad_enabled() and bool(getattr(engine, "training", True))
+
+
+def torch_grad_enabled() -> bool:
     import torch
 
-    return bool(torch.is_grad_enabled() and getattr(engine, "training", True))
+    return bool(torch.is_grad_enabled())
 
 
 def _safe_bool(test: Callable[[], bool]) -> bool:

@@ -106,6 +106,27 @@ def failing(mon: StepMonitor, engine: Any) -> dict[str, Any]:
     return {"wrapped": [getattr(engine, n).__wrapped__.__name__ for n in ("forward", "backward", "step")]}
 
 
+def watched_inside_its_first_forward(mon: StepMonitor, engine: Any) -> None:
+    for _ in range(3 * 2):  # three optimizer steps of two micro-batches of 4
+        micro(engine)
+
+
+def late_case(name: str) -> dict[str, Any]:
+    """Watched from a forward pre-hook, on the first call, as ``gpumon run`` watches."""
+    transport = MemoryTransport()
+    mon = StepMonitor(run=name, transport=transport)
+    engine = engine_for(0, 2)
+
+    def watch_now(_module: Any, _args: Any) -> None:
+        handle.remove()
+        mon.watch(engine)
+
+    handle = engine.register_forward_pre_hook(watch_now)
+    watched_inside_its_first_forward(mon, engine)
+    mon.close()
+    return {"steps": sent(transport), "errors": mon.stats.extension_errors}
+
+
 CASES = {
     "accumulation": (0, 4, accumulate),
     "accumulation-z2": (2, 4, accumulate),
@@ -116,4 +137,6 @@ CASES = {
 
 if __name__ == "__main__":
     names = sys.argv[1:] or list(CASES)
-    print(json.dumps({name: case(name, *CASES[name]) for name in names}))
+    result = {name: case(name, *CASES[name]) for name in names}
+    result["late"] = late_case("late")
+    print(json.dumps(result))

@@ -56,6 +56,14 @@ def test_evaluation_between_steps_is_in_no_step(cases: dict[str, Any]) -> None:
     assert steps[1]["phases"]["forward"] < cases["evaluation"]["eval_s"] / 4
 
 
+def test_an_engine_watched_inside_its_first_forward_starts_at_its_backward(cases: dict[str, Any]) -> None:
+    # Three optimizer steps of two micro-batches of 4: the first micro-batch's forward ran
+    # before watch(), its backward opens the first step (counted at the configured 4).
+    steps = cases["late"]["steps"]
+    assert [(s["step"], s["samples"]) for s in steps] == [(0, 8), (1, 8), (2, 8)]
+    assert all(set(s["phases"]) == PHASES for s in steps)
+
+
 def test_a_failed_forward_loses_its_step_and_nothing_else(cases: dict[str, Any]) -> None:
     failing = cases["failing"]
     assert [s["step"] for s in failing["steps"]] == [0, 1]
