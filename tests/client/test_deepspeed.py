@@ -1,7 +1,8 @@
 """``watch(engine)`` on a real one-rank DeepSpeed engine (CPU accelerator, gloo, world 1): the
 steps it makes, their samples and phases, a loop that makes its own steps, evaluation between
-steps, a forward that fails. The engine runs in a process of its own (``deepspeed_engine.py``),
-which initialises ``torch.distributed``."""
+steps, a forward that fails, an engine watched from inside its first forward, and a Hugging
+Face ``Trainer`` with a ``deepspeed`` config through its callback. Each runs in a process of its
+own (``deepspeed_engine.py``, ``deepspeed_hf.py``), which initialises ``torch.distributed``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 from tests.helpers import ROOT
 
 SCRIPT = Path(__file__).with_name("deepspeed_engine.py")
+HF_SCRIPT = Path(__file__).with_name("deepspeed_hf.py")
 PHASES = {"forward", "backward", "optimizer"}
 
 
@@ -70,3 +72,17 @@ def test_a_failed_forward_loses_its_step_and_nothing_else(cases: dict[str, Any])
     assert failing["errors"] == 0
     # Watched twice, each method is wrapped once: under the wrapper, DeepSpeed's own.
     assert failing["wrapped"] == ["wrapped_fn", "wrapped_fn", "step"]
+
+
+def test_a_trainer_with_a_deepspeed_config_reports_through_its_callback() -> None:
+    # The callback makes the steps (one per optimizer step, its samples counted from the
+    # model's input); the engine's watcher times forward, backward and optimizer inside them.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(HF_SCRIPT)], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=240)
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["engine"] == "DeepSpeedEngine"
+    steps = result["steps"]
+    assert [(s["step"], s["samples"]) for s in steps] == [(0, 8), (1, 8), (2, 8)]
+    assert all(min(s["phases"].get(p, 0) for p in PHASES) > 0 for s in steps), steps

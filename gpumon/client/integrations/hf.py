@@ -4,8 +4,9 @@ Each optimizer step is one step (all its gradient-accumulation micro-batches). `
 the wait before the step (the Trainer fetches the step's batches then); ``forward`` is timed
 by hooks on the model's forward; ``backward`` runs from the end of a forward to the next
 forward or the optimizer; ``optimizer`` covers the optimizer step, the scheduler and zeroing.
-Under torchrun or accelerate the model as Accelerate wrapped it (DDP, FSDP) is watched
-(``StepMonitor.watch``), so each step also carries its collective communication.
+Under torchrun or accelerate the model as Accelerate wrapped it (DDP, FSDP, a DeepSpeed engine)
+is watched (``StepMonitor.watch``), so each step also carries its collective communication; a
+DeepSpeed engine's phases are its own forward, backward and step, timed by its watcher.
 Samples and tokens are counted from the model's main input (tokens only for integer ids),
 flops estimated as 6 · non-embedding parameters · tokens, as the Trainer itself does.
 
@@ -22,7 +23,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 from gpumon.client._phases import PhaseSequence
 from gpumon.client.monitor import StepMonitor
-from gpumon.client.watch import find_wrapper
+from gpumon.client.watch import find_wrapper, kind_of
 
 
 class GpumonTrainerCallback(TrainerCallback):  # type: ignore[misc]  # transformers is not analysed: Any
@@ -47,6 +48,7 @@ class GpumonTrainerCallback(TrainerCallback):  # type: ignore[misc]  # transform
         self._params = 0
         self._input_name = "input_ids"
         self._samples = self._tokens = 0
+        self._engine_phases = False
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -76,7 +78,11 @@ class GpumonTrainerCallback(TrainerCallback):  # type: ignore[misc]  # transform
                 model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                 model.register_forward_hook(self._after_forward),
             ]
-            self.monitor.watch(find_wrapper(model) or model, kwargs.get("optimizer"))
+            wrapper = find_wrapper(model) or model
+            self.monitor.watch(wrapper, kwargs.get("optimizer"))
+            # A DeepSpeed engine times its own forward, backward and step (``watch``): this
+            # callback then makes the steps and counts, and opens no phase inside them.
+            self._engine_phases = kind_of(wrapper) == "deepspeed"
         self._wait_start = perf_counter()
 
     def on_step_begin(
@@ -91,7 +97,7 @@ class GpumonTrainerCallback(TrainerCallback):  # type: ignore[misc]  # transform
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         """Backward (and clipping) ends; the optimizer begins."""
-        if self._phases is not None:
+        if self._phases is not None and not self._engine_phases:
             self._phases.switch("optimizer")
 
     def on_step_end(
@@ -136,8 +142,9 @@ class GpumonTrainerCallback(TrainerCallback):  # type: ignore[misc]  # transform
             self._samples += int(shape[0])
             if not ids.is_floating_point():
                 self._tokens += int(ids.numel())
-        self._phases.switch("forward")
+        if not self._engine_phases:
+            self._phases.switch("forward")
 
     def _after_forward(self, module: Any, args: tuple[Any, ...], output: Any) -> None:
-        if self._phases is not None:
+        if self._phases is not None and not self._engine_phases:
             self._phases.switch("backward")
