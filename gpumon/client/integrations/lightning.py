@@ -21,6 +21,7 @@ except ImportError:  # the standalone package of Lightning < 2
 
 from gpumon.client._phases import PhaseSequence, batch_size
 from gpumon.client.monitor import StepMonitor
+from gpumon.client.watch import kind_of
 
 
 class GpumonCallback(pl.Callback):  # type: ignore[misc]  # Lightning is not analysed: Any
@@ -54,6 +55,7 @@ class GpumonCallback(pl.Callback):  # type: ignore[misc]  # Lightning is not ana
         self.monitor: StepMonitor | None = None
         self._phases: PhaseSequence | None = None
         self._wait_start: float | None = None
+        self._engine_phases = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Start the monitor for fitting, once the trainer knows the process's rank."""
@@ -74,7 +76,11 @@ class GpumonCallback(pl.Callback):  # type: ignore[misc]  # Lightning is not ana
         if self.monitor is not None:
             model = trainer.strategy.model
             optimizers = trainer.optimizers
-            self.monitor.watch(pl_module if model is None else model, optimizers[0] if optimizers else None)
+            watched = pl_module if model is None else model
+            self.monitor.watch(watched, optimizers[0] if optimizers else None)
+            # Under DeepSpeedStrategy the engine's watcher times its forward, backward and step:
+            # this callback then makes the steps and counts, and opens no phase inside them.
+            self._engine_phases = kind_of(watched) == "deepspeed"
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The first batch's wait starts here."""
@@ -92,16 +98,17 @@ class GpumonCallback(pl.Callback):  # type: ignore[misc]  # Lightning is not ana
             tokens=None if self._tokens is None else self._tokens(batch),
             flops=None if self._flops is None else self._flops(batch),
         )
-        self._phases.switch("forward")
+        if not self._engine_phases:
+            self._phases.switch("forward")
 
     def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: Any) -> None:
         """Forward ends, backward begins."""
-        if self._phases is not None:
+        if self._phases is not None and not self._engine_phases:
             self._phases.switch("backward")
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Backward ends; what follows up to the batch's end is the optimizer's."""
-        if self._phases is not None:
+        if self._phases is not None and not self._engine_phases:
             self._phases.switch("optimizer")
 
     def on_train_batch_end(
