@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gpumon.testing import AgentProcess
-from tests.e2e.distributed import AGENT, Job, exposed_share, run_job, share_of
+from tests.e2e.distributed import AGENT, Job, run_job, share_of
 
 STAGES = (0, 1, 2, 3)
 STEPS = 8
@@ -61,7 +61,10 @@ def test_zero_stages_watched_from_the_engine_alone(agent: AgentProcess, tmp_path
                 _assert_payload(stage, comm["ops"], params)
             # The verdicts on a job whose step is mostly communication.
             assert share_of(staged.verdicts(rank), "communication") >= 0.8, (stage, rank)
-            measured.append(exposed_share(steps))
+            # The median step's share, as the truth is taken from median steps: one step in
+            # which a rank waited 2 s for its stalled peer (the machine is shared) moves a sum
+            # of eight by 0.1, not a median.
+            measured.append(_median([s["comm"]["exposed"] / s["duration"] for s in steps]))
             # The job's own clock around DeepSpeed's collective calls and its waits on their
             # work (beneath nothing of gpumon's): the exposed time holds all of it, and what
             # it adds (the training thread kept off its CPU while they ran) stays small.
@@ -71,7 +74,8 @@ def test_zero_stages_watched_from_the_engine_alone(agent: AgentProcess, tmp_path
             _assert_memory(stage, steps, params)
         truth = _truth(summaries)
         assert truth > 0.2, (stage, truth)  # communication-heavy, as built
-        # Measured -0.08 to +0.09 on two cores shared with other jobs (load 8-10).
+        # Measured -0.08 to +0.10 on two cores shared with other jobs (load 8-10), ZeRO-3
+        # reading highest (its waits on gathers count the peer's lateness too).
         assert abs(statistics.mean(measured) - truth) <= 0.15, (stage, measured, truth)
 
 
