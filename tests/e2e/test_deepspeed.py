@@ -18,7 +18,7 @@ from gpumon.testing import AgentProcess
 from tests.e2e.distributed import AGENT, Job, run_job, share_of
 
 STAGES = (0, 1, 2, 3)
-STEPS = 8
+STEPS = 12
 WORLD = 2
 
 pytestmark = [pytest.mark.slow, AGENT]
@@ -74,8 +74,10 @@ def test_zero_stages_watched_from_the_engine_alone(agent: AgentProcess, tmp_path
             _assert_memory(stage, steps, params)
         truth = _truth(summaries)
         assert truth > 0.2, (stage, truth)  # communication-heavy, as built
-        # Measured -0.08 to +0.10 on two cores shared with other jobs (load 8-10), ZeRO-3
-        # reading highest (its waits on gathers count the peer's lateness too).
+        # Measured -0.08 to +0.13 over five runs on two cores shared with other jobs (load
+        # 7-10), once +0.175 at ZeRO-3 with 8 steps (12 since). ZeRO-3 reads highest: its
+        # rank waits for its peer at a dozen gathers a step, which the exposed time counts and
+        # the free-running twins never show (they are compared at the slower rank's total).
         assert abs(statistics.mean(measured) - truth) <= 0.15, (stage, measured, truth)
 
 
