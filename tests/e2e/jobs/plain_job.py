@@ -122,6 +122,9 @@ def deepspeed_job(steps: int) -> dict[str, Any]:
     import deepspeed
     import torch.distributed as dist
 
+    # The CPU accelerator compiles a shared-memory all-reduce op at init_distributed for
+    # inference alone (minutes on two cores, and a lock a killed build leaves behind): off.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256))
