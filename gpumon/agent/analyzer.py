@@ -15,6 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from gpumon.analysis.stream import RankAnalysis, RankKey, StepAnalyzer
 from gpumon.analysis.thresholds import Thresholds
 from gpumon.collectors.samples import GpuSample
+from gpumon.state.gpu_history import Packed
+from gpumon.state.gpu_history import window as gpu_window
 from gpumon.state.node import NodeSnapshot
 from gpumon.wire import StepRecord
 
@@ -43,7 +45,7 @@ class SharedAnalyzer:
             self._analyzer.add(steps, received_t, pids)
 
     def advance(self, now: float, expired: Iterable[RankKey], node: NodeSnapshot,
-                gpu_history: Mapping[int, Sequence[GpuSample]]) -> None:
+                gpu_history: Mapping[int, Sequence[Packed]]) -> None:
         """Forget expired ranks and analyse every step whose window is complete.
 
         ``gpu_history`` is each GPU's recent samples, copied from the node state for this
@@ -54,7 +56,7 @@ class SharedAnalyzer:
         """
 
         def window(index: int, t0: float, t1: float) -> list[GpuSample]:
-            return [s for s in gpu_history.get(index, ()) if t0 <= s.t <= t1]
+            return gpu_window(gpu_history.get(index, ()), index, t0, t1)
 
         with self._lock:
             self._analyzer.forget(expired)

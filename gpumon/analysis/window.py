@@ -19,7 +19,7 @@ from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 
 # Fields averaged over a window. Memory used is summarised by its maximum instead: the
 # highest point in a step is what matters for pressure, not the mean.
-_MEAN_FIELDS = (
+MEAN_FIELDS = (
     "utilization_ratio",
     "memory_utilization_ratio",
     "sm_active_ratio",
@@ -94,7 +94,7 @@ def summarize_gpu_window(samples: Sequence[GpuSample], t0: float, t1: float) -> 
     sums: dict[str, float] = {}
     counts: dict[str, int] = {}
     for sample in inside:
-        for name in _MEAN_FIELDS:
+        for name in MEAN_FIELDS:
             value = getattr(sample, name)
             if value is not None:
                 sums[name] = sums.get(name, 0.0) + float(value)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import threading
 from collections import Counter, deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from gpumon.collectors.samples import GpuSample, GpuStatic, HostSample, ProcessSample
+from gpumon.state.gpu_history import Packed, pack
 
 GPU_HISTORY = 600  # samples kept per GPU (10 min at 1 s) for per-step windows
 
@@ -60,7 +61,7 @@ class NodeState:
         self.nvml = NvmlStatus(up=False, message="not started")
         self._gpus: tuple[GpuStatic, ...] = ()
         self._latest: dict[int, GpuSample] = {}
-        self._history: dict[int, deque[GpuSample]] = {}
+        self._history: dict[int, deque[Packed]] = {}
         self._xid: Counter[tuple[int, int]] = Counter()
         self._host: HostSample | None = None
         self._processes: dict[int, ProcessSample] = {}
@@ -81,7 +82,7 @@ class NodeState:
             for sample in samples:
                 self._latest[sample.index] = sample
                 history = self._history.setdefault(sample.index, deque(maxlen=GPU_HISTORY))
-                history.append(_for_windows(sample, history[-1] if history else None))
+                history.append(pack(sample, history[-1] if history else None))
 
     def add_xid(self, gpu: int, xid: int) -> None:
         """Count one XID error on a GPU."""
@@ -106,9 +107,10 @@ class NodeState:
             stats.errors[error] += 1
 
     # -- readers -----------------------------------------------------------------
-    def gpu_history(self) -> dict[int, tuple[GpuSample, ...]]:
-        """Every GPU's recent samples (for per-step windows): copied once per analyzer pass,
-        so the analyzer works from its own copy instead of calling back into this state."""
+    def gpu_history(self) -> dict[int, tuple[Packed, ...]]:
+        """Every GPU's recent samples, packed (``state.gpu_history.window`` reads them), for
+        per-step windows: copied once per analyzer pass, so the analyzer works from its own
+        copy instead of calling back into this state."""
         with self._lock:
             return {index: tuple(history) for index, history in self._history.items()}
 
@@ -141,17 +143,3 @@ class NodeState:
                 },
             )
 
-
-def _for_windows(sample: GpuSample, previous: GpuSample | None) -> GpuSample:
-    """``sample`` as the history keeps it: without the fields a per-step window
-    (``analysis.window.summarize_gpu_window``) never reads, and sharing its clock-event
-    reasons with the previous sample when they are the same (they mostly are). A whole
-    sample is ~2.4 KB (its dicts and number objects): 8 GPUs × 600 of them held ~10 MB after
-    ten minutes."""
-    reasons = sample.clock_event_reasons
-    if previous is not None and reasons == previous.clock_event_reasons:
-        reasons = previous.clock_event_reasons
-    return replace(sample, clock_event_reasons=reasons, pcie_tx_bytes_total=None,
-                   pcie_rx_bytes_total=None, nvlink_tx_bytes_total=None,
-                   nvlink_rx_bytes_total=None, ecc_errors_total=None, process_memory_bytes=None,
-                   error=None)
