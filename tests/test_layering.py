@@ -57,6 +57,9 @@ LAYERS: dict[str, Allowed] = {
     # The memory watcher imports torch as it loads: the rest of the client imports it only
     # inside watch(), once the model shows torch is there.
     "client.memory": allow("gpumon wire", libraries="torch"),
+    # So do the DeepSpeed watchers, which watch() imports once it holds an engine.
+    "client.deepspeed": allow("gpumon wire", libraries="torch"),
+    "client.deepspeed_memory": allow("gpumon wire", libraries="torch"),
     # gpumon run's hooks: torch only once the job has imported it.
     "client.autowatch": allow("gpumon wire", lazy="torch"),
     "client.integrations": allow("gpumon wire", libraries="lightning pytorch_lightning "
