@@ -77,7 +77,7 @@ LAYERS: dict[str, Allowed] = {
                       "client.autowatch client.identity",
                       libraries="rich"),
     "cli": allow("gpumon commands agent analysis sim", libraries="typer"),
-    "testing": allow("gpumon agent", libraries="prometheus_client"),
+    "testing": allow("gpumon agent", libraries="prometheus_client psutil"),
     "testing.fakenvml": allow(),
 }
 

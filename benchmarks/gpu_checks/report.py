@@ -9,7 +9,6 @@ import contextlib
 import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from gpumon.testing.processes import kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -170,7 +171,7 @@ class Report:
             print("WATCHDOG: budget exhausted, writing what there is and exiting", flush=True)
             for child in self.children:
                 with contextlib.suppress(Exception):
-                    os.killpg(child.pid, signal.SIGKILL)
+                    kill_tree(child.pid)
             with contextlib.suppress(Exception):
                 self.write()
                 self.write_markdown()

@@ -17,7 +17,6 @@ The device case needs CUDA; a dry run runs the host case only (the device one is
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gpumon.testing import AgentProcess
+from gpumon.testing.processes import kill_tree
 
 from .report import Report, jsonable
 
@@ -76,8 +76,7 @@ def run_case(agent: AgentProcess, case: str, device: str, result: dict[str, Any]
                 break
             time.sleep(0.5)
     finally:
-        if child.poll() is None:
-            os.killpg(child.pid, signal.SIGKILL)
+        kill_tree(child.pid)  # the launcher's workers run in sessions of their own
         output = child.communicate(timeout=30)[0].decode(errors="replace")
         result[f"{case}_output_tail"] = output[-2000:]
     return condition

@@ -24,6 +24,7 @@ import pytest
 
 from gpumon.testing import AgentProcess, free_port
 from gpumon.testing.metrics import series
+from gpumon.testing.processes import kill_tree
 from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.agent("--interval", "0.5")]
@@ -70,8 +71,7 @@ class RunningJob:
         return Path(self.log.name).read_text(errors="replace")[-6000:]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        kill_tree(self.process.pid)  # torchrun's workers run in sessions of their own
         self.process.wait(timeout=30)
         self.log.close()
 
