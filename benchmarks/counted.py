@@ -64,7 +64,7 @@ def run_gpumon(count: CycleCount, args: list[str]) -> None:
     again as ``gpumon-agent``, the agent's own entry point with its cycles counted."""
     import functools
 
-    import gpumon.commands.agent as command
+    import gpumon.agent.run as command
 
     this = [sys.executable, os.path.abspath(__file__), count.path, "gpumon-agent"]
     exec_agent = functools.partial(command.exec_agent, entry=this)
@@ -75,7 +75,7 @@ def run_gpumon(count: CycleCount, args: list[str]) -> None:
 
 def run_gpumon_agent(count: CycleCount, args: list[str]) -> None:
     from gpumon.agent.lifecycle import Agent
-    from gpumon.commands.agent import main
+    from gpumon.agent.run import main
 
     Agent._collect_gpus = count.wrap(Agent._collect_gpus)  # type: ignore[method-assign]
     main(args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from gpumon.commands.agent import SignalInbox
+from gpumon.agent.run import SignalInbox
 
 _signals = SignalInbox()
 if sys.argv[1:2] == ["agent"]:
@@ -71,7 +71,7 @@ def agent(
     web_config: Annotated[str | None, typer.Option(metavar="PATH", help="TLS and basic-auth file in the Prometheus exporters' web config format [env GPUMON_WEB_CONFIG].")] = None,
 ) -> None:
     """Run the node agent: collect, classify and serve /metrics until SIGTERM/SIGINT."""
-    from gpumon.commands.agent import AgentCommandError, exec_agent, run_agent
+    from gpumon.agent.run import AgentCommandError, exec_agent, run_agent
 
     flags: dict[str, Any] = {
         "address": address, "port": port, "socket": socket, "socket_group": socket_group,
