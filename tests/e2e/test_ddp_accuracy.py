@@ -98,7 +98,7 @@ def test_comm_heavy_ddp_is_exposed_as_long_as_its_ranks_waited(agent: AgentProce
         # tens of ms a step and B (285 ms a step) and U (160) fell outside [128, 260]; on a
         # loaded one it was 400 ms a step and they fell inside [333, 744]: the delay and the
         # overlapped job above are where B and U are told apart whatever the load.
-        Bound("within the job's clocks", within_clocks(), fails="NA", either="BU"),
+        Bound("within the job's clocks", within_clocks(cpu_in_comm=True), fails="NA", either="BU"),
         # Communication-bound verdicts (N: none; A and B: as many or more); U reads rank 1's
         # ~20 % exposed share as 14 %, by the engine's 15 % line.
         Bound("communication verdicts >= 80 %", verdict_share(job.recording, "communication", 0.8, 1.0),

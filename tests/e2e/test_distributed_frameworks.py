@@ -37,7 +37,7 @@ def test_lightning_ddp_steps_carry_their_all_reduce(agent: AgentProcess, tmp_pat
     # the forward and backward work (A: the whole step). The first step also waits for the
     # ranks to meet. Between the bounds lies the run delay (contention, exposed by right):
     # B (little overlaps) and U may fall inside it.
-    judged([Bound("within the job's clocks", within_clocks(), fails="NA", either="BU")],
+    judged([Bound("within the job's clocks", within_clocks(cpu_in_comm=True), fails="NA", either="BU")],
            rows_of(job, 0) + rows_of(job, 1))
 
 
@@ -54,10 +54,12 @@ def test_hf_trainer_under_torchrun_steps_carry_their_all_reduce(
             count, size, _ = step["comm"]["ops"]["all_reduce"]
             assert size == summary["grad_bytes"] and count >= 1
             assert 0 < step["comm"]["exposed"] <= step["comm"]["busy"] <= step["duration"]
-    # The training thread waits for each step's all-reduce as long as its own clocks say
-    # (N: 0), not through its forward and backward work (A: all of it). B and U read within
-    # the run delay of the truth on a model this small, and may pass.
-    judged([Bound("within the job's clocks", within_clocks(), fails="NA", either="BU")],
+    # The training thread waits for each step's all-reduce at least as long as its own clocks
+    # say it was off a CPU (N: 0 fails). Its upper side is backward's wall time (the averaging
+    # and DDP's copies are communication done on the training thread's CPU), and in this job
+    # backward is nearly the whole step, so A (all of the step) may pass it; B and U read
+    # within the run delay of the truth on a model this small, and may pass.
+    judged([Bound("within the job's clocks", within_clocks(cpu_in_comm=True), fails="N", either="ABU")],
            rows_of(job, 0) + rows_of(job, 1))
 
 
@@ -78,5 +80,5 @@ def test_fully_shard_steps_carry_their_all_gathers_and_reduce_scatters(
             assert step["comm"]["exposed"] == pytest.approx(step["comm"]["busy"], rel=0.05)
     # ... as long as its clocks show it waiting (N: 0), not through its work (A). Nothing
     # overlaps (B reads within 5 % of the product); U may fall inside the run delay.
-    judged([Bound("within the job's clocks", within_clocks(), fails="NA", either="BU")],
+    judged([Bound("within the job's clocks", within_clocks(cpu_in_comm=True), fails="NA", either="BU")],
            rows_of(job, 0) + rows_of(job, 1))

@@ -112,7 +112,7 @@ def test_comm_heavy_ddp_unmodified_is_exposed_as_long_as_its_ranks_waited(
     # backward show it off a CPU (N: 0), not through its work there (A: the whole step);
     # between the bounds lies its run delay, where B (little overlaps) and U may fall.
     rows = [row for rank in (0, 1) for row in rows_of(job, rank) if row["line"]["step"] >= warmup]
-    judged([Bound("within the job's clocks", within_clocks(), fails="NA", either="BU")], rows)
+    judged([Bound("within the job's clocks", within_clocks(cpu_in_comm=True), fails="NA", either="BU")], rows)
 
 
 def test_lightning_ddp_unmodified_counts_one_step_per_optimizer_step(
