@@ -49,7 +49,7 @@ def verdict(step: StepRecord, gpu: GpuWindow | None = None, **kw: Any) -> Verdic
 # the all-reduce at the end of backward; 90 ms with a bucket in flight.
 COMM_HEAVY = ddp_step(0.120, {"data": 0.002, "forward": 0.015, "backward": 0.095,
                               "optimizer": 0.006}, 0.075, 0.090)
-# The same step, hooked the way the user did it: no watch(), no comm figures.
+# The same step, hooked as a user would at first: no watch(), no comm figures.
 UNWATCHED = ddp_step(0.120, dict(COMM_HEAVY.phases_s), None)
 # Compute-heavy DDP (small MLP, batch 512): 3 ms of a 200 ms step waits on the all-reduce.
 COMPUTE_HEAVY = ddp_step(0.200, {"data": 0.002, "forward": 0.070, "backward": 0.118,

@@ -131,7 +131,7 @@ def test_the_slow_rank_waits_least_and_the_sum_of_phases_cannot_see_it() -> None
     assert all(s.duration_s == steps[0].duration_s for s in steps)
     hooked = [s.phases_s["forward"] + s.phases_s["backward"] + s.phases_s["optimizer"]
               for s in steps]
-    assert max(hooked) - min(hooked) < 1e-9  # the 1.001, 0.999, 0.995, 1.008
+    assert max(hooked) - min(hooked) < 1e-9  # a balanced job's 1.001, 0.999, 0.995, 1.008
     waits = [s.comm.exposed_s for s in steps if s.comm is not None]
     assert waits[3] == pytest.approx(TAIL_S) and waits[0] == pytest.approx(TAIL_S + 0.06)
     scores = straggler_scores({s.rank: own_work_s(s) for s in steps})
