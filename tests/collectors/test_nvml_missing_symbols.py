@@ -24,7 +24,7 @@ _CHILD = """
 import json, logging, sys
 logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
 from gpumon.collectors.nvml import NvmlSource
-from gpumon.collectors.nvml.device import missing_symbols
+from gpumon.collectors.nvml.versions import missing_symbols
 errors = []
 source = NvmlSource(lambda collector, error: errors.append(error))
 polled = []

@@ -2,7 +2,7 @@
 
 Every call goes through :meth:`NvmlDevice._query`, which turns NOT_SUPPORTED into a
 remembered absence (the metric is never asked again and never exported as 0), falls back
-to an older symbol when the driver lacks a newer one, and raises :class:`GpuLost` when the
+to an older symbol when the driver lacks a newer one (``versions.py``), and raises :class:`GpuLost` when the
 GPU has fallen off the bus. A symbol the driver lacks is learnt once for the process (the
 library is the same for every GPU) and said once, by its name. Units are converted to base
 units here.
@@ -11,13 +11,13 @@ units here.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pynvml
 
+from gpumon.collectors.nvml import versions
 from gpumon.collectors.nvml.batch import FieldBatch, GpmMetrics
 from gpumon.collectors.samples import GpuSample, GpuStatic
 
@@ -61,54 +61,6 @@ _ARCHITECTURES = {
 }
 
 
-@dataclass(frozen=True)
-class Versioned:
-    """A call through a newer NVML entry point (``symbol``), and the older call that reads
-    the same on a driver without it."""
-
-    symbol: str
-    newer: Callable[..., Any]
-    older: Callable[..., Any]
-
-
-_missing_symbols: set[str] = set()
-"""Entry points this process's NVML library lacks: learnt once, never asked again."""
-_missing_lock = threading.Lock()
-
-
-def missing_symbols() -> frozenset[str]:
-    """The newer entry points found missing in the loaded NVML library so far."""
-    with _missing_lock:
-        return frozenset(_missing_symbols)
-
-
-def _learn_missing(symbol: str) -> None:
-    with _missing_lock:
-        if symbol in _missing_symbols:
-            return
-        _missing_symbols.add(symbol)
-    log.info("%s is missing in this NVML driver: using the older call on every GPU", symbol)
-
-
-# Calls through entry points older drivers lack, with the older call that reads the same.
-_MEMORY_INFO = Versioned(
-    "nvmlDeviceGetMemoryInfo_v2",
-    lambda h: pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2),
-    pynvml.nvmlDeviceGetMemoryInfo)
-_TEMPERATURE = Versioned(
-    "nvmlDeviceGetTemperatureV",
-    lambda h: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
-    lambda h: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))
-_CLOCK_EVENT_REASONS = Versioned(
-    "nvmlDeviceGetCurrentClocksEventReasons",
-    pynvml.nvmlDeviceGetCurrentClocksEventReasons,
-    pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
-_PROCESSES = Versioned(
-    "nvmlDeviceGetComputeRunningProcesses_v3",
-    pynvml.nvmlDeviceGetComputeRunningProcesses_v3,
-    pynvml.nvmlDeviceGetComputeRunningProcesses_v2)
-
-
 class NvmlUnavailable(Exception):
     """NVML cannot be used on this node (no library, no driver, version mismatch)."""
 
@@ -119,10 +71,6 @@ class GpuLost(Exception):
 
 class _Unsupported(Exception):
     """Internal: the call is not supported for this GPU."""
-
-
-class _MissingSymbol(Exception):
-    """Internal: the driver's library lacks the newer entry point of a versioned call."""
 
 
 def error_name(exc: BaseException) -> str:
@@ -199,7 +147,7 @@ class NvmlDevice:
         self.static = self._read_static()
 
     # -- the one query helper -------------------------------------------------
-    def _query(self, group: str, fn: Callable[..., Any] | Versioned, *args: Any) -> Any:
+    def _query(self, group: str, fn: Callable[..., Any] | versions.Versioned, *args: Any) -> Any:
         """Call NVML; NOT_SUPPORTED marks ``group`` absent for good, GPU_IS_LOST raises.
 
         A :class:`Versioned` call uses its newer symbol unless the library is known to lack
@@ -207,12 +155,12 @@ class NvmlDevice:
         """
         if group in self._unsupported:
             raise _Unsupported(group)
-        if isinstance(fn, Versioned):
-            if fn.symbol not in _missing_symbols:
+        if isinstance(fn, versions.Versioned):
+            if not versions.is_missing(fn.symbol):
                 try:
                     return self._call(group, fn.newer, args, versioned=True)
-                except _MissingSymbol:
-                    _learn_missing(fn.symbol)
+                except versions.MissingSymbol:
+                    versions.learn_missing(fn.symbol)
             fn = fn.older
         return self._call(group, fn, args, versioned=False)
 
@@ -224,12 +172,12 @@ class NvmlDevice:
             # pynvml's unversioned wrappers say "mismatch" when the versioned symbol is
             # missing (an older driver): the same situation as FUNCTION_NOT_FOUND.
             if versioned:
-                raise _MissingSymbol from None
+                raise versions.MissingSymbol from None
             self._unsupported.add(group)
             raise _Unsupported(group) from None
         except pynvml.NVMLError as exc:
             if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND and versioned:
-                raise _MissingSymbol from None
+                raise versions.MissingSymbol from None
             if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED,
                              pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
                 self._unsupported.add(group)
@@ -239,7 +187,7 @@ class NvmlDevice:
             self._on_error("nvml", error_name(exc))
             raise _Unsupported(group) from exc
 
-    def _optional(self, group: str, fn: Callable[..., Any] | Versioned, *args: Any) -> Any:
+    def _optional(self, group: str, fn: Callable[..., Any] | versions.Versioned, *args: Any) -> Any:
         try:
             return self._query(group, fn, *args)
         except _Unsupported:
@@ -283,7 +231,7 @@ class NvmlDevice:
         )
 
     def _memory_info(self) -> Any:
-        return self._optional("memory", _MEMORY_INFO)
+        return self._optional("memory", versions.MEMORY_INFO)
 
     def _field_values(self, group: str, field_ids: list[int | tuple[int, int]]) -> dict[int, int]:
         """Batch-read fields; entries that fail individually are left out."""
@@ -320,13 +268,13 @@ class NvmlDevice:
         power_mw = self._optional("power", pynvml.nvmlDeviceGetPowerUsage)
         if power_mw is not None:
             values["power_watts"] = power_mw / 1000.0
-        temp = self._optional("temperature", _TEMPERATURE)
+        temp = self._optional("temperature", versions.TEMPERATURE)
         if temp is not None:
             values["temperature_celsius"] = float(temp)
         clock = self._optional("clock", pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM)
         if clock is not None:
             values["sm_clock_hz"] = clock * 1e6
-        reasons = self._optional("clock_events", _CLOCK_EVENT_REASONS)
+        reasons = self._optional("clock_events", versions.CLOCK_EVENT_REASONS_CALL)
         if reasons is not None:
             values["clock_event_reasons"] = {
                 name: bool(reasons & bit) for name, bit in CLOCK_EVENT_REASONS.items()
@@ -399,7 +347,7 @@ class NvmlDevice:
 
     def _slow_values(self) -> dict[str, Any]:
         values: dict[str, Any] = {}
-        processes = self._optional("processes", _PROCESSES)
+        processes = self._optional("processes", versions.PROCESSES)
         if processes is not None:
             values["process_memory_bytes"] = {
                 p.pid: int(p.usedGpuMemory) for p in processes if p.usedGpuMemory is not None
