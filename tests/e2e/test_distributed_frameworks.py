@@ -55,11 +55,11 @@ def test_hf_trainer_under_torchrun_steps_carry_their_all_reduce(
             assert size == summary["grad_bytes"] and count >= 1
             assert 0 < step["comm"]["exposed"] <= step["comm"]["busy"] <= step["duration"]
     # The training thread waits for each step's all-reduce at least as long as its own clocks
-    # say it was off a CPU (N: 0 fails). Its upper side is backward's wall time (the averaging
-    # and DDP's copies are communication done on the training thread's CPU), and in this job
-    # backward is nearly the whole step, so A (all of the step) may pass it; B and U read
-    # within the run delay of the truth on a model this small, and may pass.
-    judged([Bound("within the job's clocks", within_clocks(cpu_in_comm=True), fails="N", either="ABU")],
+    # say it was off a CPU (N: 0 fails), and at most the window's wall time less the
+    # device-like work slept in each forward (A, all of the step, fails); the averaging and
+    # DDP's copies are communication done on the training thread's CPU. B and U read within
+    # the run delay of the truth on a model this small, and may pass.
+    judged([Bound("within the job's clocks", within_clocks(cpu_in_comm=True), fails="NA", either="BU")],
            rows_of(job, 0) + rows_of(job, 1))
 
 

@@ -26,13 +26,24 @@ class Clocks:
         self.windows: list[list[float]] = []
         self._start: list[float] | None = None
         self.in_calls_s = 0.0  # CPU time inside the collective calls timed (time_calls)
+        self.slept_s = 0.0  # device-like work slept through (sleep_in_forward)
 
     def now(self) -> list[float]:
         with open("/proc/thread-self/schedstat") as f:
             delay = int(f.read().split()[1]) / 1e9
         with open("/proc/stat") as f:
             steal = int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")  # all cores
-        return [time.perf_counter(), time.thread_time(), delay, steal, 0.0, self.in_calls_s]
+        return [time.perf_counter(), time.thread_time(), delay, steal, self.slept_s, self.in_calls_s]
+
+    def sleep_in_forward(self, model: Any, seconds: float) -> None:
+        """Device-like work at the top of each forward: slept, as a GPU leaves the host
+        thread waiting, and counted, so the window's own work is more than its backward."""
+        def sleep(*_: Any) -> None:
+            t0 = time.perf_counter()
+            time.sleep(seconds)
+            self.slept_s += time.perf_counter() - t0
+
+        model.register_forward_pre_hook(sleep)
 
     def time_calls(self, *names: str) -> None:
         """Count the thread's CPU time inside these ``torch.distributed`` functions."""
@@ -121,6 +132,7 @@ def hf(steps: int, out: Path) -> dict[str, Any]:
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=256, vocab_size=512, n_positions=32)
     model = transformers.GPT2LMHeadModel(config)
+    CLOCKS.sleep_in_forward(model, 0.02)
     ids = torch.randint(0, 512, (128, 32), generator=torch.Generator().manual_seed(0))
     dataset = [{"input_ids": row, "labels": row} for row in ids]
     args = transformers.TrainingArguments(
