@@ -3,7 +3,7 @@ distributed tests: Lightning's ``ddp`` strategy, a Hugging Face ``Trainer``, or 
 ``fully_shard`` through the plain hook. Each rank writes ``OUT/rank<R>.json`` with what the
 tests compare the records against (its gradient bytes, as the model holds them), and its
 training thread's clocks over each step's window where collectives run (``window_s``: wall,
-CPU time, run delay, steal, slept (nothing sleeps in these jobs) and the CPU time spent
+CPU time, run delay, steal, slept (device-like work in the HF and FSDP forwards) and the CPU time spent
 inside blocking collective calls, for each step)."""
 
 from __future__ import annotations
@@ -166,6 +166,7 @@ def fsdp(steps: int) -> dict[str, Any]:
     dist.init_process_group("gloo")
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(4)])
+    CLOCKS.sleep_in_forward(model, 0.02)  # before FSDP's own hook: no gather in flight then
     full_bytes = _bytes(model)
     for layer in model:
         fully_shard(layer)
