@@ -210,6 +210,10 @@ def main() -> None:
         summary = hf(args.steps, args.out)
     else:
         summary = fsdp(args.steps)
+    # The Trainers leave the process group up; on gloo, a process that exits with it up
+    # aborts now and then in its C++ teardown (torch's own, with or without gpumon).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     args.out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ["RANK"])
     (args.out / f"rank{rank}.json").write_text(json.dumps({"rank": rank, **summary,

@@ -164,6 +164,10 @@ def main() -> None:
         summary = deepspeed_job(args.steps)
     else:
         summary = hf(args.steps, args.out)
+    # The Trainers leave the process group up; on gloo, a process that exits with it up
+    # aborts now and then in its C++ teardown (torch's own, with or without gpumon).
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     args.out.mkdir(parents=True, exist_ok=True)
     rank = summary.pop("rank", None)
     rank = int(os.environ["RANK"]) if rank is None else rank
