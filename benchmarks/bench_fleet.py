@@ -2,7 +2,7 @@
 of many agents through the sharded pipeline of deploy/fleet/, and how the run-level rules'
 evaluation grows with the ranks of one run.
 
-    .venv/bin/python benchmarks/bench_fleet.py            # ~6 minutes on 2 cores
+    .venv/bin/python benchmarks/bench_fleet.py            # ~16 minutes on 2 cores
     .venv/bin/python benchmarks/bench_fleet.py --quick    # a tiny run of every part
 
 1. **One node**: an agent on 8 simulated GPUs with 8 ranks of one run reporting to it (the
@@ -18,6 +18,9 @@ evaluation grows with the ranks of one run.
    run-level straggler and step-time rules read, imported into a fresh VictoriaMetrics (three
    points in the last five minutes); each recording rule of that chain timed as an instant
    query (median of three) and its result written back, as vmalert does, for the next one.
+4. **Disk**: one node (8 GPUs, 8 ranks) scraped by VictoriaMetrics itself every second for
+   ``--disk-s`` s, its buffers flushed and its parts merged: bytes a sample and index bytes
+   a series.
 
 Prints tables, then one JSON line.
 """
@@ -230,6 +233,67 @@ def load_run(tmp: Path, nodes: int, interval: float, scrape_s: int, eval_s: int,
     return result
 
 
+def disk(tmp: Path, seconds: float, scrape_s: int) -> dict[str, Any]:
+    """The store's bytes per sample and per series of one node after a merge: one agent (8
+    GPUs, 8 ranks stepping) scraped by VictoriaMetrics itself every ``scrape_s`` s for
+    ``seconds``; the store stopped (which flushes it) and started again without scraping, its
+    month's parts merged into one."""
+    (agent,) = _start_agents(tmp / "disk-node", 1, 1.0)
+    run = FleetRun("disk", nodes=1, ranks_per_node=RANKS, compute_s=0.2, allreduce_s=0.05)
+    sender = FleetSender(run, [str(agent.socket_path)], [_gpus(agent)])
+    config = tmp / "disk-scrape.yml"
+    config.write_text(json.dumps({"scrape_configs": [{
+        "job_name": "gpumon", "scrape_interval": f"{scrape_s}s",
+        "static_configs": [{"targets": [f"127.0.0.1:{agent.port}"]}]}]}))
+    state = tmp / "disk-store"
+    try:
+        sender.start()
+        scraper = start_victoria_metrics(state, f"-promscrape.config={config}")
+        time.sleep(seconds)
+        scraper.stop()
+    finally:
+        sender.stop()
+        agent.stop()
+    store = start_victoria_metrics(state)
+    try:
+        month = time.strftime("%Y_%m", time.gmtime())
+        with urllib.request.urlopen(f"{store.url}/internal/force_merge?partition_prefix={month}",
+                                    timeout=60):
+            pass
+
+        def merged() -> bool:
+            m = _metrics(store.url)
+            parts = sum(v for k, v in m.items() if k.startswith('vm_parts{type="storage/'))
+            return _total(m, "vm_active_merges") == 0 and parts == 1
+
+        wait_for(merged, timeout=120, what="the store's parts merged into one")
+        m = _metrics(store.url)
+        series = float(store.query('count({__name__=~".+"})')[0]["value"][1])
+    finally:
+        store.stop()
+
+    def by_type(name: str, prefix: str) -> float:
+        return sum(v for k, v in m.items() if k.startswith(f'{name}{{type="{prefix}'))
+
+    rows = by_type("vm_rows", "storage/")
+    result = {"seconds": seconds, "scrape_s": scrape_s, "samples": rows, "series": series,
+              "samples_per_series": rows / max(series, 1),
+              "data_bytes": by_type("vm_data_size_bytes", "storage/"),
+              "index_bytes": by_type("vm_data_size_bytes", "indexdb"),
+              }
+    result["bytes_per_sample"] = result["data_bytes"] / max(rows, 1)
+    result["index_bytes_per_series"] = result["index_bytes"] / max(series, 1)
+    print_table(["store disk, one node merged", "value"], [
+        ["scraped", f"every {scrape_s} s for {seconds:.0f} s: {rows:,.0f} samples of "
+                    f"{series:,.0f} series ({result['samples_per_series']:.0f} a series)"],
+        ["samples on disk", f"{result['data_bytes'] / 1024:,.0f} KiB: "
+                            f"{result['bytes_per_sample']:.2f} bytes a sample"],
+        ["index on disk", f"{result['index_bytes'] / 1024:,.0f} KiB: "
+                          f"{result['index_bytes_per_series']:.0f} bytes a series"],
+    ])
+    return result
+
+
 def _import_counters(store: Service, run: str, ranks: int, now_ms: int) -> None:
     """Three points (now - 4 min, - 2 min, - 5 s) of the four counters a rank's straggler and
     step-time rules read, for ``ranks`` ranks of ``run``; rank ranks-1 is slower."""
@@ -343,12 +407,15 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=150.0, help="load run's measured span")
     parser.add_argument("--run-ranks", default="512,8000,80000",
                         help="ranks per run for the rule timing, comma-separated")
-    parser.add_argument("--parts", default="node,load,rules",
-                        help="which parts to run, comma-separated (node, load, rules)")
+    parser.add_argument("--disk-s", type=float, default=600.0,
+                        help="disk part: seconds of one node scraped every second")
+    parser.add_argument("--parts", default="node,load,rules,disk",
+                        help="which parts to run, comma-separated (node, load, rules, disk)")
     parser.add_argument("--quick", action="store_true", help="a tiny run of every part")
     args = parser.parse_args()
     if args.quick:
         args.nodes, args.scrape_s, args.eval_s, args.seconds, args.run_ranks = 4, 2, 2, 12.0, "64"
+        args.disk_s = 10.0
     with TemporaryDirectory(prefix="bench-fleet-") as tmp:
         parts = set(args.parts.split(","))
         node = one_node(Path(tmp)) if "node" in parts else None
@@ -356,7 +423,8 @@ def main() -> None:
                          args.seconds) if "load" in parts else None)
         rules = (ranks_per_run(Path(tmp), [int(x) for x in args.run_ranks.split(",")])
                  if "rules" in parts else None)
-    print(json.dumps({"node": node, "load": load, "ranks_per_run": rules}))
+        stored = disk(Path(tmp), args.disk_s, 1) if "disk" in parts else None
+    print(json.dumps({"node": node, "load": load, "ranks_per_run": rules, "disk": stored}))
 
 
 if __name__ == "__main__":

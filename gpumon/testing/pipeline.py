@@ -62,14 +62,14 @@ def _start(name: str, argv: list[str], state: Path, port: int, ready_path: str) 
     return Service(name, process, port, log_path)
 
 
-def start_victoria_metrics(state: Path) -> Service:
+def start_victoria_metrics(state: Path, *flags: str) -> Service:
     """Single-node VictoriaMetrics; samples visible to queries as soon as they arrive (the
-    default hides the last 30 s, for scrapers whose samples trail in)."""
+    default hides the last 30 s, for scrapers whose samples trail in); ``flags`` added."""
     port = free_port()
     return _start("victoria-metrics", [
         require_tool("victoria-metrics"), f"-storageDataPath={state / 'vm-data'}",
         f"-httpListenAddr=127.0.0.1:{port}", "-retentionPeriod=1d", "-search.latencyOffset=0s",
-        "-search.disableCache", "-loggerLevel=WARN"], state, port, "/health")
+        "-search.disableCache", "-loggerLevel=WARN", *flags], state, port, "/health")
 
 
 def start_prometheus_shard(state: Path, name: str, config: dict[str, Any], targets: Sequence[str],
