@@ -33,6 +33,15 @@ SOCKET_MODE = 0o660
 DEFAULT_SOCKET_GROUP = "gpumon"
 RECEIVE_BUFFER_BYTES = 8 * 1024 * 1024
 QUEUE_DATAGRAMS = 4096  # at most ~32 MiB of undecoded datagrams
+PRESSURE_DATAGRAMS = QUEUE_DATAGRAMS // 2
+"""With this many datagrams queued, the decoder is behind: while it stays behind, each sending
+process may queue ``PROCESS_SHARE_DATAGRAMS`` more, so that one process's flood cannot fill
+the queue and lose another process's steps."""
+PROCESS_SHARE_DATAGRAMS = 1536
+"""A process alone can fill the queue to 3,584 datagrams (bursts of one busy node's ranks
+fit); the last 512 stay for the others (up to 60 steps each)."""
+PRESSURE_SENDERS_MAX = 4096
+"""Processes counted while the decoder is behind; datagrams from more are refused."""
 _CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
 _ANCILLARY_BYTES = socket.CMSG_SPACE(_CREDENTIALS.size)
 
@@ -142,13 +151,26 @@ def parse_sender(ancillary: list[tuple[int, int, bytes]]) -> SenderCredentials:
     return SenderCredentials()
 
 
+def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int:
+    """The sender's pid (0: unknown); quick when the credentials are the one control message,
+    as SO_PASSCRED makes them."""
+    if len(ancillary) == 1:
+        level, kind, data = ancillary[0]
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS \
+                and len(data) >= _CREDENTIALS.size:
+            return int(_CREDENTIALS.unpack_from(data)[0])
+    return parse_sender(ancillary).pid or 0
+
+
 class IngestServer:
     """Receives datagrams until stopped; decoding errors are counted, never raised.
 
     Two threads: a receiver that only moves datagrams from the kernel into a bounded queue,
     and a decoder. The kernel queues very few datagrams per Unix socket
     (net.unix.max_dgram_qlen, often 10), so the receiver must get back to recv() within a
-    millisecond or two even while records are being decoded or a scrape is rendered.
+    millisecond or two even while records are being decoded or a scrape is rendered. Once
+    the decoder is behind (half the queue full), each sending process gets a bounded share
+    of what is left, so one process's flood does not cost another process a step.
     """
 
     def __init__(self, path: Path, on_records: OnRecords, on_dropped: OnDropped,
@@ -188,6 +210,8 @@ class IngestServer:
     def _receive(self) -> None:
         receive = self._sock.recvmsg
         queue = self._queue
+        # While the decoder is behind: datagrams queued since, per sending pid (else None).
+        behind: dict[int, int] | None = None
         while True:
             try:
                 item = receive(MAX_DATAGRAM_BYTES + 1, _ANCILLARY_BYTES)
@@ -199,9 +223,22 @@ class IngestServer:
                 continue
             if not item[0] and self._stop_event.is_set():
                 break  # stop()'s shutdown, once what the kernel held has been read
-            if queue.qsize() >= QUEUE_DATAGRAMS:
+            queued = queue.qsize()
+            if queued < PRESSURE_DATAGRAMS:
+                behind = None
+            elif queued >= QUEUE_DATAGRAMS:
                 self._on_dropped("agent_overloaded", 1)  # bounded memory under a flood
                 continue
+            else:
+                if behind is None:
+                    behind = {}
+                pid = _sender_pid(item[1])
+                held = behind.get(pid, 0)
+                if held >= PROCESS_SHARE_DATAGRAMS or (
+                        not held and len(behind) >= PRESSURE_SENDERS_MAX):
+                    self._on_dropped("agent_overloaded_process", 1)
+                    continue
+                behind[pid] = held + 1
             queue.put(item[:3])
 
     def _decode(self) -> None:

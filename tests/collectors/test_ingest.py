@@ -6,14 +6,24 @@ import json
 import os
 import socket
 import stat
+import subprocess
+import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from gpumon.agent.config import AgentConfig
 from gpumon.agent.lifecycle import Agent
-from gpumon.collectors.ingest import IngestError, IngestServer, bind_socket
+from gpumon.collectors.ingest import (
+    PRESSURE_DATAGRAMS,
+    PROCESS_SHARE_DATAGRAMS,
+    IngestError,
+    IngestServer,
+    bind_socket,
+)
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.state.ranks import RankStore
 from gpumon.wire import MAX_DATAGRAM_BYTES
@@ -137,6 +147,48 @@ def test_uid_allow_list_uses_kernel_credentials(tmp_path: Path) -> None:
     finally:
         server.stop()
     assert not path.exists()
+
+
+SENDER = """
+import json, socket, sys
+path, datagrams, steps, run = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+    for n in range(datagrams):  # blocking sends: the kernel loses none
+        s.sendto(json.dumps([{"v": 1, "kind": "step", "run": run, "rank": 0, "step": n * steps + k,
+                              "duration": 0.5} for k in range(steps)]).encode(), path)
+"""
+
+
+def test_a_flooding_process_cannot_crowd_out_another_process_s_steps(tmp_path: Path) -> None:
+    """The decoder held up (a busy node): one process sends more datagrams than the queue
+    holds, then a new process of the same user sends 500 steps at once (batched, as the hook
+    sends them). Every one of the new process's steps is decoded; the flood's excess is
+    refused by the process rule, not by a full queue."""
+    path = tmp_path / "ingest.sock"
+    release = threading.Event()
+    steps: Counter[int | None] = Counter()
+    dropped: Counter[str] = Counter()
+
+    def on_records(records: list[object], sender: SenderCredentials) -> None:
+        release.wait(60)
+        steps[sender.pid] += len(records)
+
+    server = IngestServer(path, on_records, lambda reason, n: dropped.update({reason: n}))
+    server.start()
+    try:
+        flood = subprocess.Popen([sys.executable, "-c", SENDER, str(path), "5000", "1", "flood"])
+        assert flood.wait(timeout=60) == 0
+        job = subprocess.Popen([sys.executable, "-c", SENDER, str(path), "100", "5", "job"])
+        assert job.wait(timeout=60) == 0
+        wait_for(lambda: sum(dropped.values()) + server._queue.qsize() >= 5100 - 1,
+                 what="every datagram queued or refused")
+    finally:
+        release.set()
+        server.stop()
+    assert steps[job.pid] == 500
+    assert dropped["agent_overloaded"] == 0
+    assert steps[flood.pid] <= PRESSURE_DATAGRAMS + PROCESS_SHARE_DATAGRAMS + 1
+    assert steps[flood.pid] + dropped["agent_overloaded_process"] == 5000
 
 
 def test_stop_decodes_what_the_kernel_held_then_refuses_senders(tmp_path: Path) -> None:

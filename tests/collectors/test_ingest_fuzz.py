@@ -52,7 +52,8 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Agent]:
 
 
 scrape = scrape_metrics
-KNOWN_REASONS = set(DROP_REASONS) | {"too_many_ranks", "agent_overloaded"}
+KNOWN_REASONS = set(DROP_REASONS) | {"too_many_ranks", "agent_overloaded",
+                                           "agent_overloaded_process"}
 
 
 def handled(node: Agent) -> int:
