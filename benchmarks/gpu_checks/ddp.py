@@ -34,25 +34,34 @@ DDP_RUN = "gpu-node-check-ddp"
 
 
 @contextmanager
-def process_group(torch: Any, backend: str) -> Iterator[None]:
-    """A world-size-1 process group over env:// on 127.0.0.1, destroyed on exit; the
-    rendezvous variables are restored so later sections see the environment they had."""
-    saved = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(free_port())
+def world_of_one_env() -> Iterator[None]:
+    """The environment of rank 0 of a world of one over env:// on 127.0.0.1 (what
+    ``init_process_group`` and ``deepspeed.init_distributed`` read), restored on exit so that
+    later sections see the environment they had."""
+    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                      LOCAL_RANK="0", WORLD_SIZE="1")
     try:
-        torch.distributed.init_process_group(backend, init_method="env://", rank=0, world_size=1,
-                                             timeout=datetime.timedelta(seconds=60))
-        try:
-            yield
-        finally:
-            torch.distributed.destroy_process_group()
+        yield
     finally:
         for key, old in saved.items():
             if old is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = old
+
+
+@contextmanager
+def process_group(torch: Any, backend: str) -> Iterator[None]:
+    """A world-size-1 process group over env:// on 127.0.0.1, destroyed on exit."""
+    with world_of_one_env():
+        torch.distributed.init_process_group(backend, init_method="env://", rank=0, world_size=1,
+                                             timeout=datetime.timedelta(seconds=60))
+        try:
+            yield
+        finally:
+            torch.distributed.destroy_process_group()
 
 
 def gradient_bytes(model: Any) -> int:

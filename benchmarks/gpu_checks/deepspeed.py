@@ -17,36 +17,17 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from gpumon.testing import AgentProcess, free_port, parse_metrics
+from gpumon.testing import AgentProcess, parse_metrics
 
+from .ddp import world_of_one_env
 from .hook import read_recording
 from .report import Report, SkipSection, jsonable
 
 DS_RUN = "gpu-node-check-deepspeed"
 STAGE = 2
 GAS = 2
-
-
-@contextmanager
-def process_group_env() -> Iterator[None]:
-    """The environment of rank 0 of a world of one over env:// on 127.0.0.1 (what
-    ``deepspeed.init_distributed`` reads), restored on exit for later sections."""
-    names = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")
-    saved = {k: os.environ.get(k) for k in names}
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                      LOCAL_RANK="0", WORLD_SIZE="1")
-    try:
-        yield
-    finally:
-        for key, old in saved.items():
-            if old is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = old
 
 
 def section_deepspeed(report: Report, result: dict[str, Any], torch: Any, agent: AgentProcess,
@@ -69,7 +50,7 @@ def section_deepspeed(report: Report, result: dict[str, Any], torch: Any, agent:
         # DeepSpeed's CPU accelerator compiles a shared-memory all-reduce (a C++ op) on first
         # use; a world of one never calls it, and the dry run has no time to build it.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    with process_group_env():
+    with world_of_one_env():
         deepspeed.init_distributed(dist_backend="nccl" if cuda else "gloo")
         try:
             torch.manual_seed(0)

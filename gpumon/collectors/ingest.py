@@ -141,25 +141,21 @@ def _group_name(gid: int) -> str:
         return str(gid)
 
 
-def parse_sender(ancillary: list[tuple[int, int, bytes]]) -> SenderCredentials:
-    """The sender's pid/uid from SCM_CREDENTIALS, when the kernel attached them."""
+def _credentials(ancillary: list[tuple[int, int, bytes]]) -> tuple[int, int] | None:
+    """The sender's (pid, uid) from SCM_CREDENTIALS, when the kernel attached them."""
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS \
                 and len(data) >= _CREDENTIALS.size:
             pid, uid, _gid = _CREDENTIALS.unpack_from(data)
-            return SenderCredentials(pid=pid or None, uid=uid)
-    return SenderCredentials()
+            return pid, uid
+    return None
 
 
-def _sender_pid(ancillary: list[tuple[int, int, bytes]]) -> int:
-    """The sender's pid (0: unknown); quick when the credentials are the one control message,
-    as SO_PASSCRED makes them."""
-    if len(ancillary) == 1:
-        level, kind, data = ancillary[0]
-        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS \
-                and len(data) >= _CREDENTIALS.size:
-            return int(_CREDENTIALS.unpack_from(data)[0])
-    return parse_sender(ancillary).pid or 0
+def parse_sender(ancillary: list[tuple[int, int, bytes]]) -> SenderCredentials:
+    """The sender's pid/uid from SCM_CREDENTIALS, when the kernel attached them."""
+    found = _credentials(ancillary)
+    return SenderCredentials() if found is None else SenderCredentials(pid=found[0] or None,
+                                                                       uid=found[1])
 
 
 class IngestServer:
@@ -232,7 +228,7 @@ class IngestServer:
             else:
                 if behind is None:
                     behind = {}
-                pid = _sender_pid(item[1])
+                pid = (_credentials(item[1]) or (0, 0))[0]
                 held = behind.get(pid, 0)
                 if held >= PROCESS_SHARE_DATAGRAMS or (
                         not held and len(behind) >= PRESSURE_SENDERS_MAX):

@@ -4,32 +4,22 @@ case sent as JSON. Run in a process of its own: it initialises ``torch.distribut
 
 from __future__ import annotations
 
+from tests.client import deepspeed_world1  # noqa: F401  (first: the world, DeepSpeed set up)
+
+# isort: split
 import json
-import os
-import socket
 import sys
 import time
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(port))
+import deepspeed
+import torch
+from torch import nn
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
+from gpumon.client import StepMonitor
+from gpumon.client.transport import MemoryTransport
+from gpumon.wire import StepRecord
 
-from gpumon.client import StepMonitor  # noqa: E402
-from gpumon.client.transport import MemoryTransport  # noqa: E402
-from gpumon.wire import StepRecord  # noqa: E402
-
-# DeepSpeed's CPU accelerator compiles a shared-memory all-reduce (a C++ op) at
-# init_distributed, for inference_all_reduce alone, which training never calls: off, so that
-# no compiler runs here.
-deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 deepspeed.init_distributed(dist_backend="gloo")
 torch.set_num_threads(1)
 

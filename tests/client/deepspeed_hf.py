@@ -5,32 +5,21 @@ initialises ``torch.distributed``."""
 
 from __future__ import annotations
 
+from tests.client import deepspeed_world1  # noqa: F401  (first: the world, DeepSpeed set up)
+
+# isort: split
 import json
-import os
-import socket
 import sys
 import tempfile
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                  MASTER_PORT=str(port))
+import torch
+from torch import nn
+from transformers import Trainer, TrainingArguments
 
-import deepspeed  # noqa: E402
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-from transformers import Trainer, TrainingArguments  # noqa: E402
-
-from gpumon.client.integrations.hf import GpumonTrainerCallback  # noqa: E402
-from gpumon.client.transport import MemoryTransport  # noqa: E402
-from gpumon.wire import StepRecord  # noqa: E402
-
-# DeepSpeed's CPU accelerator compiles a shared-memory all-reduce (a C++ op) at
-# init_distributed, for inference_all_reduce alone: off, so that no compiler runs here.
-deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+from gpumon.client.integrations.hf import GpumonTrainerCallback
+from gpumon.client.transport import MemoryTransport
+from gpumon.wire import StepRecord
 
 
 class Regression(nn.Module):
