@@ -1,13 +1,11 @@
 """A training loop that knows nothing of gpumon, for ``gpumon run``'s tests: it prints one line
 per step (its loss), then does what its first argument says: ``exit N`` (exit status N),
-``wait`` (print ``ready`` and train on, resting 50 ms after each step, until a signal ends
-it), ``spawn`` (train the same in a
+``wait`` (print ``ready`` and train on until a signal ends it), ``spawn`` (train the same in a
 ``multiprocessing`` spawned child and a DataLoader with two spawned workers too)."""
 
 import multiprocessing
 import os
 import sys
-import time
 
 import torch
 from torch import nn
@@ -30,7 +28,7 @@ class Scaled(Dataset):  # type: ignore[type-arg]
             return self.transform(self.data[i])
 
 
-def train(steps: int, workers: int = 0, rest_s: float = 0.0) -> None:
+def train(steps: int, workers: int = 0) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -45,11 +43,6 @@ def train(steps: int, workers: int = 0, rest_s: float = 0.0) -> None:
             optimizer.zero_grad()
             print(f"{os.environ.get('ROLE', 'main')} step {step} loss {loss.item():.6f}", flush=True)
             step += 1
-            if rest_s:
-                # Where a Ctrl-C lands, most of the time: raised at once from the sleep. Inside
-                # torch's C++ a pending KeyboardInterrupt can now and then be swallowed, with
-                # or without gpumon, and the job trains on.
-                time.sleep(rest_s)
             if step == steps:
                 return
 
@@ -67,7 +60,7 @@ if __name__ == "__main__":
     elif what == "wait":
         train(2)
         print("ready", flush=True)
-        train(10**9, rest_s=0.05)
+        train(10**9)
     elif what == "spawn":
         process = multiprocessing.get_context("spawn").Process(target=child)
         process.start()
