@@ -113,8 +113,14 @@ def job_env(sink: Sink, **more: str) -> dict[str, str]:
 def start(watched: bool, args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     job = [sys.executable, str(JOB), *args]
     command = cli("--", *job, env=env) if watched else job
+    # As a terminal starts a job: SIGINT at its default, even where this test runs with it
+    # ignored (a non-interactive shell's background job), which every child would inherit.
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, cwd=ROOT)
+                            start_new_session=True, cwd=ROOT, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def without_our_line(err: str) -> str:
