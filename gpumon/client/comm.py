@@ -116,6 +116,8 @@ class CommLedger:
         self._tails: list[Tail] = []
         self._clocks: list[tuple[float, float]] = []  # (wall, thread CPU) of the training thread
         self._t_begin: float | None = None
+        self.step_token: object = None
+        """A new object at each step's start: tells a step from the one before."""
         self._thread: int | None = None
         self._untimed = False
         self._device_timed = False
@@ -136,6 +138,7 @@ class CommLedger:
     def step_begin(self) -> None:
         """A step starts on the calling thread (the training thread)."""
         self._t_begin = perf_counter()
+        self.step_token = object()
         self._clocks = [(self._t_begin, thread_time())]
         self._thread = threading.get_ident()
         self._blocked = []

@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpumon.client import StepMonitor, comm_tap
 from gpumon.client.comm import CommLedger
 from gpumon.client.comm_tap import tap_into, untap
-from gpumon.client.ddp import HOOKED, INFERRED, NOT_MEASURED, watch_ddp
+from gpumon.client.comm_inflight import IN_FLIGHT
+from gpumon.client.ddp import FOLLOWED, INFERRED, NOT_MEASURED, watch_ddp
 from gpumon.client.transport import MemoryTransport
 from gpumon.client.watch import find_wrapper, kind_of
 from gpumon.wire import StepRecord
@@ -112,19 +113,24 @@ def _grad_bytes(module: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
-def test_ddp_buckets_are_measured_with_their_wait(ledger: CommLedger) -> None:
+def test_ddp_buckets_on_the_host_are_followed_without_a_comm_hook(ledger: CommLedger) -> None:
     torch.manual_seed(0)
     ddp = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]), bucket_cap_mb=0.5)
-    assert watch_ddp(ledger, ddp) == HOOKED
-    assert watch_ddp(ledger, ddp) == HOOKED  # again: nothing changes
+    assert watch_ddp(ledger, ddp) == FOLLOWED
+    assert watch_ddp(ledger, ddp) == FOLLOWED  # again: nothing changes
+    # DDP runs its own all-reduce, scaling as it copies: no hook of any kind is registered.
+    assert not ddp._get_ddp_logging_data().get("comm_hook") and not ddp._comm_hooks
 
     def train() -> None:
         ddp(torch.randn(4, 256)).sum().backward()
 
-    for buckets in (1, 3):  # DDP sizes its buckets after the first step
+    for buckets in (1, 3, 3):  # DDP sizes its buckets after the first step
+        launched = IN_FLIGHT.launched
         stats = _step(ledger, train)
         assert stats["ops"]["all_reduce"][:2] == [buckets, _grad_bytes(ddp)]
-    assert 0 < stats["busy"] and 0 < stats["exposed"]
+        assert IN_FLIGHT.launched == launched + buckets  # each bucket, for the stall watch
+        assert IN_FLIGHT.oldest() is None  # and none left open once backward returned
+    assert 0 < stats["exposed"] <= stats["busy"]
 
     def no_sync() -> None:
         with ddp.no_sync():
