@@ -20,10 +20,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpumon.client import StepMonitor, comm_tap
+from gpumon.client import ddp as ddp_module
 from gpumon.client.comm import CommLedger
-from gpumon.client.comm_tap import tap_into, untap
 from gpumon.client.comm_inflight import IN_FLIGHT
-from gpumon.client.ddp import FOLLOWED, INFERRED, NOT_MEASURED, watch_ddp
+from gpumon.client.comm_tap import tap_into, untap
+from gpumon.client.ddp import FOLLOWED, HOOKED, INFERRED, NOT_MEASURED, watch_ddp
 from gpumon.client.transport import MemoryTransport
 from gpumon.client.watch import find_wrapper, kind_of
 from gpumon.wire import StepRecord
@@ -257,3 +258,47 @@ def test_the_wrapper_of_a_bare_model_is_found() -> None:
     assert find_wrapper(model) is ddp  # what the Hugging Face callback watches
     assert find_wrapper(_model()) is None
     assert kind_of(ddp) == "ddp" and kind_of(model) is None and kind_of(object()) is None
+
+
+def test_where_buckets_cannot_be_followed_the_comm_hook_measures_them(
+    ledger: CommLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path a GPU takes (and a torch without post-accumulate hooks): a timing comm hook
+    that averages each bucket as DDP does, the same bits."""
+    monkeypatch.setattr(ddp_module._Buckets, "follow", classmethod(lambda cls, *args: None))
+    plain, watched = DDP(_model()), DDP(_model())
+    assert watch_ddp(ledger, watched) == HOOKED
+    assert watched._get_ddp_logging_data().get("comm_hook")  # the timing hook is DDP's hook
+    _train_step(plain)
+    stats = _step(ledger, lambda: _train_step(watched))
+    assert stats["ops"]["all_reduce"][:2] == [1, _grad_bytes(watched)]
+    assert 0 < stats["exposed"] <= stats["busy"]
+    for a, b in zip(plain.parameters(), watched.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    calls: list[Any] = []
+
+    def counting_hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
+        calls.append(state)
+        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+
+    watched.register_comm_hook("my-state", counting_hook)  # called in the timing hook's place
+    again = _step(ledger, lambda: _train_step(watched))
+    assert calls == ["my-state"] and again["ops"]["all_reduce"][:2] == [1, _grad_bytes(watched)]
+
+
+def test_a_model_too_large_to_copy_its_buckets_is_followed_by_their_sizes(
+    ledger: CommLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beyond the size whose bucket copy is read, the sizes DDP logs place the launches."""
+    monkeypatch.setattr(ddp_module._Buckets, "LAYOUT_READ_MAX_BYTES", 0)
+    torch.manual_seed(0)
+    ddp = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]), bucket_cap_mb=0.5)
+    assert watch_ddp(ledger, ddp) == FOLLOWED
+
+    def train() -> None:
+        ddp(torch.randn(4, 256)).sum().backward()
+
+    counts = [_step(ledger, train)["ops"]["all_reduce"][:2] for _ in range(4)]
+    assert all(nbytes == _grad_bytes(ddp) for _, nbytes in counts)
+    # One bucket at first; DDP logs the three it re-sized them into a step or two later.
+    assert counts[0][0] == 1 and counts[-1][0] == 3
