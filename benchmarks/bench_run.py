@@ -1,6 +1,9 @@
 """What ``gpumon run`` costs a job that knows nothing of gpumon: throughput with and without it.
 
-    python benchmarks/bench_run.py [--blocks 41] [--block-steps 40] [--ddp-pairs 5] [--ddp-steps 12]
+    python benchmarks/bench_run.py [--blocks 41] [--block-steps 40] [--ddp-rounds 30]
+                                   [--ddp-block-steps 3] [--ddp-pairs 5] [--ddp-steps 12]
+
+``--blocks 0`` leaves the CPU example out, ``--ddp-rounds 0`` or ``--ddp-pairs 0`` a DDP part.
 
 - ``cpu``: ``examples/train_cpu.py``'s loop (the MLP on in-memory data, one intra-op thread)
   in this one process, in blocks of ``--block-steps`` steps, rotating between bare (the
@@ -13,11 +16,19 @@
   training thread's CPU time, bare ÷ watched and added per step (less noisy than the wall
   clock on a shared machine). ``tiny`` runs the same loop on a model of 8 units and a
   batch of 8, where the loop's own Python is most of the step and what the hooks add shows.
-- ``ddp``: the communication-heavy 2-rank DDP job (4 × Linear(2048, 2048), batch 2, gloo) as a
-  whole, under ``torch.distributed.run``, started plain and under ``gpumon run``, in
-  ``--ddp-pairs`` pairs, the order flipping every pair (a DDP model once watched keeps its comm
-  hook, so the two cannot alternate in one process). Each rank times its steps after a warm-up;
-  the figure is the median over pairs of the ratio of the ranks' median step times.
+- ``ddp``: the communication-heavy 2-rank DDP job (4 × Linear(2048, 2048), batch 2, gloo),
+  under ``torch.distributed.run``, two ways:
+
+  - in one process per rank (``--ddp-rounds``): three identical DDP models, blocks of
+    ``--ddp-block-steps`` steps rotating between them: one plain, one with ``gpumon run``'s hooks
+    in torch (installed for its blocks only, so it alone is watched: they watch a model at its
+    first forward) and a second plain one, the control, whose ratio to the first is what this
+    machine reads for no difference. Medians over rounds of each one's throughput against the
+    plain model, on rank 0 (the ranks step together);
+  - as whole launches (``--ddp-pairs``), started plain and under ``gpumon run``, the order
+    flipping every pair. Each rank times its steps after a warm-up; the figure is the median
+    over pairs of the ratio of the ranks' median step times. Separate launches read ±10 %
+    apart on a shared machine.
 
 Prints a line per round or pair and a JSON line.
 """
@@ -44,19 +55,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=41)
     parser.add_argument("--block-steps", type=int, default=40)
+    parser.add_argument("--ddp-rounds", type=int, default=30)
+    parser.add_argument("--ddp-block-steps", type=int, default=3)
     parser.add_argument("--ddp-pairs", type=int, default=5)
     parser.add_argument("--ddp-steps", type=int, default=12)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         ddp_worker(args.ddp_steps)
         return
-    cpu = cpu_blocks(args.blocks, args.block_steps)
-    # A model so small that the step is mostly the loop's own Python: what the hooks add shows.
-    tiny = cpu_blocks(args.blocks, args.block_steps * 10, ("--hidden", "8", "--batch-size", "8"))
+    if args.blocks_worker:
+        ddp_blocks_worker(args.ddp_rounds, args.ddp_block_steps)
+        return
+    cpu = tiny = None
+    if args.blocks:
+        cpu = cpu_blocks(args.blocks, args.block_steps)
+        # A model so small that the step is mostly the loop's own Python: what the hooks add shows.
+        tiny = cpu_blocks(args.blocks, args.block_steps * 10, ("--hidden", "8", "--batch-size", "8"))
+    in_process = ddp_blocks(args.ddp_rounds, args.ddp_block_steps) if args.ddp_rounds else None
     ddp = ddp_pairs(args.ddp_pairs, args.ddp_steps) if args.ddp_pairs else None
-    print(json.dumps({"bench": "run", "cpu": cpu, "tiny": tiny, "ddp_throughput_ratio": ddp,
-                      "blocks": args.blocks, "block_steps": args.block_steps,
+    print(json.dumps({"bench": "run", "cpu": cpu, "tiny": tiny, "ddp_in_process": in_process,
+                      "ddp_throughput_ratio": ddp, "blocks": args.blocks, "block_steps": args.block_steps,
+                      "ddp_rounds": args.ddp_rounds, "ddp_block_steps": args.ddp_block_steps,
                       "ddp_pairs": args.ddp_pairs, "ddp_steps": args.ddp_steps}))
 
 
@@ -124,6 +145,87 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
               f"training thread's CPU bare / it {figures[kind + '_cpu']:.4f}, "
               f"{figures[kind + '_added_us']:+.1f} µs a step")
     return figures
+
+
+def ddp_blocks(rounds: int, block_steps: int) -> dict[str, float]:
+    """The DDP job in one process per rank, plain, under ``gpumon run``'s hooks and plain
+    again (the control), in rotating blocks; rank 0's medians over rounds."""
+    from bench_hook import drained_socket
+
+    from gpumon.testing import free_port
+
+    with drained_socket() as (socket_path, finish), tempfile.TemporaryDirectory() as results:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "BENCH_RUN_RESULTS": results,
+               "GPUMON_SOCKET": socket_path, "GPUMON_RUN": "bench-run-ddp"}
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   "--master-port", str(free_port()), __file__, "--blocks-worker",
+                   "--ddp-rounds", str(rounds), "--ddp-block-steps", str(block_steps)]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"the job failed:\n{done.stdout}\n{done.stderr[-6000:]}")
+        figures = json.loads(Path(results, "rank0.json").read_text())
+        received = finish()
+    print(f"ddp in one process: {rounds} rounds of {block_steps}-step blocks "
+          f"({figures['plain_ms']:.1f} ms a plain step), {figures['steps']} steps watched, "
+          f"{received} records received")
+    for kind, name in (("run", "gpumon run"), ("control", "plain again (control)")):
+        print(f"  {name:22s} throughput / plain {figures[kind]:.4f} "
+              f"(quartiles {figures[kind + '_q1']:.4f} .. {figures[kind + '_q3']:.4f})")
+    return figures
+
+
+def ddp_blocks_worker(rounds: int, block_steps: int) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    from gpumon.client.autowatch import hooks
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    x = torch.randn(2, 2048)
+    jobs = {}
+    for kind in ("plain", "run", "control"):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]))
+        jobs[kind] = (model, torch.optim.SGD(model.parameters(), lr=1e-6))
+
+    def seconds(kind: str, steps: int) -> float:
+        model, optimizer = jobs[kind]
+        if kind == "run":
+            hooks.install()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        elapsed = time.perf_counter() - t0
+        if kind == "run":
+            hooks.take_out()
+        return elapsed
+
+    kinds = list(jobs)
+    for kind in kinds:  # warm up: DDP sizes its buckets after its first step
+        seconds(kind, 2)
+    ratios: dict[str, list[float]] = {"run": [], "control": []}
+    plain_s = []
+    for i in range(rounds):
+        shift = i % len(kinds)
+        result = {kind: seconds(kind, block_steps) for kind in kinds[shift:] + kinds[:shift]}
+        for kind in ratios:
+            ratios[kind].append(result["plain"] / result[kind])
+        plain_s.append(result["plain"] / block_steps)
+    finder = hooks._state.finder
+    steps = 0 if finder is None else finder.monitor.stats.steps
+    hooks.uninstall()
+    figures: dict[str, float] = {"plain_ms": statistics.median(plain_s) * 1e3, "steps": steps}
+    for kind, values in ratios.items():
+        q1, _, q3 = statistics.quantiles(values, n=4)
+        figures.update({kind: statistics.median(values), f"{kind}_q1": q1, f"{kind}_q3": q3})
+    if dist.get_rank() == 0:
+        Path(os.environ["BENCH_RUN_RESULTS"], "rank0.json").write_text(json.dumps(figures))
+    dist.destroy_process_group()
 
 
 def ddp_pairs(pairs: int, steps: int) -> float:

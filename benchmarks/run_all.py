@@ -85,6 +85,14 @@ BENCHMARKS: dict[str, tuple[list[str], list[Check]]] = {
         ("fleet: the run-level rule chain of the largest run evaluates within a 15 s interval",
          lambda r: r["ranks_per_run"][-1]["chain_s"], lambda x: f"{x:.2f} s", lambda x: x <= 15.0),
     ]),
+    "run": (["bench_run.py"], [
+        ("gpumon run: CPU example's throughput ≥ 99% of bare (median of block rounds)",
+         lambda r: r["cpu"]["run"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
+        ("gpumon run: 2-rank DDP job's throughput ≥ 99% of plain (median of block rounds)",
+         lambda r: r["ddp_in_process"]["run"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
+        ("gpumon run: the DDP control, plain against plain (the floor, for reference)",
+         lambda r: r["ddp_in_process"]["control"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
+    ]),
 }
 
 
@@ -95,6 +103,8 @@ QUICK: dict[str, list[str]] = {
     "train": ["--pairs", "5", "--steps", "25", "--blocks", "5", "--block-steps", "2"],  # 20 warm-up steps
     "ingest": ["--seconds", "0.3", "--rates", "2000"],
     "fleet": ["--quick"],
+    "run": ["--blocks", "3", "--block-steps", "4", "--ddp-rounds", "3", "--ddp-block-steps", "1",
+            "--ddp-pairs", "1", "--ddp-steps", "1"],
 }
 """Arguments for a tiny run of each benchmark (``--quick``): it starts, runs every part once
 and prints its JSON line, so a broken benchmark shows in minutes; its figures mean nothing."""
