@@ -19,7 +19,8 @@
 - ``ddp``: the communication-heavy 2-rank DDP job (4 × Linear(2048, 2048), batch 2, gloo),
   under ``torch.distributed.run``, two ways:
 
-  - in one process per rank (``--ddp-rounds``): three identical DDP models, blocks of
+  - in one process per rank, each pinned to a core (``--ddp-rounds``): three identical DDP
+    models, blocks of
     ``--ddp-block-steps`` steps rotating between them: one plain, one with ``gpumon run``'s hooks
     in torch (installed for its blocks only, so it alone is watched: they watch a model at its
     first forward) and a second plain one, the control, whose ratio to the first is what this
@@ -167,7 +168,8 @@ def ddp_blocks(rounds: int, block_steps: int) -> dict[str, float]:
         received = finish()
     print(f"ddp in one process: {rounds} rounds of {block_steps}-step blocks "
           f"({figures['plain_ms']:.1f} ms a plain step), {figures['steps']} steps watched, "
-          f"{received} records received")
+          f"{received} records received; the training thread's CPU added a step under gpumon run "
+          f"{figures['run_added_cpu_us']:+.0f} µs")
     for kind, name in (("run", "gpumon run"), ("control", "plain again (control)")):
         print(f"  {name:22s} throughput / plain {figures[kind]:.4f} "
               f"(quartiles {figures[kind + '_q1']:.4f} .. {figures[kind + '_q3']:.4f})")
@@ -184,6 +186,8 @@ def ddp_blocks_worker(rounds: int, block_steps: int) -> None:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[dist.get_rank() % len(cores)]})  # and gloo's threads, made later
     x = torch.randn(2, 2048)
     jobs = {}
     for kind in ("plain", "run", "control"):
@@ -195,31 +199,33 @@ def ddp_blocks_worker(rounds: int, block_steps: int) -> None:
         model, optimizer = jobs[kind]
         if kind == "run":
             hooks.install()
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         for _ in range(steps):
             model(x).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-        elapsed = time.perf_counter() - t0
+        elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
         if kind == "run":
             hooks.take_out()
-        return elapsed
+        return elapsed, cpu
 
     kinds = list(jobs)
     for kind in kinds:  # warm up: DDP sizes its buckets after its first step
         seconds(kind, 2)
     ratios: dict[str, list[float]] = {"run": [], "control": []}
-    plain_s = []
+    plain_s, added_cpu = [], []
     for i in range(rounds):
         shift = i % len(kinds)
         result = {kind: seconds(kind, block_steps) for kind in kinds[shift:] + kinds[:shift]}
         for kind in ratios:
-            ratios[kind].append(result["plain"] / result[kind])
-        plain_s.append(result["plain"] / block_steps)
+            ratios[kind].append(result["plain"][0] / result[kind][0])
+        plain_s.append(result["plain"][0] / block_steps)
+        added_cpu.append((result["run"][1] - result["plain"][1]) / block_steps)
     finder = hooks._state.finder
     steps = 0 if finder is None else finder.monitor.stats.steps
     hooks.uninstall()
-    figures: dict[str, float] = {"plain_ms": statistics.median(plain_s) * 1e3, "steps": steps}
+    figures: dict[str, float] = {"plain_ms": statistics.median(plain_s) * 1e3, "steps": steps,
+                                 "run_added_cpu_us": statistics.median(added_cpu) * 1e6}
     for kind, values in ratios.items():
         q1, _, q3 = statistics.quantiles(values, n=4)
         figures.update({kind: statistics.median(values), f"{kind}_q1": q1, f"{kind}_q3": q3})

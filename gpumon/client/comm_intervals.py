@@ -19,17 +19,44 @@ def contention_seconds(clocks: list[tuple[float, float]], busy: list[tuple[float
     quiet_wall = quiet_off = 0.0
     spans: list[tuple[float, float, float]] = []  # (wall, off a CPU, share in flight)
     readings = sorted(clocks)
+    in_blocked, in_busy = _Sweep(blocked), _Sweep(busy)  # the spans come in order
     for (wa, ca), (wb, cb) in itertools.pairwise(readings):
         wall = wb - wa
-        if wall <= 0.0 or union_seconds(blocked, wa, wb) > 0.0:
+        if wall <= 0.0 or in_blocked.seconds(wa, wb) > 0.0:
             continue
         off = max(0.0, wall - (cb - ca))
-        in_flight = union_seconds(busy, wa, wb) / wall
+        in_flight = in_busy.seconds(wa, wb) / wall
         spans.append((wall, off, in_flight))
         quiet_wall += wall * (1.0 - in_flight)
         quiet_off += off * (1.0 - in_flight)
     rate = quiet_off / quiet_wall if quiet_wall > 0.0 else 0.0
     return max(0.0, sum((off - rate * wall) * in_flight for wall, off, in_flight in spans))
+
+
+class _Sweep:
+    """The union of intervals, asked how much of it lies in windows that come in order (each
+    window starting at or after the last one's start): one pass over the intervals in all."""
+
+    def __init__(self, intervals: list[tuple[float, float]]) -> None:
+        merged: list[list[float]] = []
+        for start, stop in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], stop)
+            elif stop > start:
+                merged.append([start, stop])
+        self._merged = merged
+        self._first = 0  # intervals before this one end before every window still to come
+
+    def seconds(self, lo: float, hi: float) -> float:
+        merged, i = self._merged, self._first
+        while i < len(merged) and merged[i][1] <= lo:
+            i += 1
+        self._first = i
+        total = 0.0
+        while i < len(merged) and merged[i][0] < hi:
+            total += min(merged[i][1], hi) - max(merged[i][0], lo)
+            i += 1
+        return total
 
 
 def last_end(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:

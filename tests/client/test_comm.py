@@ -249,6 +249,44 @@ def test_cpu_lost_while_collectives_overlap_work_is_exposed() -> None:
     assert contention_seconds(calm, busy, blocked) == 0.0
 
 
+def _contention_by_definition(clocks: list[tuple[float, float]], busy: list[tuple[float, float]],
+                              blocked: list[tuple[float, float]]) -> float:
+    """The contention of architecture §5.1 spelt out span by span, each union measured anew."""
+    spans, quiet_wall, quiet_off = [], 0.0, 0.0
+    readings = sorted(clocks)
+    for (wa, ca), (wb, cb) in zip(readings, readings[1:], strict=False):
+        wall = wb - wa
+        if wall <= 0.0 or union_seconds(blocked, wa, wb) > 0.0:
+            continue
+        off, share = max(0.0, wall - (cb - ca)), union_seconds(busy, wa, wb) / wall
+        spans.append((wall, off, share))
+        quiet_wall += wall * (1 - share)
+        quiet_off += off * (1 - share)
+    rate = quiet_off / quiet_wall if quiet_wall > 0 else 0.0
+    return max(0.0, sum((off - rate * wall) * share for wall, off, share in spans))
+
+
+_moments = st.floats(min_value=0.0, max_value=1.0, allow_nan=False)
+_intervals = st.lists(st.tuples(_moments, _moments).map(sorted).map(tuple), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(walls=st.lists(_moments, min_size=2, max_size=24, unique=True),
+       cpu_shares=st.lists(st.floats(min_value=0.0, max_value=1.0), min_size=24, max_size=24),
+       busy=_intervals, blocked=_intervals)
+def test_contention_in_one_sweep_is_the_definition_span_by_span(
+    walls: list[float], cpu_shares: list[float], busy: list[tuple[float, float]],
+    blocked: list[tuple[float, float]],
+) -> None:
+    walls.sort()
+    clocks, cpu = [(walls[0], 0.0)], 0.0
+    for (a, b), share in zip(zip(walls, walls[1:], strict=False), cpu_shares, strict=False):
+        cpu += (b - a) * share
+        clocks.append((b, cpu))
+    assert contention_seconds(clocks, busy, blocked) == pytest.approx(
+        _contention_by_definition(clocks, busy, blocked), abs=1e-12)
+
+
 def test_a_step_with_contention_counts_it_as_exposed(ledger: CommLedger, clock: ManualClock) -> None:
     # The training thread's CPU clock runs at 40 % of the wall clock beside the collective,
     # and stops while it waits; the ledger reads it at the step's edges and the wait's.
