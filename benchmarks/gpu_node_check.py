@@ -37,6 +37,9 @@ before ``--budget-s``):
    memory breakdown, the framework and stage exported ("not available" without DeepSpeed).
 7. memory (``memory``, where that module exists): the live memory breakdown against
    ``torch.cuda.memory_stats()``.
+7b. run (``run``): an unmodified CUDA script (``run_job.py``) bare and under ``gpumon run``:
+   its output and loss unchanged, one step per optimizer step with the phases the hooks found,
+   and the throughput ratio (information: separate launches).
 8. stall (``stall``): a rank stuck behind a kernel, its NCCL all-reduce not passed on the GPU,
    told apart from one stuck on the host, as the agent reports them (the host case only in a
    dry run).
@@ -69,6 +72,7 @@ if str(ROOT) not in sys.path:
 from gpu_checks import agent as agent_checks  # noqa: E402
 from gpu_checks import ddp, hook, nvml, oom, stall  # noqa: E402
 from gpu_checks import deepspeed as deepspeed_check  # noqa: E402
+from gpu_checks import run as run_check  # noqa: E402
 from gpu_checks.environment import section_environment  # noqa: E402
 from gpu_checks.nvml_probe import nvml_child  # noqa: E402
 from gpu_checks.report import Report, SkipSection, jsonable, now, tb  # noqa: E402
@@ -182,6 +186,7 @@ def main() -> int:
             report.run("ddp", watched_ddp, need_s=30)
             report.run("deepspeed", watched_deepspeed, need_s=25)
             report.run("memory", lambda r: memory_section(report, r), need_s=20)
+            report.run("run", lambda r: run_check.section_run(report, r, agent, st["device"]), need_s=40)
             report.run("stall", lambda r: stall.section_stall(report, r, agent, st["device"]),
                        need_s=45)
             report.run("replay", lambda r: agent_checks.section_replay(report, r, st["env"]),

@@ -33,7 +33,7 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
     errors = {name: s.get("error") for name, s in sections.items() if s.get("status") == "error"}
     assert not errors, errors
     for name in ("environment", "nvml", "agent_start", "training", "endpoints", "overhead",
-                 "oom", "oom_event", "stall", "deepspeed", "replay", "agent_stop"):
+                 "oom", "oom_event", "stall", "deepspeed", "run", "replay", "agent_stop"):
         assert sections[name]["status"] == "ok", (name, sections[name])
     # Sections that depend on parts still to come say so instead of failing.
     for name in ("ddp", "memory"):
