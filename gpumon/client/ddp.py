@@ -257,19 +257,17 @@ class _Buckets:
         self.bucket_of = bucket_of
         self.sizes = [sum(self.nbytes[i] for i in indices) for indices in members]
 
-    def accumulated(self, param: Any) -> None:
+    def accumulated(self, _param: Any) -> None:
         try:
-            self._accumulated()
+            ledger = self.ledger
+            if ledger.in_step:
+                self.start = (perf_counter(), thread_time())
+                if self.armed_in is not ledger.step_token:
+                    self._arm(ledger)
         except Exception:  # never into backward
             log.debug("gpumon: DDP bucket not followed", exc_info=True)
 
-    def _accumulated(self) -> None:
-        ledger = self.ledger
-        if not ledger.in_step:
-            return
-        self.start = (perf_counter(), thread_time())
-        if self.armed_in is ledger.step_token:
-            return
+    def _arm(self, ledger: CommLedger) -> None:
         ddp = self.module()
         if ddp is None or not getattr(ddp, "require_backward_grad_sync", False):  # no_sync()
             return
@@ -292,23 +290,21 @@ class _Buckets:
 
     def copied_hook(self, index: int) -> Any:
         def copied(_grad_inputs: Any, _grad_outputs: Any) -> None:
-            if self.armed_in is not None and self.armed_in is self.ledger.step_token:
-                try:
-                    self._copied(index)
-                except Exception:  # never into backward
-                    log.debug("gpumon: DDP bucket not followed", exc_info=True)
+            try:
+                t0, c0 = self.start
+                if t0 and self.armed_in is not None and self.armed_in is self.ledger.step_token:
+                    c1, t1 = thread_time(), perf_counter()
+                    self.ledger.blocked(t0, t1, (c0, c1))
+                    self.start = (0.0, 0.0)
+                    if not self.user_hook:  # (a user's hook launches what it does, seen there)
+                        self._ready(index, t0, t1)
+            except Exception:  # never into backward
+                log.debug("gpumon: DDP bucket not followed", exc_info=True)
 
         return copied
 
-    def _copied(self, index: int) -> None:
-        t0, c0 = self.start
-        if not t0:
-            return
-        c1, t1 = thread_time(), perf_counter()
-        self.ledger.blocked(t0, t1, (c0, c1))
-        self.start = (0.0, 0.0)
-        if self.user_hook:
-            return  # the user's hook launches what it launches, seen where it does
+    def _ready(self, index: int, t0: float, t1: float) -> None:
+        """Gradient ``index`` is in its bucket: launch what DDP launched with it."""
         left = self.left
         if self.bucket_of is not None:
             left[self.bucket_of[index]] -= 1
