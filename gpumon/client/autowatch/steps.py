@@ -46,8 +46,11 @@ class StepFinder:
         self._step: Step | None = None
         self._next_step: Step | None = None  # the step context, reused from step to step
         self._stack: list[Phase] = []  # phases begun and not ended; the top one is open
-        self._phases: dict[str, Phase] = {}
-        self._forward: Phase | None = None
+        self._forward = monitor.phase("forward")
+        self._backward = monitor.phase("backward")
+        self._optimizer = monitor.phase("optimizer")
+        self._phases: dict[str, Phase] = {
+            "forward": self._forward, "backward": self._backward, "optimizer": self._optimizer}
         self._samples = 0
         self._deferred = False  # an optimizer stepped in the open step; another may follow
         self._fetching = False  # a batch was fetched from a DataLoader at least once
@@ -94,24 +97,38 @@ class StepFinder:
 
     def begin(self, name: str) -> None:
         """A phase begins: ``forward``, ``backward`` or ``optimizer``."""
+        if name == "forward":
+            self.forward_begin()
+            return
+        phase = self._phases.get(name)
+        if phase is None:
+            phase = self._phases[name] = self.monitor.phase(name)
+        self._begin(phase)
+
+    def forward_begin(self) -> None:
+        """An outermost forward begins."""
+        if self.lingering:  # the top-level forward left open: this one continues it
+            self.lingering = False
+            stack = self._stack
+            stack.append(stack[-1])  # still open; the matching end() leaves it open again
+        else:
+            self._begin(self._forward)
+
+    def backward_begin(self) -> None:
+        """A backward pass begins."""
+        self._begin(self._backward)
+
+    def _begin(self, phase: Phase) -> None:
         if self.driven:
             return
         stack = self._stack
-        if self.lingering:  # the top-level forward left open: this ends it, or continues it
+        if self.lingering:  # the top-level forward left open ends here
             self.lingering = False
-            if name == "forward":
-                stack.append(stack[-1])  # still open; the matching end() leaves it open again
-                return
             stack.pop().__exit__(None, None, None)
         elif stack:
             stack[-1].__exit__(None, None, None)
         if self._step is None:
             self._open()
-        phase = self._phases.get(name)
-        if phase is None:
-            phase = self._phases[name] = self.monitor.phase(name)
-            if name == "forward":
-                self._forward = phase
         stack.append(phase)
         phase.__enter__()
 
@@ -142,14 +159,19 @@ class StepFinder:
 
     def optimizer_begin(self) -> None:
         """An optimizer step begins (the outermost one, if optimizers wrap others)."""
-        self.begin("optimizer")
+        self._begin(self._optimizer)
 
     def optimizer_end(self, optimizer_id: int) -> None:
         """That optimizer step ended: the step closes unless ``optimizer_id`` is known to be
         followed by another optimizer on the same batch."""
         if self.driven:
             return
-        self.end()
+        stack = self._stack
+        if len(stack) == 1:  # the optimizer phase alone: the step closes below, or waits
+            self.lingering = False
+            stack.pop().__exit__(None, None, None)
+        else:
+            self.end()
         if self._fetching:
             last = self._last_optimizer
             if last is not None and last != optimizer_id:
