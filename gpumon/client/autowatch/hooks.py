@@ -335,7 +335,7 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             state.module_depth = 0
             try:
-                finder.end()
+                finder.forward_end()
             except Exception:
                 _give_up()
 

@@ -52,6 +52,7 @@ class StepFinder:
         self._phases: dict[str, Phase] = {
             "forward": self._forward, "backward": self._backward, "optimizer": self._optimizer}
         self._samples = 0
+        self._counted = False  # the step context holds a count of samples
         self._deferred = False  # an optimizer stepped in the open step; another may follow
         self._fetching = False  # a batch was fetched from a DataLoader at least once
         self._last_optimizer: int | None = None  # the last optimizer stepped since the last fetch
@@ -149,6 +150,13 @@ class StepFinder:
             else:
                 phase.__exit__(None, None, None)
 
+    def forward_end(self) -> None:
+        """The outermost forward ends: as ``end()``, with a top-level one's case first."""
+        if len(self._stack) == 1:  # the forward alone: left open
+            self.lingering = True
+        else:
+            self.end()
+
     def settle(self) -> None:
         """End a top-level forward left open (the loop asks for its next batch, say)."""
         if self.lingering:
@@ -217,12 +225,10 @@ class StepFinder:
         if step is None:
             return
         samples = self._samples
-        if samples:
+        if samples or self._counted:  # the step context is reused: its counts set each time
             self._samples = 0
-            step.set_counts(samples, None, None)
-            step.__exit__(None, None, None)
-            step.set_counts(None, None, None)
-        else:
-            step.__exit__(None, None, None)
+            self._counted = bool(samples)
+            step.set_counts(samples or None, None, None)
+        step.__exit__(None, None, None)
         if self._on_step_end is not None:
             self._on_step_end()
