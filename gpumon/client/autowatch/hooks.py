@@ -64,6 +64,10 @@ LEARN_STEPS = 4
 """Optimizer steps during which every module call is looked at, to learn the models."""
 
 
+def _nothing() -> None:
+    return None
+
+
 class _State:
     """This process's watch: what the hooks share (touched by the training thread only)."""
 
@@ -74,8 +78,10 @@ class _State:
         self.module_depth = 0
         self.optimizer_depth = 0
         self.seen: dict[int, weakref.ref[Any]] = {}  # modules looked at, by id
+        self.last_module: Callable[[], Any] = _nothing  # a reference to the last one called
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()  # ... those with parameters
         self.paired: dict[int, weakref.ref[Any]] = {}  # optimizers, by id
+        self.last_optimizer: Callable[[], Any] = _nothing  # a reference to the last one stepped
         self.classes: dict[type, None] = {}  # the classes of the models
         self.narrowed = False  # only the models' classes' calls are wrapped
         self.learning = 0  # optimizer steps left before the wrap narrows (0: it does not)
@@ -272,7 +278,8 @@ def _others() -> int:
 
 
 def _after_step() -> None:
-    if len(_monitor_module._live_monitors) > 1 and _others():
+    # (the set of references behind the WeakSet: a dead one not yet dropped only costs a look)
+    if len(_monitor_module._live_monitors.data) > 1 and _others():
         # The job started watching itself: one count of its steps, its own. The hooks stay
         # (removing one while torch runs them would break its loop) and return at once.
         state = _state
@@ -319,9 +326,8 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
             if finder is None:
                 finder = _finder()
             if finder is not None:
-                seen = state.seen.get(id(self))
-                if seen is None or seen() is not self:
-                    _look_at(finder, self)
+                if state.last_module() is not self:
+                    _met(finder, self)
                 finder.forward_begin()
         except Exception:
             _give_up()
@@ -353,8 +359,7 @@ def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             finder = state.finder or _finder()
             if finder is not None:
-                paired = state.paired.get(id(optimizer))
-                if paired is None or paired() is not optimizer:
+                if state.last_optimizer() is not optimizer:
                     _pair(finder, optimizer)
                 finder.optimizer_begin()
         except Exception:
@@ -431,7 +436,8 @@ def _wrap_next(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
             raise
         t1 = perf_counter()
         try:
-            finder = state.finder or _finder()
+            if finder is None:
+                finder = _finder()
             if finder is not None:
                 state.optimizer_depth = 0  # a batch is never fetched inside an optimizer step
                 finder.fetched(t0, t1, batch, True)
@@ -452,14 +458,23 @@ def _fetched(state: _State, t0: float, batch: Any, got: bool) -> None:
         _give_up()
 
 
+def _met(finder: StepFinder, module: Any) -> None:
+    """An outermost forward of another module than the last one: looked at if it is new."""
+    state = _state
+    seen = state.seen
+    key = id(module)
+    ref = seen.get(key)
+    if ref is None or ref() is not module:
+        # (a module that cannot be weakly referenced: the process is unwatched)
+        ref = seen[key] = weakref.ref(module, lambda r: seen.pop(key) if seen.get(key) is r else None)
+        _look_at(finder, module)
+    state.last_module = ref
+
+
 def _look_at(finder: StepFinder, module: Any) -> None:
     """``watch()`` a module seen for the first time in an outermost forward, if it has
     parameters (a loss function, say, has none); its class is then a model's."""
     state = _state
-    seen = state.seen
-    key = id(module)
-    # (a module that cannot be weakly referenced: the process is unwatched)
-    seen[key] = weakref.ref(module, lambda ref: seen.pop(key) if seen.get(key) is ref else None)
     try:
         if next(iter(module.parameters()), None) is None:
             return
@@ -482,10 +497,17 @@ def _drives_steps(monitor: StepMonitor) -> bool:
 
 
 def _pair(finder: StepFinder, optimizer: Any) -> None:
-    """An optimizer's first step: watch it with the modules whose parameters it updates."""
-    paired = _state.paired
+    """Another optimizer than the last one steps: if it is its first step, watch it with the
+    modules whose parameters it updates."""
+    state = _state
+    paired = state.paired
     key = id(optimizer)
-    paired[key] = weakref.ref(optimizer, lambda ref: paired.pop(key) if paired.get(key) is ref else None)
+    ref = paired.get(key)
+    if ref is not None and ref() is optimizer:
+        state.last_optimizer = ref
+        return
+    ref = paired[key] = weakref.ref(optimizer, lambda r: paired.pop(key) if paired.get(key) is r else None)
+    state.last_optimizer = ref
     try:
         updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for model in list(_state.models):

@@ -54,8 +54,9 @@ class StepFinder:
         self._samples = 0
         self._counted = False  # the step context holds a count of samples
         self._deferred = False  # an optimizer stepped in the open step; another may follow
-        self._fetching = False  # a batch was fetched from a DataLoader at least once
-        self._last_optimizer: int | None = None  # the last optimizer stepped since the last fetch
+        # The last optimizer stepped since the last fetch: 0 if none, None if no batch was ever
+        # fetched from a DataLoader.
+        self._last_optimizer: int | None = None
         self._followed: set[int] = set()  # optimizers seen followed by another on one batch
         self._data_wait = monitor.extensions.data_wait
         self.lingering = False
@@ -76,17 +77,15 @@ class StepFinder:
             self.settle()
         if self._deferred and not self.driven:
             self._close()
-        self._fetching = True
-        self._last_optimizer = None
+        self._last_optimizer = 0
         if not got:
             return
         # The leading dimension of a tensor or of a tuple's first tensor, else batch_size's.
-        if type(batch) is tuple or type(batch) is list:
-            shape = getattr(batch[0], "shape", None) if batch else None
-        else:
-            shape = getattr(batch, "shape", None)
+        kind = type(batch)
+        shape = getattr(batch[0] if batch else None, "shape", None) if kind is list or kind is tuple \
+            else getattr(batch, "shape", None)
         if shape is not None:
-            if len(shape):
+            if shape:
                 self._samples += int(shape[0])
         else:
             size = batch_size(batch)
@@ -106,18 +105,56 @@ class StepFinder:
             phase = self._phases[name] = self.monitor.phase(name)
         self._begin(phase)
 
+    # The hooks' events, each ``begin()`` of its phase, spelt out (they run every step).
+
     def forward_begin(self) -> None:
         """An outermost forward begins."""
+        if self.driven:
+            return
+        stack = self._stack
         if self.lingering:  # the top-level forward left open: this one continues it
             self.lingering = False
-            stack = self._stack
             stack.append(stack[-1])  # still open; the matching end() leaves it open again
-        else:
-            self._begin(self._forward)
+            return
+        if stack:
+            stack[-1].__exit__(None, None, None)
+        if self._step is None:
+            self._open()
+        phase = self._forward
+        stack.append(phase)
+        phase.__enter__()
 
     def backward_begin(self) -> None:
         """A backward pass begins."""
-        self._begin(self._backward)
+        if self.driven:
+            return
+        stack = self._stack
+        if self.lingering:  # the top-level forward left open ends here
+            self.lingering = False
+            stack.pop().__exit__(None, None, None)
+        elif stack:
+            stack[-1].__exit__(None, None, None)
+        if self._step is None:
+            self._open()
+        phase = self._backward
+        stack.append(phase)
+        phase.__enter__()
+
+    def optimizer_begin(self) -> None:
+        """An optimizer step begins (the outermost one, if optimizers wrap others)."""
+        if self.driven:
+            return
+        stack = self._stack
+        if self.lingering:  # the top-level forward left open ends here
+            self.lingering = False
+            stack.pop().__exit__(None, None, None)
+        elif stack:
+            stack[-1].__exit__(None, None, None)
+        if self._step is None:
+            self._open()
+        phase = self._optimizer
+        stack.append(phase)
+        phase.__enter__()
 
     def _begin(self, phase: Phase) -> None:
         if self.driven:
@@ -165,24 +202,19 @@ class StepFinder:
             if stack:
                 stack.pop().__exit__(None, None, None)
 
-    def optimizer_begin(self) -> None:
-        """An optimizer step begins (the outermost one, if optimizers wrap others)."""
-        self._begin(self._optimizer)
-
     def optimizer_end(self, optimizer_id: int) -> None:
         """That optimizer step ended: the step closes unless ``optimizer_id`` is known to be
         followed by another optimizer on the same batch."""
         if self.driven:
             return
         stack = self._stack
-        if len(stack) == 1:  # the optimizer phase alone: the step closes below, or waits
-            self.lingering = False
+        if len(stack) == 1:  # the optimizer phase alone
             stack.pop().__exit__(None, None, None)
         else:
             self.end()
-        if self._fetching:
-            last = self._last_optimizer
-            if last is not None and last != optimizer_id:
+        last = self._last_optimizer
+        if last is not None:
+            if last and last != optimizer_id:
                 self._followed.add(last)
             self._last_optimizer = optimizer_id
         if optimizer_id in self._followed:
@@ -215,15 +247,13 @@ class StepFinder:
             stack.clear()
 
     def _close(self) -> None:
-        stack = self._stack
-        if stack:
-            self.lingering = False
-            stack[-1].__exit__(None, None, None)
-            stack.clear()
-        step, self._step = self._step, None
+        if self._stack:
+            self._end_phases()
+        step = self._step
         self._deferred = False
         if step is None:
             return
+        self._step = None
         samples = self._samples
         if samples or self._counted:  # the step context is reused: its counts set each time
             self._samples = 0
