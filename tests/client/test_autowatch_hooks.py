@@ -253,3 +253,25 @@ def test_a_compiled_model_is_not_compiled_again_when_the_models_are_learnt(trans
     train(compiled, optimizer, data, 12)
     assert counters["stats"]["unique_graphs"] == 1
     assert len(recorded(transport)) == 12
+
+
+def test_until_a_model_is_met_every_module_call_stays_wrapped(transport: MemoryTransport, uncompiled: None) -> None:
+    weight = torch.randn(16, 1, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    for _ in range(hooks.LEARN_STEPS + 2):  # no module: nothing to learn
+        nn.functional.mse_loss(x @ weight, y).backward()
+        optimizer.step()
+    assert wrapped(nn.Module)
+    model, model_optimizer, data = job(batches=12)
+    train(model, model_optimizer, data, hooks.LEARN_STEPS + 1)
+    assert wrapped(nn.Sequential) and not wrapped(nn.Module)
+
+
+def test_a_forked_child_learns_its_own_models(transport: MemoryTransport, uncompiled: None) -> None:
+    model, optimizer, data = job(batches=12)
+    train(model, optimizer, data, hooks.LEARN_STEPS + 1)
+    assert wrapped(nn.Sequential) and not wrapped(nn.Module)
+    hooks._after_fork_in_child()  # as os.fork() runs it in the child
+    assert wrapped(nn.Module) and "__call__" not in nn.Sequential.__dict__
+    assert hooks._state.learning == hooks.LEARN_STEPS

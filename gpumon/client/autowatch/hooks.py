@@ -125,7 +125,7 @@ def install() -> bool:
     if _state.narrowed:  # put back after take_out(): the models are known
         _narrow()
     else:
-        _widen(learn=_state.learning > 0 or not _state.seen)
+        _widen(learn=_state.relearn)  # (no relearning: compiled code depends on the wrap)
     if not _fork_handler:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _fork_handler = True
@@ -196,10 +196,15 @@ def _narrow() -> None:
     """Wrap the calls of the models' classes only, and no longer ``Module.__call__`` (unless
     compiled code may depend on the wrap: it then stays as it is)."""
     state = _state
+    if not state.narrowed:
+        if not state.classes:  # no model met yet (nothing to gain yet): learn on
+            state.learning = LEARN_STEPS
+            return
+        if _compiled():
+            state.learning = 0
+            state.relearn = False
+            return
     state.learning = 0
-    if not state.narrowed and _compiled():
-        state.relearn = False
-        return
     _unwrap_calls()
     state.narrowed = True
     if len(state.classes) <= state.classes_learnt:
@@ -291,9 +296,8 @@ def _after_step() -> None:
 
 def _after_fork_in_child() -> None:
     global _state
-    narrowed = _state.narrowed
     _state = _State()  # the parent's monitor is closed here (``monitor``'s own fork handler)
-    if narrowed and _restore_calls:
+    if _restore_calls:
         _widen()  # the child learns its own models
 
 
