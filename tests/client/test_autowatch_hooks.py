@@ -4,6 +4,7 @@ monitor of its own is not counted twice; a compiled model trains with no graph b
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -127,3 +128,150 @@ def test_uninstalled_the_hooks_leave_torch_as_it_was(transport: MemoryTransport)
     assert torch.autograd.backward.__module__ == "torch.autograd"
     assert module.Module.__call__ is module.Module._wrapped_call_impl
     assert not optimizer._global_optimizer_post_hooks
+
+
+@pytest.fixture
+def uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Other tests may have compiled code in this process; these learn their models as a job
+    # that compiles nothing does.
+    monkeypatch.setattr(hooks, "_compiled", lambda: False)
+
+
+def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: DataLoader[Any], steps: int) -> None:
+    loss_fn = nn.MSELoss()
+    for _, (x, y) in zip(range(steps), data):
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def wrapped(cls: type) -> bool:
+    return hasattr(cls.__dict__.get("__call__"), "__wrapped__")
+
+
+def test_once_the_models_are_learnt_only_their_class_call_is_wrapped(
+    transport: MemoryTransport, uncompiled: None
+) -> None:
+    model, optimizer, data = job(batches=12)
+    train(model, optimizer, data, hooks.LEARN_STEPS - 1)
+    assert wrapped(nn.Module)  # every module call, while the models are learnt
+    train(model, optimizer, data, 8)
+    assert not wrapped(nn.Module) and nn.Module.__call__ is nn.Module._wrapped_call_impl
+    assert wrapped(nn.Sequential)
+    assert "__call__" not in nn.Linear.__dict__ and "__call__" not in nn.MSELoss.__dict__
+    steps = recorded(transport)
+    assert len(steps) == hooks.LEARN_STEPS - 1 + 8
+    assert all(set(s.phases_s) == {"data", "forward", "backward", "optimizer"} for s in steps)
+
+
+def test_taken_out_a_narrowed_wrap_leaves_the_class_as_it_was_and_comes_back_narrowed(
+    transport: MemoryTransport, uncompiled: None
+) -> None:
+    model, optimizer, data = job(batches=12)
+    train(model, optimizer, data, hooks.LEARN_STEPS + 1)
+    assert wrapped(nn.Sequential)
+    hooks.take_out()
+    assert "__call__" not in nn.Sequential.__dict__ and nn.Module.__call__ is nn.Module._wrapped_call_impl
+    train(model, optimizer, data, 2)  # not watched
+    assert hooks.install()
+    assert wrapped(nn.Sequential) and not wrapped(nn.Module)
+    train(model, optimizer, data, 2)
+    assert len(recorded(transport)) == hooks.LEARN_STEPS + 1 + 2
+
+
+class Outer(nn.Sequential):
+    pass
+
+
+class Inner(Outer):
+    pass
+
+
+def test_a_model_class_and_its_subclass_each_wrap_torchs_call_once(
+    transport: MemoryTransport, uncompiled: None
+) -> None:
+    torch.manual_seed(0)
+    a, b = Outer(nn.Linear(16, 1)), Inner(nn.Linear(16, 1))
+    optimizer = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    for _ in range(hooks.LEARN_STEPS + 2):
+        (nn.functional.mse_loss(a(x), y) + nn.functional.mse_loss(b(x), y)).backward()
+        optimizer.step()
+    assert Outer.__dict__["__call__"].__wrapped__ is nn.Module._wrapped_call_impl
+    assert Inner.__dict__["__call__"].__wrapped__ is nn.Module._wrapped_call_impl
+    hooks.take_out()
+    assert "__call__" not in Outer.__dict__ and "__call__" not in Inner.__dict__
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+def test_a_model_first_trained_after_the_wrap_narrowed_is_learnt_then(
+    transport: MemoryTransport, uncompiled: None
+) -> None:
+    model, optimizer, data = job(batches=24)
+    train(model, optimizer, data, hooks.LEARN_STEPS + 1)
+    assert not wrapped(nn.Module)
+    head = Head()
+    head_optimizer = torch.optim.SGD(head.parameters(), lr=1e-3)
+    train(head, head_optimizer, data, 1)  # its forward unseen: the backward widens the wrap
+    assert wrapped(nn.Module)
+    train(head, head_optimizer, data, hooks.LEARN_STEPS + 1)
+    assert wrapped(Head) and wrapped(nn.Sequential) and not wrapped(nn.Module)
+    steps = recorded(transport)
+    assert all("forward" in s.phases_s for s in steps[-hooks.LEARN_STEPS:])
+
+
+def test_the_loss_computed_after_the_forward_counts_as_forward(transport: MemoryTransport, uncompiled: None) -> None:
+    model, optimizer, data = job()
+
+    def slow_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.01)
+        return nn.functional.mse_loss(out, y)
+
+    for x, y in data:
+        slow_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    steps = recorded(transport)
+    assert len(steps) == 8 and all(s.phases_s["forward"] >= 0.01 for s in steps)
+
+
+def test_a_compiled_model_is_not_compiled_again_when_the_models_are_learnt(transport: MemoryTransport) -> None:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model, optimizer, data = job(batches=12)
+    compiled = torch.compile(model, backend="eager")
+    train(compiled, optimizer, data, 12)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert len(recorded(transport)) == 12
+
+
+def test_until_a_model_is_met_every_module_call_stays_wrapped(transport: MemoryTransport, uncompiled: None) -> None:
+    weight = torch.randn(16, 1, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=1e-3)
+    x, y = torch.randn(8, 16), torch.randn(8, 1)
+    for _ in range(hooks.LEARN_STEPS + 2):  # no module: nothing to learn
+        nn.functional.mse_loss(x @ weight, y).backward()
+        optimizer.step()
+    assert wrapped(nn.Module)
+    model, model_optimizer, data = job(batches=12)
+    train(model, model_optimizer, data, hooks.LEARN_STEPS + 1)
+    assert wrapped(nn.Sequential) and not wrapped(nn.Module)
+
+
+def test_a_forked_child_learns_its_own_models(transport: MemoryTransport, uncompiled: None) -> None:
+    model, optimizer, data = job(batches=12)
+    train(model, optimizer, data, hooks.LEARN_STEPS + 1)
+    assert wrapped(nn.Sequential) and not wrapped(nn.Module)
+    hooks._after_fork_in_child()  # as os.fork() runs it in the child
+    assert wrapped(nn.Module) and "__call__" not in nn.Sequential.__dict__
+    assert hooks._state.learning == hooks.LEARN_STEPS

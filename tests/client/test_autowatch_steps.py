@@ -4,6 +4,7 @@ batch as one step once seen, an optimizer's closure (Lightning's) timed as its o
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -142,3 +143,59 @@ def test_driven_by_a_watcher_that_makes_the_steps_only_the_data_wait_is_passed_o
     steps = records(finder, transport)
     assert len(steps) == 3 and all("data" in s.phases_s for s in steps)
     assert all(set(s.phases_s) == {"data", "forward"} for s in steps[1:])
+
+
+def test_a_top_level_forward_stays_open_until_the_backward_so_the_loss_counts_as_forward(
+    finder: StepFinder, transport: MemoryTransport
+) -> None:
+    finder.fetched(0.0, 0.01, Batch())
+    finder.begin("forward")
+    finder.end()
+    time.sleep(0.02)  # the loss, computed outside any module call
+    finder.begin("backward")
+    finder.end()
+    optimizer_step(finder, 1)
+    (step,) = records(finder, transport)
+    assert step.phases_s["forward"] >= 0.02 and step.phases_s["backward"] < 0.02
+
+
+def test_a_second_forward_continues_the_one_left_open(finder: StepFinder, transport: MemoryTransport) -> None:
+    finder.begin("forward")
+    finder.end()
+    finder.begin("forward")  # the loss module, or a second model
+    time.sleep(0.02)
+    finder.end()
+    finder.begin("backward")
+    finder.end()
+    optimizer_step(finder, 1)
+    (step,) = records(finder, transport)
+    assert step.phases_s["forward"] >= 0.02 and sum(step.phases_s.values()) <= step.duration_s
+
+
+def test_a_forward_left_open_ends_when_the_next_batch_is_asked_for(
+    finder: StepFinder, transport: MemoryTransport
+) -> None:
+    for i in range(2):  # an evaluation: forwards, no optimizer
+        finder.begin("forward")
+        finder.end()
+        finder.settle()
+        time.sleep(0.02)  # waiting for the next batch
+        finder.fetched(float(i), float(i) + 0.02, Batch())
+    finder.begin("backward")
+    finder.end()
+    optimizer_step(finder, 1)
+    (step,) = records(finder, transport)
+    assert step.phases_s["forward"] < 0.02
+
+
+def test_a_forward_nested_in_the_optimizer_step_resumes_the_optimizer_phase(
+    finder: StepFinder, transport: MemoryTransport
+) -> None:
+    finder.optimizer_begin()  # optimizer.step(closure)
+    finder.begin("forward")
+    finder.end()
+    time.sleep(0.02)  # the optimizer's own work, after the closure's forward
+    finder.optimizer_end(1)
+    (step,) = records(finder, transport)
+    assert step.phases_s["optimizer"] >= 0.02 and step.phases_s["forward"] < 0.02
+    assert not finder.lingering and not finder.in_step

@@ -1,14 +1,27 @@
 """The hooks ``gpumon run`` puts into PyTorch, once torch is imported in a process it started.
 
 ``install()`` adds, process-wide: torch's global optimizer step hooks (pre and post), and
-wrappers around ``Module.__call__``, ``torch.autograd.backward`` (which ``Tensor.backward``
-calls) and the DataLoader iterator's ``__next__``. Not torch's global module hooks: they would
-take every module call off its fast path, and make ``torch.compile``'d modules warn. Each
-reacts only on the process's main thread, the training thread, and only to the outermost call
-(a module's forward inside another's, an optimizer that wraps another); anything else returns
-at once. What they see goes to a
-``StepFinder`` (``steps``), made with its ``StepMonitor`` on the first event, when the rank is
-known.
+wrappers around module calls, ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and
+the DataLoader iterator's ``__next__``. Not torch's global module hooks: they would take every
+module call off its fast path, and make ``torch.compile``'d modules warn. Each reacts only on
+the process's main thread, the training thread, and only to the outermost call (a module's
+forward inside another's, an optimizer that wraps another); anything else returns at once.
+What they see goes to a ``StepFinder`` (``steps``), made with its ``StepMonitor`` on the first
+event, when the rank is known.
+
+Module calls are wrapped in two stages. For the first ``LEARN_STEPS`` optimizer steps,
+``Module.__call__`` itself: every module call passes the wrapper, and the outermost ones with
+parameters are the models. Then only the models' classes get a ``__call__`` of their own, the
+wrapper (a DDP or FSDP module's class, a DeepSpeed engine's, ``OptimizedModule``, the user's
+model class), and ``Module.__call__`` is torch's again: the modules inside a model, and a
+parameter-less loss module, cost nothing more. A model first called after that is not seen
+(its forward is timed as whatever phase is open) until a backward comes with no forward seen
+since the last optimizer step: the wrap then widens again, to learn it (and narrows for good
+if that learns no new class). Once ``torch.compile`` has traced anything in the process, the
+wrap stays as it is: what it traced through a wrapper is guarded on it, and would be compiled
+again. ``take_out()`` restores every class as it was (a class that had no ``__call__`` of its
+own has none again); ``install()`` on the same watch puts the narrowed wrap straight back; a
+forked child learns afresh.
 
 The first outermost forward of each module with parameters ``watch()``es it: a
 ``DistributedDataParallel``, FSDP or DeepSpeed module gets its communication measured, any
@@ -47,6 +60,14 @@ from gpumon.client.monitor import StepMonitor
 log = logging.getLogger("gpumon.client")
 
 
+LEARN_STEPS = 4
+"""Optimizer steps during which every module call is looked at, to learn the models."""
+
+
+def _nothing() -> None:
+    return None
+
+
 class _State:
     """This process's watch: what the hooks share (touched by the training thread only)."""
 
@@ -56,9 +77,17 @@ class _State:
         self.inert = False  # decided: this process is not watched
         self.module_depth = 0
         self.optimizer_depth = 0
-        self.watched: weakref.WeakSet[Any] = weakref.WeakSet()  # modules looked at
+        self.seen: dict[int, weakref.ref[Any]] = {}  # modules looked at, by id
+        self.last_module: Callable[[], Any] = _nothing  # a reference to the last one called
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()  # ... those with parameters
-        self.optimizers: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.paired: dict[int, weakref.ref[Any]] = {}  # optimizers, by id
+        self.last_optimizer: Callable[[], Any] = _nothing  # a reference to the last one stepped
+        self.classes: dict[type, None] = {}  # the classes of the models
+        self.narrowed = False  # only the models' classes' calls are wrapped
+        self.learning = 0  # optimizer steps left before the wrap narrows (0: it does not)
+        self.forward_seen = False  # an outermost forward since the last optimizer step
+        self.relearn = True  # a backward with no forward before it widens the wrap again
+        self.classes_learnt = 0  # how many classes were known when it last widened
 
 
 _state = _State()
@@ -66,6 +95,7 @@ _handles: list[Any] = []
 _fork_handler = False
 _get_ident = threading.get_ident
 _restore: list[Callable[[], None]] = []
+_restore_calls: list[Callable[[], None]] = []  # the module call wrappers, global or per class
 _is_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
 make_monitor: Callable[[], StepMonitor] = StepMonitor
 """How the process's monitor is made (run, rank and socket from the environment)."""
@@ -79,7 +109,6 @@ def install() -> bool:
     try:
         import torch
         import torch.utils.data.dataloader as dataloader
-        from torch.nn.modules import module
         from torch.optim import optimizer
     except ImportError:
         return False
@@ -91,9 +120,12 @@ def install() -> bool:
         _state = _State()
     _handles.append(optimizer.register_optimizer_step_pre_hook(_optimizer_pre))
     _handles.append(optimizer.register_optimizer_step_post_hook(_optimizer_post))
-    _patch(module.Module, "__call__", _wrap_call)
     _patch(torch.autograd, "backward", _wrap_backward)
     _patch(dataloader._BaseDataLoaderIter, "__next__", _wrap_next)
+    if _state.narrowed:  # put back after take_out(): the models are known
+        _narrow()
+    else:
+        _widen(learn=_state.relearn)  # (no relearning: compiled code depends on the wrap)
     if not _fork_handler:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _fork_handler = True
@@ -121,12 +153,99 @@ def take_out() -> None:
     for restore in _restore:
         restore()
     _restore.clear()
+    _unwrap_calls()
 
 
 def _patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
     original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
     setattr(owner, name, functools.wraps(original)(wrap(original)))
     _restore.append(lambda: setattr(owner, name, original))
+
+
+# --- which module calls are wrapped -------------------------------------------------------
+# While the models are learnt (the first LEARN_STEPS optimizer steps), ``Module.__call__``:
+# every module call passes through the wrapper. Then only the classes of the models (the
+# outermost modules with parameters seen) have a ``__call__`` of their own, the wrapper: the
+# modules inside them, and the loss functions, are called as torch calls them, at no cost.
+
+
+def _widen(learn: bool = True) -> None:
+    """Wrap every module's call (``Module.__call__``); with ``learn``, narrow the wrap again
+    after ``LEARN_STEPS`` optimizer steps."""
+    from torch.nn.modules import module
+
+    _unwrap_calls()
+    _state.narrowed = False
+    _state.learning = LEARN_STEPS if learn else 0
+    _wrap_class_call(module.Module, module.Module.__dict__["__call__"])
+
+
+def _compiled() -> bool:
+    """Whether ``torch.compile`` has traced code in this process: what it traced through a
+    module call wrapper is guarded on it, and would be compiled again if it changed."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return False
+    try:
+        return bool(utils.counters["frames"]["total"])
+    except Exception:
+        return True
+
+
+def _narrow() -> None:
+    """Wrap the calls of the models' classes only, and no longer ``Module.__call__`` (unless
+    compiled code may depend on the wrap: it then stays as it is)."""
+    state = _state
+    if not state.narrowed:
+        if not state.classes:  # no model met yet (nothing to gain yet): learn on
+            state.learning = LEARN_STEPS
+            return
+        if _compiled():
+            state.learning = 0
+            state.relearn = False
+            return
+    state.learning = 0
+    _unwrap_calls()
+    state.narrowed = True
+    if len(state.classes) <= state.classes_learnt:
+        state.relearn = False  # widened for a forward it could not see, and learnt nothing
+    # Each class's own call, as torch's (or the class's) is without any wrapper in place.
+    originals = [(cls, next(c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__))
+                 for cls in state.classes]
+    for cls, original in originals:
+        _wrap_class_call(cls, original)
+
+
+def _wrap_class_call(cls: type, original: Callable[..., Any]) -> None:
+    own = cls.__dict__.get("__call__")
+    wrapper = functools.wraps(original)(_wrap_call(original))
+    cls.__call__ = wrapper  # type: ignore[method-assign]
+
+    def restore() -> None:
+        if cls.__dict__.get("__call__") is wrapper:
+            if own is None:
+                delattr(cls, "__call__")
+            else:
+                cls.__call__ = own  # type: ignore[method-assign]
+
+    _restore_calls.append(restore)
+
+
+def _unwrap_calls() -> None:
+    for restore in reversed(_restore_calls):
+        restore()
+    _restore_calls.clear()
+
+
+def _relearn() -> None:
+    """A backward with no forward seen before it: a model not learnt yet (first called once
+    the wrap was narrowed) is trained; every module call is looked at again for a while."""
+    state = _state
+    if _compiled():
+        state.relearn = False
+        return
+    state.classes_learnt = len(state.classes)
+    _widen()
 
 
 def _finder() -> StepFinder | None:
@@ -164,7 +283,8 @@ def _others() -> int:
 
 
 def _after_step() -> None:
-    if len(_monitor_module._live_monitors) > 1 and _others():
+    # (the set of references behind the WeakSet: a dead one not yet dropped only costs a look)
+    if len(_monitor_module._live_monitors.data) > 1 and _others():
         # The job started watching itself: one count of its steps, its own. The hooks stay
         # (removing one while torch runs them would break its loop) and return at once.
         state = _state
@@ -177,6 +297,8 @@ def _after_step() -> None:
 def _after_fork_in_child() -> None:
     global _state
     _state = _State()  # the parent's monitor is closed here (``monitor``'s own fork handler)
+    if _restore_calls:
+        _widen()  # the child learns its own models
 
 
 # --- the hooks: each returns at once unless it is the training thread's outermost call ----
@@ -208,21 +330,22 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
             if finder is None:
                 finder = _finder()
             if finder is not None:
-                if self not in state.watched:
-                    _watch(finder, self)
-                finder.begin("forward")
+                if state.last_module() is not self:
+                    _met(finder, self)
+                finder.forward_begin()
         except Exception:
             _give_up()
             finder = None
         if finder is None:
             return original(self, *args, **kwargs)
         state.module_depth = 1
+        state.forward_seen = True
         try:
             return original(self, *args, **kwargs)
         finally:
             state.module_depth = 0
             try:
-                finder.end()
+                finder.forward_end()
             except Exception:
                 _give_up()
 
@@ -240,9 +363,9 @@ def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             finder = state.finder or _finder()
             if finder is not None:
-                if optimizer not in state.optimizers:
+                if state.last_optimizer() is not optimizer:
                     _pair(finder, optimizer)
-                finder.begin("optimizer")
+                finder.optimizer_begin()
         except Exception:
             _give_up()
 
@@ -258,6 +381,11 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     if not state.optimizer_depth and finder is not None:
         try:
             finder.optimizer_end(id(optimizer))
+            state.forward_seen = False
+            if state.learning and not state.inert:
+                state.learning -= 1
+                if not state.learning and _restore_calls:
+                    _narrow()
         except Exception:
             _give_up()
 
@@ -269,10 +397,14 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         state = _state
         if state.inert or _get_ident() != state.main:
             return original(*args, **kwargs)
+        finder = state.finder
         try:
-            finder = state.finder or _finder()
+            if finder is None:
+                finder = _finder()
             if finder is not None:
-                finder.begin("backward")
+                if not state.forward_seen and state.narrowed and state.relearn and _restore_calls:
+                    _relearn()
+                finder.backward_begin()
         except Exception:
             _give_up()
             finder = None
@@ -294,13 +426,27 @@ def _wrap_next(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
         state = _state
         if state.inert or _get_ident() != state.main:
             return original(self)
+        finder = state.finder
+        if finder is not None and finder.lingering:  # a forward left open ends here
+            try:
+                finder.settle()
+            except Exception:
+                _give_up()
         t0 = perf_counter()
         try:
             batch = original(self)
         except StopIteration:
             _fetched(state, t0, None, False)
             raise
-        _fetched(state, t0, batch, True)
+        t1 = perf_counter()
+        try:
+            if finder is None:
+                finder = _finder()
+            if finder is not None:
+                state.optimizer_depth = 0  # a batch is never fetched inside an optimizer step
+                finder.fetched(t0, t1, batch, True)
+        except Exception:
+            _give_up()
         return batch
 
     return __next__
@@ -316,14 +462,28 @@ def _fetched(state: _State, t0: float, batch: Any, got: bool) -> None:
         _give_up()
 
 
-def _watch(finder: StepFinder, module: Any) -> None:
+def _met(finder: StepFinder, module: Any) -> None:
+    """An outermost forward of another module than the last one: looked at if it is new."""
+    state = _state
+    seen = state.seen
+    key = id(module)
+    ref = seen.get(key)
+    if ref is None or ref() is not module:
+        # (a module that cannot be weakly referenced: the process is unwatched)
+        ref = seen[key] = weakref.ref(module, lambda r: seen.pop(key) if seen.get(key) is r else None)
+        _look_at(finder, module)
+    state.last_module = ref
+
+
+def _look_at(finder: StepFinder, module: Any) -> None:
     """``watch()`` a module seen for the first time in an outermost forward, if it has
-    parameters (a loss function, say, has none)."""
-    _state.watched.add(module)  # (a module that cannot be hashed: the process is unwatched)
+    parameters (a loss function, say, has none); its class is then a model's."""
+    state = _state
     try:
         if next(iter(module.parameters()), None) is None:
             return
-        _state.models.add(module)
+        state.models.add(module)
+        state.classes[type(module)] = None
         finder.monitor.watch(module)
         if _drives_steps(finder.monitor):
             finder.close()  # a step opened before (a forward of another module): not its own
@@ -341,8 +501,17 @@ def _drives_steps(monitor: StepMonitor) -> bool:
 
 
 def _pair(finder: StepFinder, optimizer: Any) -> None:
-    """An optimizer's first step: watch it with the modules whose parameters it updates."""
-    _state.optimizers.add(optimizer)
+    """Another optimizer than the last one steps: if it is its first step, watch it with the
+    modules whose parameters it updates."""
+    state = _state
+    paired = state.paired
+    key = id(optimizer)
+    ref = paired.get(key)
+    if ref is not None and ref() is optimizer:
+        state.last_optimizer = ref
+        return
+    ref = paired[key] = weakref.ref(optimizer, lambda r: paired.pop(key) if paired.get(key) is r else None)
+    state.last_optimizer = ref
     try:
         updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for model in list(_state.models):

@@ -21,6 +21,10 @@ loop would with ``with`` blocks:
   open at a time. Work nested in another (the forward and backward an optimizer's closure runs,
   as Lightning's does; a checkpointed forward recomputed in backward) is timed as itself, and
   the outer phase resumes when it ends.
+* A forward that is not nested in another phase stays open when it ends, until the next event
+  (the backward, an optimizer step, another forward, which then continues it, or the next
+  batch asked for: ``settle()``): what the loop computes between its model's forward and the
+  backward, the loss, counts as forward, as it does in a hand-hooked loop.
 """
 
 from __future__ import annotations
@@ -40,12 +44,23 @@ class StepFinder:
         self.monitor = monitor
         self._on_step_end = on_step_end
         self._step: Step | None = None
+        self._next_step: Step | None = None  # the step context, reused from step to step
         self._stack: list[Phase] = []  # phases begun and not ended; the top one is open
-        self._phases: dict[str, Phase] = {}
+        self._forward = monitor.phase("forward")
+        self._backward = monitor.phase("backward")
+        self._optimizer = monitor.phase("optimizer")
+        self._phases: dict[str, Phase] = {
+            "forward": self._forward, "backward": self._backward, "optimizer": self._optimizer}
         self._samples = 0
+        self._counted = False  # the step context holds a count of samples
         self._deferred = False  # an optimizer stepped in the open step; another may follow
-        self._since_fetch: list[int] | None = None  # optimizers stepped since the last fetch
+        # The last optimizer stepped since the last fetch: 0 if none, None if no batch was ever
+        # fetched from a DataLoader.
+        self._last_optimizer: int | None = None
         self._followed: set[int] = set()  # optimizers seen followed by another on one batch
+        self._data_wait = monitor.extensions.data_wait
+        self.lingering = False
+        """The top-level forward ended and is left open until the next event (``settle()``)."""
         self.driven = False
         """A watcher makes the steps and phases itself (a DeepSpeed engine's, at its
         accumulation boundaries): only the data wait is reported from here."""
@@ -58,56 +73,150 @@ class StepFinder:
     def fetched(self, t0: float, t1: float, batch: Any, got: bool = True) -> None:
         """The training thread waited from ``t0`` to ``t1`` (perf_counter) for a batch; ``got``
         is False when the loader was exhausted instead."""
+        if self.lingering:
+            self.settle()
         if self._deferred and not self.driven:
             self._close()
-        self._since_fetch = []
+        self._last_optimizer = 0
         if not got:
             return
-        size = batch_size(batch)
-        if size is not None:
-            self._samples += size
+        # The leading dimension of a tensor or of a tuple's first tensor, else batch_size's.
+        kind = type(batch)
+        shape = getattr(batch[0] if batch else None, "shape", None) if kind is list or kind is tuple \
+            else getattr(batch, "shape", None)
+        if shape is not None:
+            if shape:
+                self._samples += int(shape[0])
+        else:
+            size = batch_size(batch)
+            if size is not None:
+                self._samples += size
         # Outside a step this starts the next one at t0 (it opens at the next forward, when
         # what the first forward watches is attached).
-        self.monitor.extensions.data_wait(t0, t1)
+        self._data_wait(t0, t1)
 
     def begin(self, name: str) -> None:
         """A phase begins: ``forward``, ``backward`` or ``optimizer``."""
-        if self.driven:
+        if name == "forward":
+            self.forward_begin()
             return
-        if self._step is None:
-            self._open()
-        stack = self._stack
-        if stack:
-            stack[-1].__exit__(None, None, None)
         phase = self._phases.get(name)
         if phase is None:
             phase = self._phases[name] = self.monitor.phase(name)
+        self._begin(phase)
+
+    # The hooks' events, each ``begin()`` of its phase, spelt out (they run every step).
+
+    def forward_begin(self) -> None:
+        """An outermost forward begins."""
+        if self.driven:
+            return
+        stack = self._stack
+        if self.lingering:  # the top-level forward left open: this one continues it
+            self.lingering = False
+            stack.append(stack[-1])  # still open; the matching end() leaves it open again
+            return
+        if stack:
+            stack[-1].__exit__(None, None, None)
+        if self._step is None:
+            self._open()
+        phase = self._forward
+        stack.append(phase)
+        phase.__enter__()
+
+    def backward_begin(self) -> None:
+        """A backward pass begins."""
+        if self.driven:
+            return
+        stack = self._stack
+        if self.lingering:  # the top-level forward left open ends here
+            self.lingering = False
+            stack.pop().__exit__(None, None, None)
+        elif stack:
+            stack[-1].__exit__(None, None, None)
+        if self._step is None:
+            self._open()
+        phase = self._backward
+        stack.append(phase)
+        phase.__enter__()
+
+    def optimizer_begin(self) -> None:
+        """An optimizer step begins (the outermost one, if optimizers wrap others)."""
+        if self.driven:
+            return
+        stack = self._stack
+        if self.lingering:  # the top-level forward left open ends here
+            self.lingering = False
+            stack.pop().__exit__(None, None, None)
+        elif stack:
+            stack[-1].__exit__(None, None, None)
+        if self._step is None:
+            self._open()
+        phase = self._optimizer
+        stack.append(phase)
+        phase.__enter__()
+
+    def _begin(self, phase: Phase) -> None:
+        if self.driven:
+            return
+        stack = self._stack
+        if self.lingering:  # the top-level forward left open ends here
+            self.lingering = False
+            stack.pop().__exit__(None, None, None)
+        elif stack:
+            stack[-1].__exit__(None, None, None)
+        if self._step is None:
+            self._open()
         stack.append(phase)
         phase.__enter__()
 
     def end(self) -> None:
-        """The innermost phase begun ends."""
+        """The innermost phase begun ends (a top-level forward is left open: ``settle()``)."""
         stack = self._stack
         if stack:
-            stack.pop().__exit__(None, None, None)
+            phase = stack.pop()
             if stack:
-                stack[-1].__enter__()
+                if stack[-1] is phase:  # a forward that continued a lingering one
+                    self.lingering = True
+                else:
+                    phase.__exit__(None, None, None)
+                    stack[-1].__enter__()
+            elif phase is self._forward:
+                stack.append(phase)
+                self.lingering = True
+            else:
+                phase.__exit__(None, None, None)
 
-    def optimizer_begin(self) -> None:
-        """An optimizer step begins (the outermost one, if optimizers wrap others)."""
-        self.begin("optimizer")
+    def forward_end(self) -> None:
+        """The outermost forward ends: as ``end()``, with a top-level one's case first."""
+        if len(self._stack) == 1:  # the forward alone: left open
+            self.lingering = True
+        else:
+            self.end()
+
+    def settle(self) -> None:
+        """End a top-level forward left open (the loop asks for its next batch, say)."""
+        if self.lingering:
+            self.lingering = False
+            stack = self._stack
+            if stack:
+                stack.pop().__exit__(None, None, None)
 
     def optimizer_end(self, optimizer_id: int) -> None:
         """That optimizer step ended: the step closes unless ``optimizer_id`` is known to be
         followed by another optimizer on the same batch."""
         if self.driven:
             return
-        self.end()
-        since = self._since_fetch
-        if since is not None:
-            if since and since[-1] != optimizer_id:
-                self._followed.add(since[-1])
-            since.append(optimizer_id)
+        stack = self._stack
+        if len(stack) == 1:  # the optimizer phase alone
+            stack.pop().__exit__(None, None, None)
+        else:
+            self.end()
+        last = self._last_optimizer
+        if last is not None:
+            if last and last != optimizer_id:
+                self._followed.add(last)
+            self._last_optimizer = optimizer_id
         if optimizer_id in self._followed:
             self._deferred = True
         else:
@@ -124,26 +233,32 @@ class StepFinder:
         self._samples = 0
 
     def _open(self) -> None:
-        if self._step is None:
-            step = self.monitor.step()
-            step.__enter__()
-            self._step = step
+        step = self._next_step
+        if step is None:
+            step = self._next_step = self.monitor.step()
+        step.__enter__()
+        self._step = step
 
     def _end_phases(self) -> None:
+        self.lingering = False
         stack = self._stack
         if stack:
             stack[-1].__exit__(None, None, None)
             stack.clear()
 
     def _close(self) -> None:
-        self._end_phases()
-        step, self._step = self._step, None
+        if self._stack:
+            self._end_phases()
+        step = self._step
         self._deferred = False
         if step is None:
             return
-        if self._samples:
-            step.set_counts(self._samples, None, None)
+        self._step = None
+        samples = self._samples
+        if samples or self._counted:  # the step context is reused: its counts set each time
             self._samples = 0
+            self._counted = bool(samples)
+            step.set_counts(samples or None, None, None)
         step.__exit__(None, None, None)
         if self._on_step_end is not None:
             self._on_step_end()
