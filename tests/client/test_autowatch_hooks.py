@@ -139,7 +139,7 @@ def uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: DataLoader[Any], steps: int) -> None:
     loss_fn = nn.MSELoss()
-    for _, (x, y) in zip(range(steps), data):
+    for _, (x, y) in zip(range(steps), data, strict=False):
         loss_fn(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -228,7 +228,9 @@ def test_a_model_first_trained_after_the_wrap_narrowed_is_learnt_then(
     assert all("forward" in s.phases_s for s in steps[-hooks.LEARN_STEPS:])
 
 
-def test_the_loss_computed_after_the_forward_counts_as_forward(transport: MemoryTransport, uncompiled: None) -> None:
+def test_the_loss_computed_after_the_forward_counts_as_forward(
+    transport: MemoryTransport, uncompiled: None
+) -> None:
     model, optimizer, data = job()
 
     def slow_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -243,7 +245,9 @@ def test_the_loss_computed_after_the_forward_counts_as_forward(transport: Memory
     assert len(steps) == 8 and all(s.phases_s["forward"] >= 0.01 for s in steps)
 
 
-def test_a_compiled_model_is_not_compiled_again_when_the_models_are_learnt(transport: MemoryTransport) -> None:
+def test_a_compiled_model_is_not_compiled_again_when_the_models_are_learnt(
+    transport: MemoryTransport,
+) -> None:
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -255,7 +259,9 @@ def test_a_compiled_model_is_not_compiled_again_when_the_models_are_learnt(trans
     assert len(recorded(transport)) == 12
 
 
-def test_until_a_model_is_met_every_module_call_stays_wrapped(transport: MemoryTransport, uncompiled: None) -> None:
+def test_until_a_model_is_met_every_module_call_stays_wrapped(
+    transport: MemoryTransport, uncompiled: None
+) -> None:
     weight = torch.randn(16, 1, requires_grad=True)
     optimizer = torch.optim.SGD([weight], lr=1e-3)
     x, y = torch.randn(8, 16), torch.randn(8, 1)

@@ -104,9 +104,10 @@ def within_backward(row: Row) -> tuple[float, float]:
     DDP scales each gradient for the average on the training thread (as it copies it into
     its bucket, or in place with bucket views), and without bucket views copies the buckets
     back into the gradients: communication, as the job's ``no_sync`` steps show (they skip it
-    all), but CPU time the job's clocks cannot tell from backward's compute. On a quiet machine the tighter upper side of ``waited``
-    read 4-15 ms a step under what these jobs expose; a pass timed by the job on a buffer as
-    large as the gradients explained about two thirds of it. So these jobs hold the exposed
+    all), but CPU time the job's clocks cannot tell from backward's compute. On a quiet
+    machine the tighter upper side of ``waited`` read 4-15 ms a step under what these jobs
+    expose; a pass timed by the job on a buffer as large as the gradients explained about two
+    thirds of it. So these jobs hold the exposed
     time to backward's wall: what fails is a product that counts more than backward (A), or
     nothing at all (N)."""
     wall_s, cpu_s, wait_s, steal_s, slept_s, *in_calls = row["backward"]

@@ -283,8 +283,7 @@ def _others() -> int:
 
 
 def _after_step() -> None:
-    # (the set of references behind the WeakSet: a dead one not yet dropped only costs a look)
-    if len(_monitor_module._live_monitors.data) > 1 and _others():
+    if len(_monitor_module._live_monitors) > 1 and _others():
         # The job started watching itself: one count of its steps, its own. The hooks stay
         # (removing one while torch runs them would break its loop) and return at once.
         state = _state
