@@ -197,8 +197,9 @@ def test_a_model_class_and_its_subclass_each_wrap_torchs_call_once(
     for _ in range(hooks.LEARN_STEPS + 2):
         (nn.functional.mse_loss(a(x), y) + nn.functional.mse_loss(b(x), y)).backward()
         optimizer.step()
-    assert Outer.__dict__["__call__"].__wrapped__ is nn.Module._wrapped_call_impl
-    assert Inner.__dict__["__call__"].__wrapped__ is nn.Module._wrapped_call_impl
+    # Each reaches Module.__call__ as it is at the call (hooks._module_call), never the other's wrapper.
+    assert Outer.__dict__["__call__"].__wrapped__ is hooks._module_call
+    assert Inner.__dict__["__call__"].__wrapped__ is hooks._module_call
     hooks.take_out()
     assert "__call__" not in Outer.__dict__ and "__call__" not in Inner.__dict__
 
@@ -281,3 +282,39 @@ def test_a_forked_child_learns_its_own_models(transport: MemoryTransport, uncomp
     hooks._after_fork_in_child()  # as os.fork() runs it in the child
     assert wrapped(nn.Module) and "__call__" not in nn.Sequential.__dict__
     assert hooks._state.learning == hooks.LEARN_STEPS
+
+
+def test_a_narrowed_wrap_lets_torch_fx_record_a_model_as_a_leaf(
+    transport: MemoryTransport, uncompiled: None
+) -> None:
+    """``torch.fx``'s tracer patches ``Module.__call__`` to record submodule calls; a model's
+    class wrapped once the wrap narrowed must still reach that patch."""
+    import torch.fx
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.linear(x))
+
+    class Outer(nn.Module):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.net(x) * 2
+
+    class NetIsLeaf(torch.fx.Tracer):
+        def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+            return isinstance(m, Net) or super().is_leaf_module(m, qualname)
+
+    net = Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01)
+    data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=4)
+    train(net, optimizer, data, hooks.LEARN_STEPS + 2)
+    assert wrapped(Net) and not wrapped(nn.Module)  # narrowed to the model's class
+    graph = NetIsLeaf().trace(Outer(Net()))
+    assert [n.target for n in graph.nodes if n.op == "call_module"] == ["net"]

@@ -97,6 +97,7 @@ _get_ident = threading.get_ident
 _restore: list[Callable[[], None]] = []
 _restore_calls: list[Callable[[], None]] = []  # the module call wrappers, global or per class
 _is_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
+_torch_module: Any = None  # torch.nn.Module, once the wrap narrowed
 make_monitor: Callable[[], StepMonitor] = StepMonitor
 """How the process's monitor is made (run, rank and socket from the environment)."""
 
@@ -209,11 +210,21 @@ def _narrow() -> None:
     state.narrowed = True
     if len(state.classes) <= state.classes_learnt:
         state.relearn = False  # widened for a forward it could not see, and learnt nothing
-    # Each class's own call, as torch's (or the class's) is without any wrapper in place.
-    originals = [(cls, next(c.__dict__["__call__"] for c in cls.__mro__ if "__call__" in c.__dict__))
-                 for cls in state.classes]
-    for cls, original in originals:
-        _wrap_class_call(cls, original)
+    # Each class's own call, as the class defines it; one it inherits from ``Module`` is looked
+    # up there at each call, so that a patch of ``Module.__call__`` (``torch.fx``'s tracer
+    # records submodule calls so) still reaches the models' instances.
+    global _torch_module
+    from torch.nn.modules import module
+
+    _torch_module = module.Module
+    originals = [(cls, next(c for c in cls.__mro__ if "__call__" in c.__dict__)) for cls in state.classes]
+    for cls, owner in originals:
+        _wrap_class_call(cls, _module_call if owner is module.Module else owner.__dict__["__call__"])
+
+
+def _module_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Module.__call__`` as it is now (torch's, or a patch in place over it)."""
+    return _torch_module.__call__(self, *args, **kwargs)
 
 
 def _wrap_class_call(cls: type, original: Callable[..., Any]) -> None:
