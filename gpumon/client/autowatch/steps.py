@@ -105,7 +105,7 @@ class StepFinder:
             phase = self._phases[name] = self.monitor.phase(name)
         self._begin(phase)
 
-    # The hooks' events, each ``begin()`` of its phase, spelt out (they run every step).
+    # The hooks' events (a forward continues one left open; see ``end()``).
 
     def forward_begin(self) -> None:
         """An outermost forward begins."""
@@ -126,35 +126,11 @@ class StepFinder:
 
     def backward_begin(self) -> None:
         """A backward pass begins."""
-        if self.driven:
-            return
-        stack = self._stack
-        if self.lingering:  # the top-level forward left open ends here
-            self.lingering = False
-            stack.pop().__exit__(None, None, None)
-        elif stack:
-            stack[-1].__exit__(None, None, None)
-        if self._step is None:
-            self._open()
-        phase = self._backward
-        stack.append(phase)
-        phase.__enter__()
+        self._begin(self._backward)
 
     def optimizer_begin(self) -> None:
         """An optimizer step begins (the outermost one, if optimizers wrap others)."""
-        if self.driven:
-            return
-        stack = self._stack
-        if self.lingering:  # the top-level forward left open ends here
-            self.lingering = False
-            stack.pop().__exit__(None, None, None)
-        elif stack:
-            stack[-1].__exit__(None, None, None)
-        if self._step is None:
-            self._open()
-        phase = self._optimizer
-        stack.append(phase)
-        phase.__enter__()
+        self._begin(self._optimizer)
 
     def _begin(self, phase: Phase) -> None:
         if self.driven:
