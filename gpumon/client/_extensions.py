@@ -90,23 +90,29 @@ class StepExtensions:
     def end(self, recorded: bool) -> dict[str, object] | None:
         """Collect the fields the extensions measured for the step that ended, or ``None``;
         a step that is not ``recorded`` (an exception left it) gets none."""
-        fields: dict[str, object] = {}
-        for extension in list(self._active):
+        fields: dict[str, object] | None = None
+        failed_begin, failures = self._failed_begin, self._failures
+        for extension in self._active:  # (a failure replaces the list; this one runs on)
             own: dict[str, object] = {}
-            key = id(extension)
             try:
                 extension.step_end(own)
             except Exception:
                 self.errors += 1
                 self._step_failed(extension)  # what it set before failing is not trusted
                 continue
-            if key in self._failed_begin:
+            if failed_begin and id(extension) in failed_begin:
                 self._step_failed(extension)
-            else:
-                self._failures.pop(key, None)
-                fields.update(own)
-        self._failed_begin.clear()
-        return fields if fields and recorded else None
+                continue
+            if failures:
+                failures.pop(id(extension), None)
+            if own:
+                if fields is None:
+                    fields = own
+                else:
+                    fields.update(own)
+        if failed_begin:
+            failed_begin.clear()
+        return fields if recorded else None
 
     def _step_failed(self, extension: StepExtension) -> None:
         key = id(extension)
