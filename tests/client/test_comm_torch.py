@@ -20,11 +20,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpumon.client import StepMonitor, comm_tap
-from gpumon.client import ddp as ddp_module
 from gpumon.client.comm import CommLedger
 from gpumon.client.comm_inflight import IN_FLIGHT
 from gpumon.client.comm_tap import tap_into, untap
 from gpumon.client.ddp import FOLLOWED, HOOKED, INFERRED, NOT_MEASURED, watch_ddp
+from gpumon.client.ddp_buckets import Buckets
 from gpumon.client.transport import MemoryTransport
 from gpumon.client.watch import find_wrapper, kind_of
 from gpumon.wire import StepRecord
@@ -265,7 +265,7 @@ def test_where_buckets_cannot_be_followed_the_comm_hook_measures_them(
 ) -> None:
     """The path a GPU takes (and a torch without post-accumulate hooks): a timing comm hook
     that averages each bucket as DDP does, the same bits."""
-    monkeypatch.setattr(ddp_module._Buckets, "follow", classmethod(lambda cls, *args: None))
+    monkeypatch.setattr(Buckets, "follow", classmethod(lambda cls, *args: None))
     plain, watched = DDP(_model()), DDP(_model())
     assert watch_ddp(ledger, watched) == HOOKED
     assert watched._get_ddp_logging_data().get("comm_hook")  # the timing hook is DDP's hook
@@ -290,7 +290,7 @@ def test_a_model_too_large_to_copy_its_buckets_is_followed_by_their_sizes(
     ledger: CommLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Beyond the size whose bucket copy is read, the sizes DDP logs place the launches."""
-    monkeypatch.setattr(ddp_module._Buckets, "LAYOUT_READ_MAX_BYTES", 0)
+    monkeypatch.setattr(Buckets, "LAYOUT_READ_MAX_BYTES", 0)
     torch.manual_seed(0)
     ddp = DDP(nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)]), bucket_cap_mb=0.5)
     assert watch_ddp(ledger, ddp) == FOLLOWED
