@@ -45,12 +45,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+T = TypeVar("T")
 
 
 def main() -> None:
@@ -124,17 +127,13 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
             seconds(kind)
         ratios: dict[str, list[float]] = {"run": [], "hooked": [], "run_cpu": [], "hooked_cpu": [],
                                           "run_added_us": [], "hooked_added_us": [], "bare_ms": []}
-        for i in range(blocks):
-            shift = i % len(kinds)
-            result = {kind: seconds(kind) for kind in kinds[shift:] + kinds[:shift]}
+        for result in rotated(blocks, kinds, seconds):
             for kind in ("run", "hooked"):
                 ratios[kind].append(result["bare"][0] / result[kind][0])
                 ratios[f"{kind}_cpu"].append(result["bare"][1] / result[kind][1])
                 ratios[f"{kind}_added_us"].append((result[kind][1] - result["bare"][1]) / block_steps * 1e6)
             ratios["bare_ms"].append(result["bare"][1] / block_steps * 1e3)
-        finder = hooks._state.finder
-        steps = 0 if finder is None else finder.monitor.stats.steps
-        hooks.uninstall()
+        steps = uninstall(hooks)
         by_hand.close()
         received = finish()
     figures = {key: statistics.median(values) for key, values in ratios.items()}
@@ -197,7 +196,7 @@ def ddp_blocks_worker(rounds: int, block_steps: int) -> None:
         jobs[kind] = (model, torch.optim.SGD(model.parameters(), lr=1e-6))
     jobs["run"] = jobs["plain"]  # the same model, under the hooks
 
-    def seconds(kind: str, steps: int) -> float:
+    def seconds(kind: str, steps: int) -> tuple[float, float]:
         model, optimizer = jobs[kind]
         if kind == "run":
             hooks.install()
@@ -216,16 +215,12 @@ def ddp_blocks_worker(rounds: int, block_steps: int) -> None:
         seconds(kind, 2)
     ratios: dict[str, list[float]] = {"run": [], "control": []}
     plain_s, added_cpu = [], []
-    for i in range(rounds):
-        shift = i % len(kinds)
-        result = {kind: seconds(kind, block_steps) for kind in kinds[shift:] + kinds[:shift]}
+    for result in rotated(rounds, kinds, lambda kind: seconds(kind, block_steps)):
         for kind in ratios:
             ratios[kind].append(result["plain"][0] / result[kind][0])
         plain_s.append(result["plain"][0] / block_steps)
         added_cpu.append((result["run"][1] - result["plain"][1]) / block_steps)
-    finder = hooks._state.finder
-    steps = 0 if finder is None else finder.monitor.stats.steps
-    hooks.uninstall()
+    steps = uninstall(hooks)
     figures: dict[str, float] = {"plain_ms": statistics.median(plain_s) * 1e3, "steps": steps,
                                  "run_added_cpu_us": statistics.median(added_cpu) * 1e6}
     for kind, values in ratios.items():
@@ -234,6 +229,21 @@ def ddp_blocks_worker(rounds: int, block_steps: int) -> None:
     if dist.get_rank() == 0:
         Path(os.environ["BENCH_RUN_RESULTS"], "rank0.json").write_text(json.dumps(figures))
     dist.destroy_process_group()
+
+
+def rotated(rounds: int, kinds: list[str], measure: Callable[[str], T]) -> Iterator[dict[str, T]]:
+    """Each round's measure of every kind, the order rotating by one kind a round."""
+    for i in range(rounds):
+        shift = i % len(kinds)
+        yield {kind: measure(kind) for kind in kinds[shift:] + kinds[:shift]}
+
+
+def uninstall(hooks: Any) -> int:
+    """Take ``gpumon run``'s hooks out for good; the steps they recorded."""
+    finder = hooks._state.finder
+    steps = 0 if finder is None else int(finder.monitor.stats.steps)
+    hooks.uninstall()
+    return steps
 
 
 def ddp_pairs(pairs: int, steps: int) -> float:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gpumon.client import StepMonitor
 from gpumon.client import monitor as monitor_module
-from gpumon.client.autowatch import hooks
+from gpumon.client.autowatch import calls, hooks
 from gpumon.client.transport import MemoryTransport
 from gpumon.wire import StepRecord
 from tests.helpers import steps_of
@@ -134,7 +134,7 @@ def test_uninstalled_the_hooks_leave_torch_as_it_was(transport: MemoryTransport)
 def uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
     # Other tests may have compiled code in this process; these learn their models as a job
     # that compiles nothing does.
-    monkeypatch.setattr(hooks, "_compiled", lambda: False)
+    monkeypatch.setattr(calls, "compiled", lambda: False)
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: DataLoader[Any], steps: int) -> None:
@@ -197,9 +197,9 @@ def test_a_model_class_and_its_subclass_each_wrap_torchs_call_once(
     for _ in range(hooks.LEARN_STEPS + 2):
         (nn.functional.mse_loss(a(x), y) + nn.functional.mse_loss(b(x), y)).backward()
         optimizer.step()
-    # Each reaches Module.__call__ as it is at the call (hooks._module_call), never the other's wrapper.
-    assert Outer.__dict__["__call__"].__wrapped__ is hooks._module_call
-    assert Inner.__dict__["__call__"].__wrapped__ is hooks._module_call
+    # Each reaches Module.__call__ as it is at the call (calls.module_call), never the other's wrapper.
+    assert Outer.__dict__["__call__"].__wrapped__ is calls.module_call
+    assert Inner.__dict__["__call__"].__wrapped__ is calls.module_call
     hooks.take_out()
     assert "__call__" not in Outer.__dict__ and "__call__" not in Inner.__dict__
 

@@ -9,24 +9,22 @@ forward inside another's, an optimizer that wraps another); anything else return
 What they see goes to a ``StepFinder`` (``steps``), made with its ``StepMonitor`` on the first
 event, when the rank is known.
 
-Module calls are wrapped in two stages. For the first ``LEARN_STEPS`` optimizer steps,
-``Module.__call__`` itself: every module call passes the wrapper, and the outermost ones with
-parameters are the models. Then only the models' classes get a ``__call__`` of their own, the
-wrapper (a DDP or FSDP module's class, a DeepSpeed engine's, ``OptimizedModule``, the user's
-model class), and ``Module.__call__`` is torch's again: the modules inside a model, and a
-parameter-less loss module, cost nothing more. A model first called after that is not seen
-(its forward is timed as whatever phase is open) until a backward comes with no forward seen
-since the last optimizer step: the wrap then widens again, to learn it (and narrows for good
-if that learns no new class). Once ``torch.compile`` has traced anything in the process, the
-wrap stays as it is: what it traced through a wrapper is guarded on it, and would be compiled
-again. ``take_out()`` restores every class as it was (a class that had no ``__call__`` of its
-own has none again); ``install()`` on the same watch puts the narrowed wrap straight back; a
-forked child learns afresh.
+Module calls are wrapped in two stages (``calls`` does the wrapping). For the first
+``LEARN_STEPS`` optimizer steps, ``Module.__call__`` itself: every module call passes the
+wrapper, and the outermost ones with parameters are the models. Then only the models' classes
+get a ``__call__`` of their own, the wrapper (a DDP or FSDP module's class, a DeepSpeed
+engine's, ``OptimizedModule``, the user's model class), and ``Module.__call__`` is torch's
+again: the modules inside a model, and a parameter-less loss module, cost nothing more. A
+model first called after that is not seen (its forward is timed as whatever phase is open)
+until a backward comes with no forward seen since the last optimizer step: the wrap then
+widens again, to learn it (and narrows for good if that learns no new class). Once
+``torch.compile`` has traced anything in the process, the wrap stays as it is: what it traced
+through a wrapper is guarded on it, and would be compiled again. ``take_out()`` restores every
+class as it was; ``install()`` on the same watch puts the narrowed wrap straight back; a forked
+child learns afresh.
 
-The first outermost forward of each module with parameters ``watch()``es it: a
-``DistributedDataParallel``, FSDP or DeepSpeed module gets its communication measured, any
-module its memory breakdown; the first step of each optimizer adds it to the watch of the
-modules whose parameters it updates (its states and master copies in the breakdown).
+The modules and optimizers met are ``watch()``ed once each (``met``): communication for a
+DDP, FSDP or DeepSpeed module, the memory breakdown for any model, with its optimizer's states.
 
 Inside a region ``torch.compile`` is tracing, every hook returns at its first line
 (``torch.compiler.is_compiling()``, which the compiler reads as a constant): nothing of gpumon is
@@ -46,14 +44,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import sys
 import threading
-import weakref
 from collections.abc import Callable
 from time import perf_counter
 from typing import Any
 
 from gpumon.client import monitor as _monitor_module
+from gpumon.client.autowatch import calls
+from gpumon.client.autowatch.met import Met
 from gpumon.client.autowatch.steps import StepFinder
 from gpumon.client.monitor import StepMonitor
 
@@ -62,10 +60,6 @@ log = logging.getLogger("gpumon.client")
 
 LEARN_STEPS = 4
 """Optimizer steps during which every module call is looked at, to learn the models."""
-
-
-def _nothing() -> None:
-    return None
 
 
 class _State:
@@ -77,12 +71,7 @@ class _State:
         self.inert = False  # decided: this process is not watched
         self.module_depth = 0
         self.optimizer_depth = 0
-        self.seen: dict[int, weakref.ref[Any]] = {}  # modules looked at, by id
-        self.last_module: Callable[[], Any] = _nothing  # a reference to the last one called
-        self.models: weakref.WeakSet[Any] = weakref.WeakSet()  # ... those with parameters
-        self.paired: dict[int, weakref.ref[Any]] = {}  # optimizers, by id
-        self.last_optimizer: Callable[[], Any] = _nothing  # a reference to the last one stepped
-        self.classes: dict[type, None] = {}  # the classes of the models
+        self.met = Met()  # the modules and optimizers met, each watched once
         self.narrowed = False  # only the models' classes' calls are wrapped
         self.learning = 0  # optimizer steps left before the wrap narrows (0: it does not)
         self.forward_seen = False  # an outermost forward since the last optimizer step
@@ -95,9 +84,7 @@ _handles: list[Any] = []
 _fork_handler = False
 _get_ident = threading.get_ident
 _restore: list[Callable[[], None]] = []
-_restore_calls: list[Callable[[], None]] = []  # the module call wrappers, global or per class
 _is_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
-_torch_module: Any = None  # torch.nn.Module, once the wrap narrowed
 make_monitor: Callable[[], StepMonitor] = StepMonitor
 """How the process's monitor is made (run, rank and socket from the environment)."""
 
@@ -154,7 +141,7 @@ def take_out() -> None:
     for restore in _restore:
         restore()
     _restore.clear()
-    _unwrap_calls()
+    calls.unwrap()
 
 
 def _patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
@@ -163,34 +150,16 @@ def _patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
     _restore.append(lambda: setattr(owner, name, original))
 
 
-# --- which module calls are wrapped -------------------------------------------------------
-# While the models are learnt (the first LEARN_STEPS optimizer steps), ``Module.__call__``:
-# every module call passes through the wrapper. Then only the classes of the models (the
-# outermost modules with parameters seen) have a ``__call__`` of their own, the wrapper: the
-# modules inside them, and the loss functions, are called as torch calls them, at no cost.
+# --- which module calls are wrapped (``calls``): every one while the models are learnt (the
+# first LEARN_STEPS optimizer steps), then only the models' classes' ---------------------
 
 
 def _widen(learn: bool = True) -> None:
     """Wrap every module's call (``Module.__call__``); with ``learn``, narrow the wrap again
     after ``LEARN_STEPS`` optimizer steps."""
-    from torch.nn.modules import module
-
-    _unwrap_calls()
     _state.narrowed = False
     _state.learning = LEARN_STEPS if learn else 0
-    _wrap_class_call(module.Module, module.Module.__dict__["__call__"])
-
-
-def _compiled() -> bool:
-    """Whether ``torch.compile`` has traced code in this process: what it traced through a
-    module call wrapper is guarded on it, and would be compiled again if it changed."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:
-        return False
-    try:
-        return bool(utils.counters["frames"]["total"])
-    except Exception:
-        return True
+    calls.wrap_every_call(_wrap_call)
 
 
 def _narrow() -> None:
@@ -198,64 +167,28 @@ def _narrow() -> None:
     compiled code may depend on the wrap: it then stays as it is)."""
     state = _state
     if not state.narrowed:
-        if not state.classes:  # no model met yet (nothing to gain yet): learn on
+        if not state.met.classes:  # no model met yet (nothing to gain yet): learn on
             state.learning = LEARN_STEPS
             return
-        if _compiled():
+        if calls.compiled():
             state.learning = 0
             state.relearn = False
             return
     state.learning = 0
-    _unwrap_calls()
     state.narrowed = True
-    if len(state.classes) <= state.classes_learnt:
+    if len(state.met.classes) <= state.classes_learnt:
         state.relearn = False  # widened for a forward it could not see, and learnt nothing
-    # Each class's own call, as the class defines it; one it inherits from ``Module`` is looked
-    # up there at each call, so that a patch of ``Module.__call__`` (``torch.fx``'s tracer
-    # records submodule calls so) still reaches the models' instances.
-    global _torch_module
-    from torch.nn.modules import module
-
-    _torch_module = module.Module
-    originals = [(cls, next(c for c in cls.__mro__ if "__call__" in c.__dict__)) for cls in state.classes]
-    for cls, owner in originals:
-        _wrap_class_call(cls, _module_call if owner is module.Module else owner.__dict__["__call__"])
-
-
-def _module_call(self: Any, *args: Any, **kwargs: Any) -> Any:
-    """``Module.__call__`` as it is now (torch's, or a patch in place over it)."""
-    return _torch_module.__call__(self, *args, **kwargs)
-
-
-def _wrap_class_call(cls: type, original: Callable[..., Any]) -> None:
-    own = cls.__dict__.get("__call__")
-    wrapper = functools.wraps(original)(_wrap_call(original))
-    cls.__call__ = wrapper  # type: ignore[method-assign]
-
-    def restore() -> None:
-        if cls.__dict__.get("__call__") is wrapper:
-            if own is None:
-                delattr(cls, "__call__")
-            else:
-                cls.__call__ = own  # type: ignore[method-assign]
-
-    _restore_calls.append(restore)
-
-
-def _unwrap_calls() -> None:
-    for restore in reversed(_restore_calls):
-        restore()
-    _restore_calls.clear()
+    calls.wrap_class_calls(state.met.classes, _wrap_call)
 
 
 def _relearn() -> None:
     """A backward with no forward seen before it: a model not learnt yet (first called once
     the wrap was narrowed) is trained; every module call is looked at again for a while."""
     state = _state
-    if _compiled():
+    if calls.compiled():
         state.relearn = False
         return
-    state.classes_learnt = len(state.classes)
+    state.classes_learnt = len(state.met.classes)
     _widen()
 
 
@@ -307,7 +240,7 @@ def _after_step() -> None:
 def _after_fork_in_child() -> None:
     global _state
     _state = _State()  # the parent's monitor is closed here (``monitor``'s own fork handler)
-    if _restore_calls:
+    if calls.any_wrapped():
         _widen()  # the child learns its own models
 
 
@@ -340,8 +273,9 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
             if finder is None:
                 finder = _finder()
             if finder is not None:
-                if state.last_module() is not self:
-                    _met(finder, self)
+                met = state.met
+                if met.last_module() is not self:
+                    met.module(finder, self)
                 finder.forward_begin()
         except Exception:
             _give_up()
@@ -373,8 +307,9 @@ def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
             finder = state.finder or _finder()
             if finder is not None:
-                if state.last_optimizer() is not optimizer:
-                    _pair(finder, optimizer)
+                met = state.met
+                if met.last_optimizer() is not optimizer:
+                    met.optimizer(finder, optimizer)
                 finder.optimizer_begin()
         except Exception:
             _give_up()
@@ -394,7 +329,7 @@ def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
             state.forward_seen = False
             if state.learning and not state.inert:
                 state.learning -= 1
-                if not state.learning and _restore_calls:
+                if not state.learning and calls.any_wrapped():
                     _narrow()
         except Exception:
             _give_up()
@@ -412,7 +347,7 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
             if finder is None:
                 finder = _finder()
             if finder is not None:
-                if not state.forward_seen and state.narrowed and state.relearn and _restore_calls:
+                if not state.forward_seen and state.narrowed and state.relearn and calls.any_wrapped():
                     _relearn()
                 finder.backward_begin()
         except Exception:
@@ -470,62 +405,3 @@ def _fetched(state: _State, t0: float, batch: Any, got: bool) -> None:
             finder.fetched(t0, perf_counter(), batch, got)
     except Exception:
         _give_up()
-
-
-def _met(finder: StepFinder, module: Any) -> None:
-    """An outermost forward of another module than the last one: looked at if it is new."""
-    state = _state
-    seen = state.seen
-    key = id(module)
-    ref = seen.get(key)
-    if ref is None or ref() is not module:
-        # (a module that cannot be weakly referenced: the process is unwatched)
-        ref = seen[key] = weakref.ref(module, lambda r: seen.pop(key) if seen.get(key) is r else None)
-        _look_at(finder, module)
-    state.last_module = ref
-
-
-def _look_at(finder: StepFinder, module: Any) -> None:
-    """``watch()`` a module seen for the first time in an outermost forward, if it has
-    parameters (a loss function, say, has none); its class is then a model's."""
-    state = _state
-    try:
-        if next(iter(module.parameters()), None) is None:
-            return
-        state.models.add(module)
-        state.classes[type(module)] = None
-        finder.monitor.watch(module)
-        if _drives_steps(finder.monitor):
-            finder.close()  # a step opened before (a forward of another module): not its own
-            finder.driven = True
-    except Exception:
-        log.debug("gpumon: could not watch %s", type(module).__name__, exc_info=True)
-
-
-def _drives_steps(monitor: StepMonitor) -> bool:
-    """Whether a watcher attached to ``monitor`` makes the steps itself: a DeepSpeed engine's
-    (``gpumon.client.deepspeed``'s ``StepDriver``), whose steps are its accumulation boundaries
-    and whose phases its own forward, backward and step."""
-    driver = getattr(sys.modules.get("gpumon.client.deepspeed"), "StepDriver", None)
-    return isinstance(driver, type) and monitor.extensions.get(driver) is not None
-
-
-def _pair(finder: StepFinder, optimizer: Any) -> None:
-    """Another optimizer than the last one steps: if it is its first step, watch it with the
-    modules whose parameters it updates."""
-    state = _state
-    paired = state.paired
-    key = id(optimizer)
-    ref = paired.get(key)
-    if ref is not None and ref() is optimizer:
-        state.last_optimizer = ref
-        return
-    ref = paired[key] = weakref.ref(optimizer, lambda r: paired.pop(key) if paired.get(key) is r else None)
-    state.last_optimizer = ref
-    try:
-        updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for model in list(_state.models):
-            if any(id(p) in updated for p in model.parameters()):
-                finder.monitor.watch(model, optimizer)
-    except Exception:
-        log.debug("gpumon: could not watch %s", type(optimizer).__name__, exc_info=True)
