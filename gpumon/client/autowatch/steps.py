@@ -80,17 +80,9 @@ class StepFinder:
         self._last_optimizer = 0
         if not got:
             return
-        # The leading dimension of a tensor or of a tuple's first tensor, else batch_size's.
-        kind = type(batch)
-        shape = getattr(batch[0] if batch else None, "shape", None) if kind is list or kind is tuple \
-            else getattr(batch, "shape", None)
-        if shape is not None:
-            if shape:
-                self._samples += int(shape[0])
-        else:
-            size = batch_size(batch)
-            if size is not None:
-                self._samples += size
+        size = batch_size(batch)
+        if size is not None:
+            self._samples += size
         # Outside a step this starts the next one at t0 (it opens at the next forward, when
         # what the first forward watches is attached).
         self._data_wait(t0, t1)
@@ -183,11 +175,7 @@ class StepFinder:
         followed by another optimizer on the same batch."""
         if self.driven:
             return
-        stack = self._stack
-        if len(stack) == 1:  # the optimizer phase alone
-            stack.pop().__exit__(None, None, None)
-        else:
-            self.end()
+        self.end()
         last = self._last_optimizer
         if last is not None:
             if last and last != optimizer_id:
