@@ -11,10 +11,12 @@
   run``'s hooks in torch (``gpumon.client.autowatch.hooks.install()``, what its
   ``sitecustomize`` does; taken out again after the block) and the loop hooked by hand
   (``StepMonitor``, ``watch(model, optimizer)``), all reporting to a real Unix datagram socket
-  drained by a reader process. A watched block ends with a synchronous flush of its records,
-  timed with it. The figures are medians over rounds: the throughput ratio to bare, and the
-  training thread's CPU time, bare ÷ watched and added per step (less noisy than the wall
-  clock on a shared machine). ``tiny`` runs the same loop on a model of 8 units and a
+  drained by a reader process. Each block starts with ``WARM_STEPS`` untimed steps of its kind
+  (after the hooks go in or come out, Python re-specialises the call sites that depend on the
+  model's class: once in a job, once a block here), and a watched block ends with a synchronous
+  flush of its records, timed with it. The figures are medians over rounds: the throughput
+  ratio to bare, and the training thread's CPU time, bare ÷ watched and added per step (less
+  noisy than the wall clock on a shared machine). ``tiny`` runs the same loop on a model of 8 units and a
   batch of 8, where the loop's own Python is most of the step and what the hooks add shows.
 - ``ddp``: the communication-heavy 2-rank DDP job (4 × Linear(2048, 2048), batch 2, gloo),
   under ``torch.distributed.run``, two ways:
@@ -54,6 +56,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 T = TypeVar("T")
+WARM_STEPS = 5
+"""Untimed steps at the start of every CPU block (see ``cpu_blocks``)."""
 
 
 def main() -> None:
@@ -109,18 +113,26 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
         def seconds(kind: str) -> tuple[float, float]:
             if kind == "run":
                 hooks.install()
+            # A few untimed steps first, in every kind: putting the hooks in and taking them out
+            # changes the model's class, and Python then re-specialises the call sites that
+            # depend on it over the next steps (a job pays that once; this loop every block).
+            train(job, WARM_STEPS, by_hand if kind == "hooked" else None)
+            flush(kind)
             c0, t0 = time.thread_time(), time.perf_counter()
             train(job, block_steps, by_hand if kind == "hooked" else None)
+            flush(kind)
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            if kind == "run":
+                hooks.take_out()
+            return wall, cpu
+
+        def flush(kind: str) -> None:
             if kind == "run":
                 finder = hooks._state.finder
                 if finder is not None:
                     finder.monitor.flush()
             elif kind == "hooked":
                 by_hand.flush()
-            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
-            if kind == "run":
-                hooks.take_out()
-            return wall, cpu
 
         kinds = ["bare", "run", "hooked"]
         for kind in kinds:  # warm every path up (the watch starts on the first watched step)

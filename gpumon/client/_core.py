@@ -22,6 +22,7 @@ Neither core reuses ``Step`` objects: each ``step()`` call returns a new one.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from time import perf_counter
@@ -72,6 +73,8 @@ class HookCore:
         self._extensions: StepExtensions | None = None  # None unless one is registered
         self._open_phase: str | None = None  # the open outermost phase
         self._loading = False  # the loader waits for the next item
+        self._quiet_until = -math.inf  # until then (perf_counter) no extension needs a call
+        self._extensions_called = False  # the open step's extensions were told it began
 
     def step(
         self,
@@ -125,6 +128,11 @@ class HookCore:
     def set_extensions(self, extensions: StepExtensions | None) -> None:
         """Call ``extensions`` at every step's start and end from now on (``None``: stop)."""
         self._extensions = extensions
+
+    def set_quiet_until(self, t: float) -> None:
+        """Until ``perf_counter()`` reads ``t``, a step begins and ends without calling the
+        extensions: each one said it has nothing to do before then (``StepExtensions``)."""
+        self._quiet_until = t
 
     def stop(self) -> None:
         """Record no more steps and call no more extensions (the monitor closed, or this is
@@ -192,9 +200,11 @@ class Step:
                         m._first_step()
                 # Stamped before the extensions start and after they end, so what they
                 # measure (communication inside the step, say) lies within its duration.
-                m._step_t0 = perf_counter()
-                if m._extensions is not None:
-                    m._extensions.begin()
+                t0 = m._step_t0 = perf_counter()
+                extensions = m._extensions
+                m._extensions_called = extensions is not None and not t0 < m._quiet_until
+                if extensions is not None and m._extensions_called:
+                    extensions.begin()
             except BaseException:
                 m._step_depth -= 1  # the block is not entered
                 raise
@@ -210,7 +220,7 @@ class Step:
         m._step_depth -= 1
         if m._step_depth:
             return
-        extensions = m._extensions
+        extensions = m._extensions if m._extensions_called else None
         fields = None if extensions is None else extensions.end(exc_type is None)
         t1 = perf_counter()
         if exc_type is not None:

@@ -10,7 +10,11 @@ the monitor's CUDA clock once CUDA is seen in use, else ``None``; it holds no re
 monitor, so an extension a process-wide hook keeps never keeps its monitor alive. Watchers use
 these three and nothing else of the monitor.
 
-An extension is any object with ``step_begin() -> None`` and ``step_end(fields) -> None``.
+An extension is any object with ``step_begin() -> None`` and ``step_end(fields) -> None``, and
+optionally ``quiet_until() -> float``: the ``perf_counter()`` reading before which its
+``step_begin`` would do nothing and its ``step_end`` set nothing (the memory breakdown's next
+sample). While every extension registered is quiet, the core calls none of them: a step costs
+no Python call for them.
 Both run on the training thread, at the start and the end of every outermost step from the
 next one on (``step_end`` also after a step an exception left: its fields are discarded, but
 the extension may have to undo what ``step_begin`` set up). ``step_end`` may set
@@ -26,6 +30,7 @@ reaches the training loop: the error is counted (``ClientStats.extension_errors`
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
@@ -63,8 +68,11 @@ class StepExtension(Protocol):
 class StepExtensions:
     """The registered extensions, called in order; never lets an ``Exception`` out."""
 
-    def __init__(self, on_empty: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_empty: Callable[[], None] | None = None,
+                 quiet: Callable[[float], None] | None = None) -> None:
         self._on_empty = on_empty  # called when the last extension was switched off
+        self._quiet = quiet  # the core's set_quiet_until
+        self._quiet_ones: list[Callable[[], float]] | None = None  # while every one has a quiet_until
         self._active: list[StepExtension] = []
         self._failures: dict[int, int] = {}  # id(extension) -> steps in a row it failed in
         self._failed_begin: set[int] = set()  # ids that failed this step's step_begin
@@ -74,6 +82,7 @@ class StepExtensions:
         """Register ``extension`` (again: nothing happens)."""
         if not any(e is extension for e in self._active):
             self._active.append(extension)
+            self._changed()
 
     def __bool__(self) -> bool:
         return bool(self._active)
@@ -112,7 +121,17 @@ class StepExtensions:
                     fields.update(own)
         if failed_begin:
             failed_begin.clear()
+        quiet_ones = self._quiet_ones
+        if quiet_ones is not None and self._quiet is not None:
+            self._quiet(min(quiet_until() for quiet_until in quiet_ones))
         return fields if recorded else None
+
+    def _changed(self) -> None:
+        """The extensions changed: quiet only while each one can say until when."""
+        quiet_ones = [getattr(e, "quiet_until", None) for e in self._active]
+        self._quiet_ones = None if None in quiet_ones or not quiet_ones else quiet_ones  # type: ignore[assignment]
+        if self._quiet is not None:
+            self._quiet(-math.inf)  # call them at the next step; end() says for how long not
 
     def _step_failed(self, extension: StepExtension) -> None:
         key = id(extension)
@@ -120,6 +139,7 @@ class StepExtensions:
         if failures >= MAX_CONSECUTIVE_FAILURES:
             self._active = [e for e in self._active if e is not extension]
             del self._failures[key]
+            self._changed()
             if not self._active and self._on_empty is not None:
                 self._on_empty()
 
@@ -145,12 +165,13 @@ class Extensions:
 
     def __init__(self, activate: Callable[[StepExtensions | None], None],
                  describe: Callable[[str, int | None], None] | None = None,
-                 data_wait: Callable[[float, float], None] | None = None) -> None:
+                 data_wait: Callable[[float, float], None] | None = None,
+                 quiet: Callable[[float], None] | None = None) -> None:
         self._activate = activate
         self._describe = describe
         self._data_wait = data_wait
         self._attached: dict[type, StepExtension] = {}
-        self._calls = StepExtensions(on_empty=lambda: activate(None))
+        self._calls = StepExtensions(on_empty=lambda: activate(None), quiet=quiet)
         self._closed = False
         self.device_clock = DeviceClock()
         """The monitor's CUDA clock, looked up at each call (``None`` without CUDA)."""

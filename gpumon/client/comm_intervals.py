@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import itertools
 
+MIN_QUIET_WALL_S = 1e-9
+"""Working time with no collective in flight below which a step has no off-CPU rate of its own
+(taken as 0): a rate read off a rounding error's worth of wall time is noise, and it flips
+the contention of a step that was in flight throughout between none and all of it."""
+
 
 def contention_seconds(clocks: list[tuple[float, float]], busy: list[tuple[float, float]],
                        blocked: list[tuple[float, float]]) -> float:
@@ -29,7 +34,7 @@ def contention_seconds(clocks: list[tuple[float, float]], busy: list[tuple[float
         spans.append((wall, off, in_flight))
         quiet_wall += wall * (1.0 - in_flight)
         quiet_off += off * (1.0 - in_flight)
-    rate = quiet_off / quiet_wall if quiet_wall > 0.0 else 0.0
+    rate = quiet_off / quiet_wall if quiet_wall > MIN_QUIET_WALL_S else 0.0
     return max(0.0, sum((off - rate * wall) * in_flight for wall, off, in_flight in spans))
 
 

@@ -158,6 +158,11 @@ class MemoryBreakdownSampler:
             return None
         return Model(models), [o for o in (r() for r in self._optimizers) if o is not None]
 
+    def quiet_until(self) -> float:
+        """When the next sample is due (``perf_counter``): until then the core need not call
+        this sampler (``_extensions``), so an unsampled step costs it nothing."""
+        return self._next_t if self._clock is perf_counter and not self._sampling else -math.inf
+
     def step_begin(self) -> None:
         """Start a sample if one is due (the only work on most steps: a clock read)."""
         now = self._clock()

@@ -18,7 +18,7 @@ import os
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from time import time
 from types import TracebackType
@@ -66,6 +66,9 @@ T = TypeVar("T")
 M = TypeVar("M")
 
 _live_monitors: weakref.WeakSet[StepMonitor] = weakref.WeakSet()
+_on_new_monitor: list[Callable[[StepMonitor], None]] = []
+"""Called with every monitor made in this process, once it is set up (``gpumon run``'s hooks
+learn so that the job watches itself, without a look at every step)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,7 +151,8 @@ class StepMonitor:
         self._buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         # The hot-path state, touched only by the training thread.
         self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
-        self.extensions = Extensions(self._core.set_extensions, self._describe, self._core.data_wait)
+        self.extensions = Extensions(self._core.set_extensions, self._describe, self._core.data_wait,
+                                     self._core.set_quiet_until)
         """Where watchers attach what they measure in each step:
         ``extensions.attach(Kind, factory)`` and ``extensions.device_clock()`` (see
         ``gpumon.client._extensions``)."""
@@ -174,6 +178,8 @@ class StepMonitor:
         self._sender.add_control(self._sender.hello)
         self._finalizer = weakref.finalize(self, self._sender.close)
         _live_monitors.add(self)
+        for callback in _on_new_monitor:
+            callback(self)
 
     def step(
         self,

@@ -1,19 +1,31 @@
 """Where ``gpumon run`` puts step boundaries and phases, from the events its hooks report:
 one step per optimizer step, gradient accumulation in one step, a GAN's two optimizers on one
-batch as one step once seen, an optimizer's closure (Lightning's) timed as its own phases."""
+batch as one step once seen, an optimizer's closure (Lightning's) timed as its own phases.
+
+Every case runs on both finders: ``steps.StepFinder`` (the reference) and its C twin in
+``gpumon.client._hook``, which ``gpumon run`` uses; ``test_both_finders_leave_the_same_steps``
+drives the two through the same random events."""
 
 from __future__ import annotations
 
+import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from gpumon.client import StepMonitor
-from gpumon.client.autowatch.steps import StepFinder
+from gpumon.client import StepMonitor, _hook
+from gpumon.client.autowatch import steps as steps_module
+from gpumon.client.autowatch.steps import StepFinder, step_finder
+from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.client.transport import MemoryTransport
 from gpumon.wire import StepRecord
 from tests.helpers import steps_of
+
+FINDERS: dict[str, Callable[..., Any]] = {"python": StepFinder}
+if IMPLEMENTATION == "c":  # (not with GPUMON_PURE_PYTHON=1: the C finder needs the C core)
+    FINDERS["c"] = _hook.StepFinder
 
 
 @pytest.fixture
@@ -21,10 +33,28 @@ def transport() -> MemoryTransport:
     return MemoryTransport()
 
 
-@pytest.fixture
-def finder(transport: MemoryTransport) -> Iterator[StepFinder]:
+@pytest.fixture(params=sorted(FINDERS))
+def finder(request: pytest.FixtureRequest, transport: MemoryTransport) -> Iterator[StepFinder]:
     mon = StepMonitor(run="autowatch", transport=transport, rank=0, world=1)
-    yield StepFinder(mon)
+    yield FINDERS[request.param](mon)
+    mon.close()
+
+
+def test_gpumon_run_uses_the_c_finder_on_a_c_core() -> None:
+    mon = StepMonitor(run="autowatch", transport=MemoryTransport(), rank=0, world=1)
+    assert type(step_finder(mon)) is (_hook.StepFinder if IMPLEMENTATION == "c" else StepFinder)
+    mon.close()
+
+
+def test_the_c_finder_refuses_a_monitor_on_the_python_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumon.client import _core, monitor
+
+    monkeypatch.setattr(monitor, "HookCore", _core.HookCore)
+    mon = StepMonitor(run="autowatch", transport=MemoryTransport(), rank=0, world=1)
+    with pytest.raises(TypeError, match="core"):
+        _hook.StepFinder(mon)
+    monkeypatch.setattr(steps_module, "_CStepFinder", None)
+    assert type(step_finder(mon)) is StepFinder
     mon.close()
 
 
@@ -199,3 +229,88 @@ def test_a_forward_nested_in_the_optimizer_step_resumes_the_optimizer_phase(
     (step,) = records(finder, transport)
     assert step.phases_s["optimizer"] >= 0.02 and step.phases_s["forward"] < 0.02
     assert not finder.lingering and not finder.in_step
+
+
+class Mapped(dict[str, Any]):
+    """A batch as a dict subclass (Hugging Face's ``BatchEncoding`` is a ``UserDict``)."""
+
+
+BATCHES: list[Any] = [
+    Batch(), (Batch(), Batch()), [Batch()], {"input_ids": Batch()}, Mapped(x=[Batch()]),
+    [], {}, ((((Batch(),),),),), object(), None, "text",
+]
+
+
+def script_of(rng: random.Random) -> list[tuple[str, int]]:
+    """Events as the hooks report them: each begin ended by its own kind of end, nested only
+    as a training loop nests them (an optimizer's closure runs a forward and a backward, a
+    checkpointed forward is recomputed in backward), batches fetched between them, the odd
+    ``settle`` and ``close``."""
+    inside = {None: ["forward", "forward", "backward", "optimizer", "custom"],
+              "optimizer": ["forward", "backward"], "backward": ["forward"],
+              "custom": ["forward", "backward"], "forward": []}
+    script: list[tuple[str, int]] = []
+    open_: list[str] = []
+    for _ in range(rng.randrange(20, 120)):
+        roll = rng.random()
+        choices = inside[open_[-1] if open_ else None]
+        if open_ and (roll < 0.45 or not choices):
+            kind = open_.pop()
+            script.append(({"forward": "forward_end", "optimizer": "optimizer_end"}.get(kind, "end"),
+                           rng.randrange(100)))
+        elif roll < 0.65 or open_:
+            kind = rng.choice(choices)
+            open_.append(kind)
+            event = {"forward": rng.choice(["forward", "forward_begin"]), "optimizer": "optimizer_begin"}
+            script.append((event.get(kind, kind), 0))
+        else:
+            script.append((rng.choice(["fetched"] * 6 + ["exhausted", "settle", "close"]),
+                           rng.randrange(100)))
+    return script
+
+
+def play(finder: Any, script: list[tuple[str, int]]) -> list[tuple[bool, bool]]:
+    """Drive ``finder`` through ``script``; its state after each event."""
+    seen = []
+    for i, (event, arg) in enumerate(script):
+        if event in ("fetched", "exhausted"):
+            finder.fetched(float(i), float(i) + 0.001, BATCHES[arg % len(BATCHES)], event == "fetched")
+        elif event == "forward":
+            finder.begin("forward")
+        elif event == "backward":
+            finder.backward_begin()
+        elif event == "custom":
+            finder.begin("eval")
+        elif event == "optimizer_end":
+            finder.optimizer_end(1 + arg % 3)
+        else:
+            getattr(finder, event)()
+        seen.append((finder.in_step, finder.lingering))
+    return seen
+
+
+@pytest.mark.skipif(IMPLEMENTATION != "c", reason="the C finder needs the C core")
+def test_both_finders_leave_the_same_steps() -> None:
+    recorded = counted = 0
+    for seed in range(60):
+        rng = random.Random(seed)
+        script = script_of(rng)
+        driven_at = rng.randrange(len(script)) if seed % 4 == 0 else None
+        results = []
+        for make in (StepFinder, _hook.StepFinder):
+            transport = MemoryTransport()
+            mon = StepMonitor(run="autowatch", transport=transport, rank=0, world=1)
+            finder = make(mon)
+            state = play(finder, script[:driven_at])
+            if driven_at is not None:
+                finder.driven = True
+                state += play(finder, script[driven_at:])
+            finder.close()
+            mon.flush()
+            steps = [(s.step, sorted(s.phases_s), s.samples) for s in steps_of(transport)]
+            results.append((state, steps, finder.in_step, finder.lingering))
+            mon.close()
+        assert results[0] == results[1], f"seed {seed}"
+        recorded += len(results[0][1])
+        counted += sum(1 for _, _, samples in results[0][1] if samples)
+    assert recorded > 150 and counted > 40  # the scripts reach what is compared

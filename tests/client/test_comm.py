@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpumon.client.comm import MAX_PENDING_OPS, CommLedger
-from gpumon.client.comm_intervals import contention_seconds, union_seconds
+from gpumon.client.comm_intervals import MIN_QUIET_WALL_S, contention_seconds, union_seconds
 from tests.client.conftest import ManualClock
 
 LEDGER = "gpumon.client.comm"
@@ -262,7 +262,7 @@ def _contention_by_definition(clocks: list[tuple[float, float]], busy: list[tupl
         spans.append((wall, off, share))
         quiet_wall += wall * (1 - share)
         quiet_off += off * (1 - share)
-    rate = quiet_off / quiet_wall if quiet_wall > 0 else 0.0
+    rate = quiet_off / quiet_wall if quiet_wall > MIN_QUIET_WALL_S else 0.0
     return max(0.0, sum((off - rate * wall) * share for wall, off, share in spans))
 
 
@@ -285,6 +285,14 @@ def test_contention_in_one_sweep_is_the_definition_span_by_span(
         clocks.append((b, cpu))
     assert contention_seconds(clocks, busy, blocked) == pytest.approx(
         _contention_by_definition(clocks, busy, blocked), abs=1e-12)
+
+
+def test_a_step_in_flight_throughout_but_a_rounding_error_has_no_quiet_rate_of_its_own() -> None:
+    # The union of these three is all of [0, 0.5] but for ~1e-16 s of float rounding: the
+    # thread spent the span off a CPU with a collective in flight, which is all contention.
+    clocks = [(0.0, 0.0), (0.5, 0.0)]
+    busy = [(0.0, 1.0), (0.0, 0.36526672106656394), (0.0, 0.1)]
+    assert contention_seconds(clocks, busy, []) == pytest.approx(0.5)
 
 
 def test_a_step_with_contention_counts_it_as_exposed(ledger: CommLedger, clock: ManualClock) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -339,8 +340,8 @@ def test_both_cores_offer_the_same_surface() -> None:
     def surface(cls: type) -> set[str]:
         return {name for name in dir(cls) if not name.startswith("_")}
 
-    expected = {"step", "phase", "loader", "data_wait", "set_cuda", "set_extensions", "stop",
-                "steps", "in_step", "last_ooms", "open_phase"}
+    expected = {"step", "phase", "loader", "data_wait", "set_cuda", "set_extensions", "set_quiet_until",
+                "stop", "steps", "in_step", "last_ooms", "open_phase"}
     assert surface(_core.HookCore) == surface(_hook.HookCore) == expected
     assert not [name for name in dir(_hook.HookCore) if name.startswith("_") and not name.startswith("__")]
     assert surface(_core.Step) == surface(_hook.Step) == {"set_counts"}
@@ -433,6 +434,25 @@ def test_extensions_are_called_around_outermost_steps_only(base: type) -> None:
         pass
     assert extensions.calls == ["begin", ("end", True), "begin", ("end", False)]
     assert [r.measured for r in records_of(core)] == [None, {"memb": {"other": 2}}, None]
+
+
+@pytest.mark.parametrize("base", CORES)
+def test_while_the_extensions_are_quiet_a_step_calls_none_of_them(base: type) -> None:
+    core = make_core(base)
+    extensions = LoggedExtensions()
+    core.set_extensions(extensions)
+    core.set_quiet_until(time.perf_counter() + 3600)
+    with core.step():
+        core.set_quiet_until(-math.inf)  # quiet when the step began: its end is not called either
+    with core.step():
+        core.set_quiet_until(time.perf_counter() + 3600)  # called when it began: so is its end
+    with core.step():
+        pass
+    core.set_quiet_until(time.perf_counter())
+    with core.step():
+        pass
+    assert extensions.calls == ["begin", ("end", True), "begin", ("end", True)]
+    assert len(records_of(core)) == 4
 
 
 def test_both_cores_pass_the_same_extension_fields() -> None:
