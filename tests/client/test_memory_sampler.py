@@ -3,6 +3,7 @@ the tensors themselves."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import pytest
@@ -238,3 +239,43 @@ def test_weights_swapped_in_for_the_registered_ones_are_parameters() -> None:
     memb = sampled_step(sampler, lambda: model(x).sum().backward())
     assert memb["parameters"] == 2 * 128 * 128 * 4
     assert memb["activations"] == 2 * 16 * 128 * 4  # x and the relu output, not the weight
+
+
+def test_between_samples_a_monitor_makes_no_call_to_the_sampler() -> None:
+    from gpumon.client import StepMonitor
+    from gpumon.client.memory import watch_memory
+    from gpumon.client.transport import MemoryTransport
+    from tests.helpers import steps_of
+
+    transport = MemoryTransport()
+    mon = StepMonitor(run="quiet", transport=transport, rank=0, world=1)
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = watch_memory(mon, model, optimizer)
+    sampler._interval_s = 0.2
+    calls = {"begin": 0, "end": 0}
+    begin, end = sampler.step_begin, sampler.step_end
+
+    def counted_begin() -> None:
+        calls["begin"] += 1
+        begin()
+
+    def counted_end(fields: dict[str, object]) -> None:
+        calls["end"] += 1
+        end(fields)
+
+    sampler.step_begin, sampler.step_end = counted_begin, counted_end  # type: ignore[method-assign]
+    t_end = time.perf_counter() + 0.5
+    steps = 0
+    while time.perf_counter() < t_end:
+        with mon.step():
+            model(torch.randn(2, 8)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        steps += 1
+        time.sleep(0.001)
+    mon.flush()
+    sampled = [s for s in steps_of(transport) if s.memory_breakdown is not None]
+    assert 2 <= len(sampled) <= 4  # at 0 s, then about every 0.2 s
+    assert calls["begin"] == calls["end"] == len(sampled) < steps / 10
+    mon.close()
