@@ -2,9 +2,9 @@
 
 The training thread only appends tuples to a bounded deque; this thread drains it every
 ``FLUSH_INTERVAL_S``, resolves CUDA events once the GPU has passed them, encodes records
-(steps through the wire package's ``StepEncoder``, hellos and events through
-``encode_record``), packs them into datagrams and sends them without blocking, counting every
-loss by reason.
+(steps through the wire package's ``StepEncoder``, the common ones written by ``_hook``'s
+``format_step`` in C where it was built; hellos and events through ``encode_record``), packs
+them into datagrams and sends them without blocking, counting every loss by reason.
 """
 
 from __future__ import annotations
@@ -35,6 +35,24 @@ from gpumon.client._step_tuple import (
 )
 from gpumon.client.transport import Transport
 from gpumon.wire import EventRecord, HelloRecord, StateRecord, StepEncoder, encode_record, pack_datagrams
+from gpumon.wire.step_encoder import LIMITS, Formatter
+
+
+def _c_formatter() -> Formatter | None:
+    """``_hook.format_step``, told the wire's limits; None where it was not built (or
+    ``GPUMON_PURE_PYTHON=1``): ``StepEncoder`` then writes every record itself."""
+    if os.environ.get("GPUMON_PURE_PYTHON"):
+        return None
+    try:
+        from gpumon.client._hook import format_step, set_step_limits
+    except ImportError:
+        return None
+    set_step_limits(*LIMITS)
+    formatter: Formatter = format_step
+    return formatter
+
+
+_formatter = _c_formatter()
 
 FLUSH_INTERVAL_S = 0.25
 """How often buffered records are sent: inside the 1 s a record may take to arrive, even when
@@ -62,7 +80,7 @@ class Sender:
         self.transport = transport
         self.hello = hello
         self._encoder = StepEncoder(hello.run, hello.rank, hello.world, hello.local_rank, hello.pid,
-                                    hello.gpu)
+                                    hello.gpu, _formatter)
         self.clock: CudaClock | None = None
         self.records_sent = 0
         self.deferred_missed = 0  # GPU-timed fields left out: events not passed in time
