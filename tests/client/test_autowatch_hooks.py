@@ -4,9 +4,14 @@ monitor of its own is not counted twice; a compiled model trains with no graph b
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
 import weakref
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +25,9 @@ from gpumon.client.autowatch import calls, hooks
 from gpumon.client.transport import MemoryTransport
 from gpumon.wire import StepRecord
 from tests.helpers import steps_of
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 
 
 @pytest.fixture
@@ -141,6 +149,24 @@ def test_a_compiled_optimizer_step_breaks_no_graph_gpumon_would_add(transport: M
     # Inside the compiled step the optimizer hooks return at once, so no step boundary is
     # seen: a compiled optimizer step is not counted (docs/architecture.md, gpumon run).
     assert recorded(transport) == []
+
+
+def test_a_step_compiled_whole_breaks_no_more_graphs_and_its_backward_is_timed() -> None:
+    # In a new process: the compiler is first imported by the job's torch.compile, after the
+    # hooks went in (they wait for it).
+    def run(*flags: str) -> dict[str, Any]:
+        done = subprocess.run([sys.executable, str(HERE / "compiled_train_step.py"), *flags],
+                              cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+        return result
+
+    plain, hooked = run(), run("--hooks")
+    assert hooked["graph_breaks"] == plain["graph_breaks"]  # torch's own, at Tensor.backward()
+    # The forward ran inside the compiled function, unseen; the backward it left to Python is
+    # timed (before, the compiler compiled the backward's wrapper and broke a graph there).
+    assert hooked["phases"] == [["backward", "data", "optimizer"]] * 8
 
 
 def test_non_strict_export_tracing_passes_the_hooks_untouched(transport: MemoryTransport) -> None:

@@ -27,10 +27,11 @@ The modules and optimizers met are ``watch()``ed once each (``met``): communicat
 DDP, FSDP or DeepSpeed module, the memory breakdown for any model, with its optimizer's states.
 
 Inside a region ``torch.compile`` is tracing, every hook returns at its first line
-(``torch.compiler.is_compiling()``, read as its two parts: ``_Compiling``; the compiler reads it
-as a constant): nothing of gpumon is
-traced, so it breaks no graph. A compiled model is timed from outside: its whole forward, the
-backward of its compiled graph, its optimizer step.
+(``torch.compiler.is_compiling()``, in two parts, which the compiler reads as a constant), and
+the backward and DataLoader wrappers are run by it as Python runs them (``compiler``): nothing
+of gpumon is traced, so it breaks no graph. A compiled model is timed from outside: its whole
+forward, the backward of its compiled graph. A compiled optimizer step runs the optimizer hooks
+inside the compiled region, where they return: it is not seen.
 
 The process stays unwatched (every hook returns at once) when it is a DataLoader worker, when
 the job watches itself (a ``StepMonitor`` of its own, the Lightning or Hugging Face callback:
@@ -51,7 +52,7 @@ from time import perf_counter
 from typing import Any
 
 from gpumon.client import monitor as _monitor_module
-from gpumon.client.autowatch import calls
+from gpumon.client.autowatch import calls, compiler
 from gpumon.client.autowatch.met import Met
 from gpumon.client.autowatch.steps import StepFinder, step_finder
 from gpumon.client.monitor import StepMonitor
@@ -86,7 +87,7 @@ _fork_handler = False
 _get_ident = threading.get_ident
 _restore: list[Callable[[], None]] = []
 _dynamo_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
-_compiler: Any = None  # torch.compiler, once installed (see _Compiling)
+_compiler: Any = None  # torch.compiler, once installed (``compiler.tracing``)
 make_monitor: Callable[[], StepMonitor] = StepMonitor
 """How the process's monitor is made (run, rank and socket from the environment)."""
 
@@ -102,21 +103,23 @@ def install() -> bool:
         from torch.optim import optimizer
     except ImportError:
         return False
-    compiler = getattr(torch, "compiler", None)
-    compiling = getattr(compiler, "is_compiling", None)
-    if compiling is None or not hasattr(optimizer, "register_optimizer_step_post_hook"):
+    torch_compiler = getattr(torch, "compiler", None)
+    if not (hasattr(torch_compiler, "is_compiling")
+            and hasattr(optimizer, "register_optimizer_step_post_hook")):
         return False
-    dynamo_compiling = getattr(compiler, "is_dynamo_compiling", None)
-    if dynamo_compiling is not None and isinstance(getattr(compiler, "_is_compiling_flag", None), bool):
-        _dynamo_compiling, _compiler = dynamo_compiling, compiler
-    else:
-        _dynamo_compiling, _compiler = compiling, _Compiling(compiling)
+    _dynamo_compiling, _compiler = compiler.tracing(torch_compiler)
     if _state.inert:  # taken out by uninstall(): a new watch
         _state = _State()
     _handles.append(optimizer.register_optimizer_step_pre_hook(_optimizer_pre))
     _handles.append(optimizer.register_optimizer_step_post_hook(_optimizer_post))
-    _patch(torch.autograd, "backward", _wrap_backward)
-    _patch(dataloader._BaseDataLoaderIter, "__next__", _wrap_next)
+    backward = _patch(torch.autograd, "backward", _wrap_backward)
+    next_ = _patch(dataloader._BaseDataLoaderIter, "__next__", _wrap_next)
+
+    def run_as_python() -> None:
+        compiler.run_as_python(torch.autograd, "backward", backward)
+        compiler.run_as_python(dataloader._BaseDataLoaderIter, "__next__", next_)
+
+    compiler.once_loaded(run_as_python)
     if _state.narrowed:  # put back after take_out(): the models are known
         _narrow()
     else:
@@ -152,27 +155,13 @@ def take_out() -> None:
     calls.unwrap()
 
 
-class _Compiling:
-    """Stands in for ``torch.compiler`` in the hooks' first test, ``_dynamo_compiling() or
-    _compiler._is_compiling_flag``, where this torch lacks either: the flag is then
-    ``is_compiling()`` itself. Where it has both, the test is ``torch.compiler.is_compiling()``
-    in one call instead of two (the flag is what it reads for ``torch.export``'s non-strict
-    tracing, and the compiler folds ``is_dynamo_compiling()`` to True while it traces): four
-    Python calls fewer a step, each of which costs about a microsecond on a CPU step whose
-    work has evicted the caches."""
-
-    def __init__(self, is_compiling: Callable[[], bool]) -> None:
-        self._is_compiling = is_compiling
-
-    @property
-    def _is_compiling_flag(self) -> bool:
-        return self._is_compiling()
-
-
-def _patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> None:
+def _patch(owner: Any, name: str, wrap: Callable[[Any], Any]) -> Callable[..., Any]:
+    """Put ``wrap(owner.name)`` in its place (until ``take_out()``); the wrapper."""
     original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-    setattr(owner, name, functools.wraps(original)(wrap(original)))
+    wrapper: Callable[..., Any] = functools.wraps(original)(wrap(original))
+    setattr(owner, name, wrapper)
     _restore.append(lambda: setattr(owner, name, original))
+    return wrapper
 
 
 # --- which module calls are wrapped (``calls``): every one while the models are learnt (the
