@@ -182,6 +182,7 @@ def test_uninstalled_the_hooks_leave_torch_as_it_was(transport: MemoryTransport)
 
     hooks.uninstall()
     assert torch.autograd.backward.__module__ == "torch.autograd"
+    assert torch.compile.__code__.co_filename.endswith("torch/__init__.py")
     assert module.Module.__call__ is module.Module._wrapped_call_impl
     assert not optimizer._global_optimizer_post_hooks
 

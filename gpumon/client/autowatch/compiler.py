@@ -12,15 +12,14 @@ Two kinds of hook meet the compiler (dynamo):
   graph before ``Tensor.backward()`` and a DataLoader's ``next()``, and runs them as Python
   does. But from inside a compiled function, what they call is new code to it, which it would
   try to compile, breaking a graph of its own at the torch call inside (and timing nothing).
-  So once the compiler is loaded they are put back wrapped in ``torch._dynamo.disable``
-  (``run_as_python``): the compiler leaves them and what they call alone, for about 0.3 µs a
-  call. The compiler is imported by the first ``torch.compile`` (about a second); a job that
-  never compiles pays neither: ``once_loaded`` waits for that import.
+  So once the job calls ``torch.compile`` they are put back wrapped in ``torch._dynamo.disable``
+  (``run_as_python``): the compiler leaves them and what they call alone. That costs each call
+  a few Python calls more (the compiler is loaded by every job with a torch optimizer, so it
+  is done for the jobs that compile only).
 """
 
 from __future__ import annotations
 
-import importlib.machinery
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -49,19 +48,6 @@ class _Flag:
         return self._is_compiling()
 
 
-def once_loaded(then: Callable[[], None]) -> None:
-    """Call ``then()`` now if the compiler is loaded, else as soon as it is imported (in place
-    of what an earlier call asked for then)."""
-    if _COMPILER in sys.modules:
-        then()
-        return
-    for finder in sys.meta_path:
-        if isinstance(finder, _AfterCompiler):
-            finder.then = then
-            return
-    sys.meta_path.insert(0, _AfterCompiler(then))
-
-
 def run_as_python(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
     """If ``owner.name`` is ``wrapper``, wrap it in the compiler's ``disable``: the compiler
     runs it, and everything it calls, as Python does. Nothing happens where this torch lacks
@@ -73,43 +59,3 @@ def run_as_python(owner: Any, name: str, wrapper: Callable[..., Any]) -> None:
         setattr(owner, name, disable(wrapper, recursive=True))
     except Exception:  # a compiler that changed: the wrapper stays as it is
         pass
-
-
-class _AfterCompiler:
-    """A meta path finder that finds nothing of its own: it lets the path find the compiler,
-    and once the compiler's module has run, calls ``then()``."""
-
-    def __init__(self, then: Callable[[], None]) -> None:
-        self.then = then
-
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != _COMPILER:
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return spec  # (None: the rest of the path looks for it)
-        spec.loader = _Then(spec.loader, self.then)  # type: ignore[assignment]
-        return spec
-
-
-class _Then:
-    """Loads the compiler as its own loader would, then calls ``then()``."""
-
-    def __init__(self, loader: Any, then: Callable[[], None]) -> None:
-        self._loader = loader
-        self._then = then
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        module.__loader__ = self._loader
-        if getattr(module, "__spec__", None) is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        try:
-            self._then()
-        except Exception:  # never an error in the job's import
-            pass

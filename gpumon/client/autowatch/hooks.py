@@ -1,11 +1,12 @@
 """The hooks ``gpumon run`` puts into PyTorch, once torch is imported in a process it started.
 
 ``install()`` adds, process-wide: torch's global optimizer step hooks (pre and post), and
-wrappers around module calls, ``torch.autograd.backward`` (which ``Tensor.backward`` calls) and
-the DataLoader iterator's ``__next__``. Not torch's global module hooks: they would take every
-module call off its fast path, and make ``torch.compile``'d modules warn. Each reacts only on
-the process's main thread, the training thread, and only to the outermost call (a module's
-forward inside another's, an optimizer that wraps another); anything else returns at once.
+wrappers around module calls, ``torch.autograd.backward`` (which ``Tensor.backward`` calls),
+the DataLoader iterator's ``__next__`` and ``torch.compile`` (``compiler``). Not torch's global
+module hooks: they would take every module call off its fast path, and make
+``torch.compile``'d modules warn. Each reacts only on the process's main thread, the training
+thread, and only to the outermost call (a module's forward inside another's, an optimizer that
+wraps another); anything else returns at once.
 What they see goes to a ``StepFinder`` (``steps``), made with its ``StepMonitor`` on the first
 event, when the rank is known.
 
@@ -119,7 +120,9 @@ def install() -> bool:
         compiler.run_as_python(torch.autograd, "backward", backward)
         compiler.run_as_python(dataloader._BaseDataLoaderIter, "__next__", next_)
 
-    compiler.once_loaded(run_as_python)
+    _patch(torch, "compile", lambda original: _wrap_compile(original, run_as_python))
+    if calls.compiled():  # the job compiled before the hooks went in
+        run_as_python()
     if _state.narrowed:  # put back after take_out(): the models are known
         _narrow()
     else:
@@ -389,6 +392,18 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
                 _give_up()
 
     return backward
+
+
+def _wrap_compile(original: Callable[..., Any], run_as_python: Callable[[], None]) -> Callable[..., Any]:
+    def compile(*args: Any, **kwargs: Any) -> Any:
+        compiled = original(*args, **kwargs)
+        try:  # the job compiles: the compiler must leave the backward and DataLoader wrappers alone
+            run_as_python()
+        except Exception:
+            _give_up()
+        return compiled
+
+    return compile
 
 
 def _wrap_next(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
