@@ -6,18 +6,19 @@
 ``--blocks 0`` leaves the CPU example out, ``--ddp-rounds 0`` or ``--ddp-pairs 0`` a DDP part.
 
 - ``cpu``: ``examples/train_cpu.py``'s loop (the MLP on in-memory data, one intra-op thread)
-  in this one process, in blocks of ``--block-steps`` steps, rotating between bare (the
-  example's ``--no-hook`` loop, which calls nothing of gpumon), that same loop with ``gpumon
-  run``'s hooks in torch (``gpumon.client.autowatch.hooks.install()``, what its
-  ``sitecustomize`` does; taken out again after the block) and the loop hooked by hand
-  (``StepMonitor``, ``watch(model, optimizer)``), all reporting to a real Unix datagram socket
-  drained by a reader process. Each block starts with ``WARM_STEPS`` untimed steps of its kind
-  (after the hooks go in or come out, Python re-specialises the call sites that depend on the
-  model's class: once in a job, once a block here), and a watched block ends with a synchronous
-  flush of its records, timed with it. The figures are medians over rounds: the throughput
-  ratio to bare, and the training thread's CPU time, bare ÷ watched and added per step (less
-  noisy than the wall clock on a shared machine). ``tiny`` runs the same loop on a model of 8 units and a
-  batch of 8, where the loop's own Python is most of the step and what the hooks add shows.
+  in this one process, pinned to one core, in blocks of ``--block-steps`` steps, rotating
+  between bare (the example's ``--no-hook`` loop, which calls nothing of gpumon), that same
+  loop with ``gpumon run``'s hooks in torch (``gpumon.client.autowatch.hooks.install()``, what
+  its ``sitecustomize`` does; taken out again after the block), the loop hooked by hand
+  (``StepMonitor``, ``watch(model, optimizer)``) and bare again (the control), all reporting
+  to a real Unix datagram socket drained by a reader process. Each block starts with
+  ``WARM_STEPS`` untimed steps of its kind (after the hooks go in or come out, Python
+  re-specialises the call sites that depend on the model's class: once in a job, once a block
+  here), and a watched block ends with a synchronous flush of its records, timed with it. The
+  figures are medians over rounds: the throughput ratio to bare, and the training thread's CPU
+  time, bare ÷ watched and added per step (less noisy than the wall clock on a shared
+  machine). ``tiny`` runs the same loop on a model of 8 units and a batch of 8, where the
+  loop's own Python is most of the step and what the hooks add shows.
 - ``ddp``: the communication-heavy 2-rank DDP job (4 × Linear(2048, 2048), batch 2, gloo),
   under ``torch.distributed.run``, two ways:
 
@@ -40,6 +41,7 @@ Prints a line per round or pair and a JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -91,9 +93,10 @@ def main() -> None:
 
 
 def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
-    """Rounds of three blocks of ``examples/train_cpu.py``'s loop, in rotating order: bare (its
+    """Rounds of four blocks of ``examples/train_cpu.py``'s loop, in rotating order: bare (its
     ``--no-hook`` loop, which calls nothing of gpumon), with ``gpumon run``'s hooks in torch
-    around that same loop, and hooked by hand (``StepMonitor`` and ``watch(model, optimizer)``).
+    around that same loop, hooked by hand (``StepMonitor`` and ``watch(model, optimizer)``), and
+    bare again (the control: what this machine reads between two blocks of the same loop).
     Medians over rounds of each one's throughput and training-thread CPU against bare."""
     from bench_hook import drained_socket
     from train_cpu import make_job, parse_args, train
@@ -101,7 +104,7 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
     from gpumon.client import StepMonitor
     from gpumon.client.autowatch import hooks
 
-    with drained_socket() as (socket_path, finish):
+    with drained_socket() as (socket_path, finish), pinned():
         hooks.make_monitor = lambda: StepMonitor("bench-run", socket_path=socket_path)
         # The hand-hooked arm's monitor lives in this process too: gpumon run's hooks would take
         # it for the job's own and stand down. Here they are told of no other monitor.
@@ -134,13 +137,14 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
             elif kind == "hooked":
                 by_hand.flush()
 
-        kinds = ["bare", "run", "hooked"]
+        kinds = ["bare", "run", "hooked", "again"]
         for kind in kinds:  # warm every path up (the watch starts on the first watched step)
             seconds(kind)
-        ratios: dict[str, list[float]] = {"run": [], "hooked": [], "run_cpu": [], "hooked_cpu": [],
-                                          "run_added_us": [], "hooked_added_us": [], "bare_ms": []}
+        ratios: dict[str, list[float]] = {f"{kind}{figure}": [] for kind in kinds[1:]
+                                          for figure in ("", "_cpu", "_added_us")}
+        ratios["bare_ms"] = []
         for result in rotated(blocks, kinds, seconds):
-            for kind in ("run", "hooked"):
+            for kind in kinds[1:]:
                 ratios[kind].append(result["bare"][0] / result[kind][0])
                 ratios[f"{kind}_cpu"].append(result["bare"][1] / result[kind][1])
                 ratios[f"{kind}_added_us"].append((result[kind][1] - result["bare"][1]) / block_steps * 1e6)
@@ -152,7 +156,7 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
     print(f"cpu {' '.join(extra) or 'example'}: {blocks} rounds of {block_steps}-step blocks "
           f"({figures['bare_ms']:.2f} ms of CPU a bare step), {steps} steps through gpumon run's "
           f"hooks, {received} records received")
-    for kind, name in (("run", "gpumon run"), ("hooked", "hooked by hand")):
+    for kind, name in (("run", "gpumon run"), ("hooked", "hooked by hand"), ("again", "bare again")):
         low, _, high = statistics.quantiles(ratios[kind], n=4)
         print(f"  {name:15s} throughput / bare {figures[kind]:.4f} (quartiles {low:.4f} .. {high:.4f}); "
               f"training thread's CPU bare / it {figures[kind + '_cpu']:.4f}, "
@@ -241,6 +245,17 @@ def ddp_blocks_worker(rounds: int, block_steps: int) -> None:
     if dist.get_rank() == 0:
         Path(os.environ["BENCH_RUN_RESULTS"], "rank0.json").write_text(json.dumps(figures))
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def pinned() -> Iterator[None]:
+    """This process on one core (its last) meanwhile: no migrations between the kinds' blocks."""
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {max(cores)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, cores)
 
 
 def rotated(rounds: int, kinds: list[str], measure: Callable[[str], T]) -> Iterator[dict[str, T]]:
