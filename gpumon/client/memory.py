@@ -23,9 +23,10 @@ step it adds a ``memb`` field to the step's record with, in bytes:
   alive across steps (only sampled steps are tracked).
 
 What is sampled and why: the first step, then the first step that starts at least
-``interval_s`` (5 s) after the previous sample. An unsampled step costs two method calls
-and one clock read (with the monitor's step-extension calls around them, +1.0 µs a step in
-``benchmarks/bench_hook.py``; +1.8 µs under heavier load); a sampled one walks the
+``interval_s`` (5 s) after the previous sample. An unsampled step calls nothing here: the
+sampler tells the monitor when its next sample is due (``quiet_until``), and the core calls no
+extension before then (+0.03 µs a step in ``benchmarks/bench_hook.py``, within its noise; it
+was +1.0 µs with a call in and out of every step); a sampled one walks the
 parameters, gradients and optimizer states and runs a Python hook for every tensor saved
 for backward — about 0.8 ms on ``examples/train_cpu.py``'s MLP (``benchmarks/bench_train.py``):
 negligible once every few seconds, not once per step. Memory changes over many steps, so
