@@ -1,9 +1,10 @@
 """What ``gpumon run`` costs a job that knows nothing of gpumon: throughput with and without it.
 
-    python benchmarks/bench_run.py [--blocks 41] [--block-steps 40] [--ddp-rounds 30]
-                                   [--ddp-block-steps 3] [--ddp-pairs 5] [--ddp-steps 12]
+    python benchmarks/bench_run.py [--blocks 41] [--block-steps 40] [--cpu-pairs 4] [--turns 60]
+                                   [--ddp-rounds 30] [--ddp-block-steps 3] [--ddp-pairs 5] [--ddp-steps 12]
 
-``--blocks 0`` leaves the CPU example out, ``--ddp-rounds 0`` or ``--ddp-pairs 0`` a DDP part.
+``--blocks 0`` or ``--cpu-pairs 0`` leaves a CPU part out, ``--ddp-rounds 0`` or ``--ddp-pairs 0``
+a DDP part.
 
 - ``cpu``: ``examples/train_cpu.py``'s loop (the MLP on in-memory data, one intra-op thread)
   in this one process, pinned to one core, in blocks of ``--block-steps`` steps, rotating
@@ -11,14 +12,29 @@
   loop with ``gpumon run``'s hooks in torch (``gpumon.client.autowatch.hooks.install()``, what
   its ``sitecustomize`` does; taken out again after the block), the loop hooked by hand
   (``StepMonitor``, ``watch(model, optimizer)``) and bare again (the control), all reporting
-  to a real Unix datagram socket drained by a reader process. Each block starts with
-  ``WARM_STEPS`` untimed steps of its kind (after the hooks go in or come out, Python
-  re-specialises the call sites that depend on the model's class: once in a job, once a block
-  here), and a watched block ends with a synchronous flush of its records, timed with it. The
-  figures are medians over rounds: the throughput ratio to bare, and the training thread's CPU
-  time, bare ÷ watched and added per step (less noisy than the wall clock on a shared
-  machine). ``tiny`` runs the same loop on a model of 8 units and a batch of 8, where the
-  loop's own Python is most of the step and what the hooks add shows.
+  to a real Unix datagram socket drained by a reader process. Every arm trains the same model
+  on the same tensors. Each block starts with ``WARM_STEPS`` untimed steps of its kind (after
+  the hooks go in or come out, Python re-specialises the call sites that depend on the model's
+  class: once in a job, once a block here, a cost this method charges to gpumon), and a
+  watched block ends with a synchronous flush of its records, timed with it. The figures are
+  medians over rounds: the throughput ratio to bare, and the training thread's CPU time, bare
+  ÷ watched and added per step. ``tiny`` runs the same loop on a model of 8 units and a batch
+  of 8, 10 times the steps a block, where the loop's own Python is most of the step and what
+  the hooks add shows.
+- ``cpu_turns`` and ``tiny_turns``: the same two loops, each in two worker processes at a time
+  that take turns running a block of ``--block-steps`` (``tiny``: 10 times as many) steps,
+  ``--turns`` each, the order flipping every round. In a ``run`` pair, one worker is started
+  bare and the other under the real ``gpumon run`` command; in a ``control`` pair both are
+  bare: what two processes of the same job read apart here, the method's floor. Each worker
+  is pinned to a core of its own (swapped from one pair of a kind to the next) and is in its
+  steady state before its first timed turn (``WORKER_WARM_STEPS``); nothing goes in or out of
+  a process between turns, and the turns cancel the machine's drift. ``--cpu-pairs`` of each
+  kind, interleaved. The figures: the median over a kind's pairs of the median over rounds of
+  bare ÷ the other (throughput, training-thread CPU) and the training thread's CPU added a
+  step. Two processes' tensors lie at different addresses, and on the example's 3 ms
+  matrix products that alone moves a process's speed by a few per cent either way (the
+  control pairs show how far): there, the figure a pair reads is mostly where its tensors
+  fell. ``tiny``'s step is the loop's Python, and reads gpumon's cost.
 - ``ddp``: the communication-heavy 2-rank DDP job (4 × Linear(2048, 2048), batch 2, gloo),
   under ``torch.distributed.run``, two ways:
 
@@ -59,37 +75,54 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 T = TypeVar("T")
 WARM_STEPS = 5
-"""Untimed steps at the start of every CPU block (see ``cpu_blocks``)."""
+"""Untimed steps at the start of every in-process CPU block (see ``cpu_blocks``)."""
+WORKER_WARM_STEPS = 50
+"""Steps a CPU worker runs before its first timed turn: under ``gpumon run``, the models are
+learnt (``LEARN_STEPS``) and the module-call wrap narrowed by then, and the first memory
+sample taken; the job is in its steady state."""
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=41)
     parser.add_argument("--block-steps", type=int, default=40)
+    parser.add_argument("--cpu-pairs", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=60, help="timed turns of each process of a CPU pair")
     parser.add_argument("--ddp-rounds", type=int, default=30)
     parser.add_argument("--ddp-block-steps", type=int, default=3)
     parser.add_argument("--ddp-pairs", type=int, default=5)
     parser.add_argument("--ddp-steps", type=int, default=12)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--blocks-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--cpu-worker", type=int, metavar="CORE", help=argparse.SUPPRESS)
+    parser.add_argument("--job", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.cpu_worker is not None:
+        cpu_worker(args.cpu_worker, args.job)
+        return
     if args.worker:
         ddp_worker(args.ddp_steps)
         return
     if args.blocks_worker:
         ddp_blocks_worker(args.ddp_rounds, args.ddp_block_steps)
         return
-    cpu = tiny = None
+    # A model so small that the step is mostly the loop's own Python: what the hooks add shows.
+    small = ("--hidden", "8", "--batch-size", "8")
+    cpu = tiny = cpu_in_turns = tiny_in_turns = None
     if args.blocks:
         cpu = cpu_blocks(args.blocks, args.block_steps)
-        # A model so small that the step is mostly the loop's own Python: what the hooks add shows.
-        tiny = cpu_blocks(args.blocks, args.block_steps * 10, ("--hidden", "8", "--batch-size", "8"))
+        tiny = cpu_blocks(args.blocks, args.block_steps * 10, small)
+    if args.cpu_pairs and args.turns:
+        cpu_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps)
+        tiny_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps * 10, small)
     in_process = ddp_blocks(args.ddp_rounds, args.ddp_block_steps) if args.ddp_rounds else None
     ddp = ddp_pairs(args.ddp_pairs, args.ddp_steps) if args.ddp_pairs else None
-    print(json.dumps({"bench": "run", "cpu": cpu, "tiny": tiny, "ddp_in_process": in_process,
+    print(json.dumps({"bench": "run", "cpu": cpu, "tiny": tiny, "cpu_turns": cpu_in_turns,
+                      "tiny_turns": tiny_in_turns, "ddp_in_process": in_process,
                       "ddp_throughput_ratio": ddp, "blocks": args.blocks, "block_steps": args.block_steps,
-                      "ddp_rounds": args.ddp_rounds, "ddp_block_steps": args.ddp_block_steps,
-                      "ddp_pairs": args.ddp_pairs, "ddp_steps": args.ddp_steps}))
+                      "cpu_pairs": args.cpu_pairs, "turns": args.turns, "ddp_rounds": args.ddp_rounds,
+                      "ddp_block_steps": args.ddp_block_steps, "ddp_pairs": args.ddp_pairs,
+                      "ddp_steps": args.ddp_steps}))
 
 
 def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
@@ -162,6 +195,111 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
               f"training thread's CPU bare / it {figures[kind + '_cpu']:.4f}, "
               f"{figures[kind + '_added_us']:+.1f} µs a step")
     return figures
+
+
+def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
+    """``examples/train_cpu.py``'s loop in two processes at a time that take turns running blocks
+    of ``block_steps`` steps, ``rounds`` each, the order flipping every round. A pair is either
+    a bare process and one started under ``gpumon run`` (``run``), or two bare ones (``control``,
+    the floor: what two processes of the same job read apart here). ``pairs`` of each kind,
+    interleaved (run, control, control, run, ...); the two processes of a pair are pinned to a
+    core each, swapped from one pair of a kind to the next. The figures: the median over a
+    kind's pairs of the median over rounds of bare ÷ other, the throughput and the training
+    thread's CPU, and the training thread's CPU added a step."""
+    from bench_hook import drained_socket
+
+    per_pair: dict[str, list[dict[str, float]]] = {"run": [], "control": []}
+    with drained_socket() as (socket_path, finish):
+        for pair in range(2 * pairs):
+            kind = ("run", "control")[(pair + 1) // 2 % 2]
+            cores = (0, 1) if len(per_pair[kind]) % 2 == 0 else (1, 0)
+            figures = turns(socket_path, kind == "run", cores, rounds, block_steps, extra)
+            per_pair[kind].append(figures)
+            print(f"  pair {pair} ({kind}, bare on core {cores[0]}): "
+                  f"bare {figures['bare_ms']:.3f} ms a step; "
+                  f"throughput bare / other {figures['wall']:.4f}, training thread's CPU "
+                  f"{figures['cpu']:.4f} ({figures['added_us']:+.1f} µs a step)")
+        received = finish()
+    result = {f"{kind}{suffix}": statistics.median(p[figure] for p in per_pair[kind])
+              for kind in per_pair for suffix, figure in (("", "wall"), ("_cpu", "cpu"),
+                                                          ("_added_us", "added_us"))}
+    result["bare_ms"] = statistics.median(p["bare_ms"] for p in per_pair["run"] + per_pair["control"])
+    result["run_pairs"] = [p["wall"] for p in per_pair["run"]]  # type: ignore[assignment]
+    result["control_pairs"] = [p["wall"] for p in per_pair["control"]]  # type: ignore[assignment]
+    print(f"cpu {' '.join(extra) or 'example'}: {pairs} pairs of each kind, {rounds} rounds of "
+          f"{block_steps}-step turns ({result['bare_ms']:.2f} ms a bare step), {received} records received")
+    for kind, name in (("run", "gpumon run"), ("control", "bare (control)")):
+        print(f"  {name:15s} throughput / bare {result[kind]:.4f} (pairs "
+              f"{' '.join(f'{p:.4f}' for p in sorted(p['wall'] for p in per_pair[kind]))}); training "
+              f"thread's CPU bare / it {result[kind + '_cpu']:.4f}, "
+              f"{result[kind + '_added_us']:+.1f} µs a step")
+    return result
+
+
+def turns(socket_path: str, watched: bool, cores: tuple[int, int], rounds: int, block_steps: int,
+          extra: tuple[str, ...]) -> dict[str, float]:
+    """One pair: a bare worker on ``cores[0]`` and, on ``cores[1]``, one under ``gpumon run``
+    (``watched``) or bare; each runs a block when told to, one at a time."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    job = ["--job", " ".join(extra)]
+    commands = [[sys.executable, __file__, "--cpu-worker", str(core), *job] for core in cores]
+    if watched:
+        commands[1] = [sys.executable, "-m", "gpumon.cli", "run", "--run", "bench-run-cpu", "--socket",
+                       socket_path, "--", *commands[1]]
+    with tempfile.TemporaryFile("w+") as errors, contextlib.ExitStack() as stack:
+        workers = [stack.enter_context(subprocess.Popen(command, env=env, stdin=subprocess.PIPE,
+                                                        stdout=subprocess.PIPE, stderr=errors, text=True))
+                   for command in commands]
+
+        def answer(worker: subprocess.Popen[str]) -> str:
+            assert worker.stdout is not None
+            line = worker.stdout.readline()
+            if not line:
+                errors.seek(0)
+                sys.exit(f"a worker failed:\n{errors.read()[-6000:]}")
+            return line
+
+        for worker in workers:
+            answer(worker)  # warmed up
+        walls: list[list[float]] = [[], []]
+        cpus: list[list[float]] = [[], []]
+        for i in range(rounds):
+            for w in ((0, 1) if i % 2 == 0 else (1, 0)):
+                stdin = workers[w].stdin
+                assert stdin is not None
+                stdin.write(f"{block_steps}\n")
+                stdin.flush()
+                wall, cpu = map(float, answer(workers[w]).split())
+                walls[w].append(wall)
+                cpus[w].append(cpu)
+        for worker in workers:
+            assert worker.stdin is not None
+            worker.stdin.close()
+            if worker.wait(timeout=60) != 0:
+                errors.seek(0)
+                sys.exit(f"a worker failed:\n{errors.read()[-6000:]}")
+    return {"wall": statistics.median(b / o for b, o in zip(*walls, strict=True)),
+            "cpu": statistics.median(b / o for b, o in zip(*cpus, strict=True)),
+            "added_us": statistics.median((o - b) / block_steps * 1e6 for b, o in zip(*cpus, strict=True)),
+            "bare_ms": statistics.median(walls[0]) / block_steps * 1e3}
+
+
+def cpu_worker(core: int, job_args: str) -> None:
+    """A process of the CPU example: the loop as the example runs it without gpumon (under
+    ``gpumon run``, the hooks find its steps), pinned to ``core``. After ``WORKER_WARM_STEPS`` it
+    says so, then runs the steps each line of stdin asks for, answering with their wall time
+    and the training thread's CPU time."""
+    os.sched_setaffinity(0, {core})  # before torch starts a thread, or gpumon one
+    from train_cpu import make_job, parse_args, train
+
+    job = make_job(parse_args(["--threads", "1", *job_args.split()]))
+    train(job, WORKER_WARM_STEPS)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        steps = int(line)
+        c0, t0 = time.thread_time(), time.perf_counter()
+        train(job, steps)
+        print(time.perf_counter() - t0, time.thread_time() - c0, flush=True)
 
 
 def ddp_blocks(rounds: int, block_steps: int) -> dict[str, float]:

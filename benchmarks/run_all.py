@@ -103,8 +103,8 @@ QUICK: dict[str, list[str]] = {
     "train": ["--pairs", "5", "--steps", "25", "--blocks", "5", "--block-steps", "2"],  # 20 warm-up steps
     "ingest": ["--seconds", "0.3", "--rates", "2000"],
     "fleet": ["--quick"],
-    "run": ["--blocks", "3", "--block-steps", "4", "--ddp-rounds", "3", "--ddp-block-steps", "1",
-            "--ddp-pairs", "1", "--ddp-steps", "1"],
+    "run": ["--blocks", "3", "--block-steps", "4", "--cpu-pairs", "1", "--turns", "2", "--ddp-rounds", "3",
+            "--ddp-block-steps", "1", "--ddp-pairs", "1", "--ddp-steps", "1"],
 }
 """Arguments for a tiny run of each benchmark (``--quick``): it starts, runs every part once
 and prints its JSON line, so a broken benchmark shows in minutes; its figures mean nothing."""
