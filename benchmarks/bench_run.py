@@ -96,9 +96,12 @@ def main() -> None:
     parser.add_argument("--blocks-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-worker", type=int, metavar="CORE", help=argparse.SUPPRESS)
     parser.add_argument("--job", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--one-core", action="store_true",
+                        help="the CPU parts' processes wholly on the training thread's core, "
+                             "gpumon's thread too")
     args = parser.parse_args()
     if args.cpu_worker is not None:
-        cpu_worker(args.cpu_worker, args.job)
+        cpu_worker(args.cpu_worker, args.job, args.one_core)
         return
     if args.worker:
         ddp_worker(args.ddp_steps)
@@ -110,11 +113,11 @@ def main() -> None:
     small = ("--hidden", "8", "--batch-size", "8")
     cpu = tiny = cpu_in_turns = tiny_in_turns = None
     if args.blocks:
-        cpu = cpu_blocks(args.blocks, args.block_steps)
-        tiny = cpu_blocks(args.blocks, args.block_steps * 10, small)
+        cpu = cpu_blocks(args.blocks, args.block_steps, one_core=args.one_core)
+        tiny = cpu_blocks(args.blocks, args.block_steps * 10, small, args.one_core)
     if args.cpu_pairs and args.turns:
-        cpu_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps)
-        tiny_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps * 10, small)
+        cpu_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps, one_core=args.one_core)
+        tiny_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps * 10, small, args.one_core)
     in_process = ddp_blocks(args.ddp_rounds, args.ddp_block_steps) if args.ddp_rounds else None
     ddp = ddp_pairs(args.ddp_pairs, args.ddp_steps) if args.ddp_pairs else None
     print(json.dumps({"bench": "run", "cpu": cpu, "tiny": tiny, "cpu_turns": cpu_in_turns,
@@ -125,7 +128,8 @@ def main() -> None:
                       "ddp_steps": args.ddp_steps}))
 
 
-def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
+def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = (), one_core: bool = False,
+               ) -> dict[str, float]:
     """Rounds of four blocks of ``examples/train_cpu.py``'s loop, in rotating order: bare (its
     ``--no-hook`` loop, which calls nothing of gpumon), with ``gpumon run``'s hooks in torch
     around that same loop, hooked by hand (``StepMonitor`` and ``watch(model, optimizer)``), and
@@ -137,7 +141,7 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
     from gpumon.client import StepMonitor
     from gpumon.client.autowatch import hooks
 
-    with drained_socket() as (socket_path, finish), pinned():
+    with drained_socket() as (socket_path, finish), pinned(everything=one_core) as pin_training_thread:
         hooks.make_monitor = lambda: StepMonitor("bench-run", socket_path=socket_path)
         # The hand-hooked arm's monitor lives in this process too: gpumon run's hooks would take
         # it for the job's own and stand down. Here they are told of no other monitor.
@@ -173,6 +177,7 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
         kinds = ["bare", "run", "hooked", "again"]
         for kind in kinds:  # warm every path up (the watch starts on the first watched step)
             seconds(kind)
+        pin_training_thread()  # (the monitors' threads, started by now, stay off its core)
         ratios: dict[str, list[float]] = {f"{kind}{figure}": [] for kind in kinds[1:]
                                           for figure in ("", "_cpu", "_added_us")}
         ratios["bare_ms"] = []
@@ -197,7 +202,8 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = ()) -> di
     return figures
 
 
-def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] = ()) -> dict[str, float]:
+def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] = (),
+              one_core: bool = False) -> dict[str, float]:
     """``examples/train_cpu.py``'s loop in two processes at a time that take turns running blocks
     of ``block_steps`` steps, ``rounds`` each, the order flipping every round. A pair is either
     a bare process and one started under ``gpumon run`` (``run``), or two bare ones (``control``,
@@ -213,7 +219,7 @@ def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] 
         for pair in range(2 * pairs):
             kind = ("run", "control")[(pair + 1) // 2 % 2]
             cores = (0, 1) if len(per_pair[kind]) % 2 == 0 else (1, 0)
-            figures = turns(socket_path, kind == "run", cores, rounds, block_steps, extra)
+            figures = turns(socket_path, kind == "run", cores, rounds, block_steps, extra, one_core)
             per_pair[kind].append(figures)
             print(f"  pair {pair} ({kind}, bare on core {cores[0]}): "
                   f"bare {figures['bare_ms']:.3f} ms a step; "
@@ -237,11 +243,11 @@ def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] 
 
 
 def turns(socket_path: str, watched: bool, cores: tuple[int, int], rounds: int, block_steps: int,
-          extra: tuple[str, ...]) -> dict[str, float]:
+          extra: tuple[str, ...], one_core: bool) -> dict[str, float]:
     """One pair: a bare worker on ``cores[0]`` and, on ``cores[1]``, one under ``gpumon run``
     (``watched``) or bare; each runs a block when told to, one at a time."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    job = ["--job", " ".join(extra)]
+    job = ["--job", " ".join(extra), *(["--one-core"] if one_core else [])]
     commands = [[sys.executable, __file__, "--cpu-worker", str(core), *job] for core in cores]
     if watched:
         commands[1] = [sys.executable, "-m", "gpumon.cli", "run", "--run", "bench-run-cpu", "--socket",
@@ -284,16 +290,18 @@ def turns(socket_path: str, watched: bool, cores: tuple[int, int], rounds: int, 
             "bare_ms": statistics.median(walls[0]) / block_steps * 1e3}
 
 
-def cpu_worker(core: int, job_args: str) -> None:
+def cpu_worker(core: int, job_args: str, one_core: bool) -> None:
     """A process of the CPU example: the loop as the example runs it without gpumon (under
     ``gpumon run``, the hooks find its steps), pinned to ``core``. After ``WORKER_WARM_STEPS`` it
     says so, then runs the steps each line of stdin asks for, answering with their wall time
     and the training thread's CPU time."""
-    os.sched_setaffinity(0, {core})  # before torch starts a thread, or gpumon one
+    if one_core:
+        os.sched_setaffinity(0, {core})  # before torch starts a thread, or gpumon one
     from train_cpu import make_job, parse_args, train
 
     job = make_job(parse_args(["--threads", "1", *job_args.split()]))
     train(job, WORKER_WARM_STEPS)
+    os.sched_setaffinity(0, {core})  # the training thread (gpumon's, started by now, stay off it)
     print("ready", flush=True)
     for line in sys.stdin:
         steps = int(line)
@@ -386,12 +394,17 @@ def ddp_blocks_worker(rounds: int, block_steps: int) -> None:
 
 
 @contextlib.contextmanager
-def pinned() -> Iterator[None]:
-    """This process on one core (its last) meanwhile: no migrations between the kinds' blocks."""
+def pinned(everything: bool) -> Iterator[Callable[[], None]]:
+    """The training thread on a core of its own (the last) meanwhile, once it calls what this
+    yields; with ``everything``, every thread it starts from now on too, gpumon's among them.
+    (Linux: ``sched_setaffinity(0)`` sets the calling thread's cores, and a new thread starts
+    with its parent's.)"""
     cores = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {max(cores)})
+    core = {max(cores)}
+    if everything:
+        os.sched_setaffinity(0, core)
     try:
-        yield
+        yield lambda: os.sched_setaffinity(0, core)
     finally:
         os.sched_setaffinity(0, cores)
 

@@ -963,12 +963,20 @@ StepFinder_dealloc(StepFinder *self)
 static int
 batch_size(PyObject *batch, int depth, long long *size)
 {
-    PyObject *shape = PyObject_GetAttr(batch, str_shape);
+    /* A tuple, list or dict has no shape: not looked for (a failed lookup raises). */
+    int container = PyTuple_CheckExact(batch) || PyList_CheckExact(batch) || PyDict_CheckExact(batch);
+    PyObject *shape = container ? Py_NewRef(Py_None) : PyObject_GetAttr(batch, str_shape);
     if (shape == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError))
             return -1;
         PyErr_Clear();
     } else if (shape != Py_None) {
+        if (PyTuple_Check(shape) && PyTuple_GET_SIZE(shape) > 0
+                && PyLong_CheckExact(PyTuple_GET_ITEM(shape, 0))) { /* a tensor's torch.Size */
+            *size = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 0));
+            Py_DECREF(shape);
+            return *size == -1 && PyErr_Occurred() ? -1 : 1;
+        }
         Py_ssize_t n = PyObject_Size(shape);
         if (n <= 0) {
             Py_DECREF(shape);

@@ -67,6 +67,10 @@ FLUSH_BUDGET_S = 0.05
 CLOSE_BUDGET_S = 1.0
 """The same at close, after which what is left is dropped and counted."""
 BUSY_RETRY_S = 0.002
+GIL_YIELD_RECORDS = 32
+"""The sender holds the GIL while it encodes. Every so many records it lets go of it, so that
+a training thread coming back from a torch op waits at most that long (~0.1 ms), not for a
+whole flush of a busy loop's records, nor the interpreter's 5 ms switch interval."""
 MAX_BACKLOG_RECORDS = 4096
 """Records kept for a busy agent; beyond that the oldest are dropped and counted."""
 
@@ -201,6 +205,8 @@ class Sender:
                 measured = self._resolve(measured, deferred)
             self._waiting.popleft()
             records.append(self._encode_step(item, phases, unix_offset, gpu_phases or (), measured).encode())
+            if not len(records) % GIL_YIELD_RECORDS:
+                time.sleep(0)  # the GIL, to a training thread back from a torch op and waiting for it
         self._send(records, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
         if final:
             while self._backlog:

@@ -282,3 +282,29 @@ def test_numbers_of_every_kind_become_valid_records(mon: StepMonitor, transport:
     assert (second.samples, second.tokens, second.flops) == (None, None, 2.5e12)
     assert mon.stats.invalid_fields == 2
     assert mon.stats.dropped == {}
+
+
+def test_a_long_flush_lets_go_of_the_gil_every_few_records(transport: MemoryTransport,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpumon.client import _sender
+
+    slept: list[float] = []
+
+    class Clock:  # the sender's ``time``, noting each sleep: how it lets go of the GIL
+        def __getattr__(self, name: str) -> object:
+            return getattr(time, name)
+
+        def sleep(self, seconds: float) -> None:
+            slept.append(seconds)
+
+    mon = StepMonitor(run="unit", transport=transport)
+    steps = 5 * _sender.GIL_YIELD_RECORDS + 3
+    with mon._sender._lock:  # no background flush meanwhile
+        for _ in range(steps):
+            with mon.step():
+                pass
+    monkeypatch.setattr(_sender, "time", Clock())
+    mon.flush()
+    assert len(steps_of(transport)) == steps
+    assert slept == [0] * 5  # one every GIL_YIELD_RECORDS records encoded, the hello among them
+    mon.close()
