@@ -1,40 +1,43 @@
 """What ``gpumon run`` costs a job that knows nothing of gpumon: throughput with and without it.
 
-    python benchmarks/bench_run.py [--blocks 41] [--block-steps 40] [--cpu-pairs 4] [--turns 60]
-                                   [--ddp-rounds 30] [--ddp-block-steps 3] [--ddp-pairs 5] [--ddp-steps 12]
+    python benchmarks/bench_run.py [--processes 8] [--blocks 41] [--block-steps 40] [--cpu-pairs 4]
+                                   [--turns 60] [--one-core] [--ddp-rounds 30] [--ddp-block-steps 3]
+                                   [--ddp-pairs 5] [--ddp-steps 12]
 
 ``--blocks 0`` or ``--cpu-pairs 0`` leaves a CPU part out, ``--ddp-rounds 0`` or ``--ddp-pairs 0``
 a DDP part.
 
 - ``cpu``: ``examples/train_cpu.py``'s loop (the MLP on in-memory data, one intra-op thread)
-  in this one process, pinned to one core, in blocks of ``--block-steps`` steps, rotating
-  between bare (the example's ``--no-hook`` loop, which calls nothing of gpumon), that same
-  loop with ``gpumon run``'s hooks in torch (``gpumon.client.autowatch.hooks.install()``, what
-  its ``sitecustomize`` does; taken out again after the block), the loop hooked by hand
-  (``StepMonitor``, ``watch(model, optimizer)``) and bare again (the control), all reporting
-  to a real Unix datagram socket drained by a reader process. Every arm trains the same model
-  on the same tensors. Each block starts with ``WARM_STEPS`` untimed steps of its kind (after
-  the hooks go in or come out, Python re-specialises the call sites that depend on the model's
-  class: once in a job, once a block here, a cost this method charges to gpumon), and a
-  watched block ends with a synchronous flush of its records, timed with it. The figures are
-  medians over rounds: the throughput ratio to bare, and the training thread's CPU time, bare
-  ÷ watched and added per step. ``tiny`` runs the same loop on a model of 8 units and a batch
-  of 8, 10 times the steps a block, where the loop's own Python is most of the step and what
-  the hooks add shows.
-- ``cpu_turns`` and ``tiny_turns``: the same two loops, each in two worker processes at a time
-  that take turns running a block of ``--block-steps`` (``tiny``: 10 times as many) steps,
-  ``--turns`` each, the order flipping every round. In a ``run`` pair, one worker is started
-  bare and the other under the real ``gpumon run`` command; in a ``control`` pair both are
-  bare: what two processes of the same job read apart here, the method's floor. Each worker
-  is pinned to a core of its own (swapped from one pair of a kind to the next) and is in its
-  steady state before its first timed turn (``WORKER_WARM_STEPS``); nothing goes in or out of
-  a process between turns, and the turns cancel the machine's drift. ``--cpu-pairs`` of each
-  kind, interleaved. The figures: the median over a kind's pairs of the median over rounds of
-  bare ÷ the other (throughput, training-thread CPU) and the training thread's CPU added a
-  step. Two processes' tensors lie at different addresses, and on the example's 3 ms
-  matrix products that alone moves a process's speed by a few per cent either way (the
-  control pairs show how far): there, the figure a pair reads is mostly where its tensors
-  fell. ``tiny``'s step is the loop's Python, and reads gpumon's cost.
+  in one process, in blocks of ``--block-steps`` steps, rotating between bare (the example's
+  ``--no-hook`` loop, which calls nothing of gpumon), that same loop with ``gpumon run``'s
+  hooks in torch (``gpumon.client.autowatch.hooks.install()``, what its ``sitecustomize``
+  does; taken out again after the block), the loop hooked by hand (``StepMonitor``,
+  ``watch(model, optimizer)``) and bare again (the control), all reporting to a real Unix
+  datagram socket drained by a reader process. Every arm trains the same model on the same
+  tensors. Each block starts with ``WARM_STEPS`` untimed steps of its kind (after the hooks go
+  in or come out, Python re-specialises the call sites that depend on the model's class: once
+  in a job, once a block here, a cost this method charges to gpumon), and a watched block ends
+  with a synchronous flush of its records, timed with it. The training thread has a core of
+  its own; gpumon's thread and the reader run on the other (a GPU node has cores to spare;
+  what gpumon must not take is the training thread's time). ``--one-core`` puts them all on
+  the training thread's core instead. A process's figures are medians over rounds: the
+  throughput ratio to bare, and the training thread's CPU time added per step. This runs in
+  ``--processes`` fresh processes, one after another: where a process's tensors and gpumon's
+  objects fall in memory is drawn anew in each, and that draw alone moves one arm against
+  another by up to ~1 % for a whole process (the control's spread shows it). The figures are
+  the means over processes. ``tiny`` runs the same loop on a model of 8 units and a batch of
+  8, 10 times the steps a block, where the loop's own Python is most of the step and what the
+  hooks add shows.
+- ``tiny_turns``: the tiny loop in two worker processes at a time that take turns running a
+  block of 10 × ``--block-steps`` steps, ``--turns`` each, the order flipping every round. In
+  a ``run`` pair, one worker is started bare and the other under the real ``gpumon run``
+  command; in a ``control`` pair both are bare: what two processes of the same job read apart
+  here. Each worker's training thread is pinned to a core of its own (swapped from one pair of
+  a kind to the next), and is in its steady state before its first timed turn
+  (``WORKER_WARM_STEPS``); nothing goes in or out of a process between turns. ``--cpu-pairs``
+  of each kind, interleaved; the figures are medians over a kind's pairs of the medians over
+  rounds. (On the example's 3 ms matrix products, two processes read several per cent apart
+  from where their tensors fell alone: there, turns measure the draw, not gpumon.)
 - ``ddp``: the communication-heavy 2-rank DDP job (4 × Linear(2048, 2048), batch 2, gloo),
   under ``torch.distributed.run``, two ways:
 
@@ -76,6 +79,16 @@ sys.path.insert(0, str(ROOT / "examples"))
 T = TypeVar("T")
 WARM_STEPS = 5
 """Untimed steps at the start of every in-process CPU block (see ``cpu_blocks``)."""
+STEADY_MALLOC = {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1073741824:"
+                                   "glibc.malloc.mmap_threshold=1073741824"}
+"""The CPU parts' processes keep the memory glibc's allocator has: the example's step frees and
+allocates buffers of 128 KiB and more, and by default glibc hands memory back to the kernel and
+faults it in again at a rate that its own heuristics set from the process's allocation history:
+0 to 500 page faults a step, up to 0.4 ms of kernel time on a 2.7 ms step, changing from block
+to block and from process to process. That would be what the arms' ratios read. With fixed
+thresholds (what a job gets from tcmalloc or jemalloc, or these settings) the step faults no
+page once warm, and what is left is the loop's own work. ``--default-malloc`` leaves glibc's
+defaults."""
 WORKER_WARM_STEPS = 50
 """Steps a CPU worker runs before its first timed turn: under ``gpumon run``, the models are
 learnt (``LEARN_STEPS``) and the module-call wrap narrowed by then, and the first memory
@@ -85,6 +98,7 @@ sample taken; the job is in its steady state."""
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=41)
+    parser.add_argument("--processes", type=int, default=8, help="fresh processes the CPU blocks run in")
     parser.add_argument("--block-steps", type=int, default=40)
     parser.add_argument("--cpu-pairs", type=int, default=4)
     parser.add_argument("--turns", type=int, default=60, help="timed turns of each process of a CPU pair")
@@ -95,13 +109,20 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--blocks-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--cpu-worker", type=int, metavar="CORE", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks-process", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--job", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="glibc's allocator as it comes, in the CPU parts (see STEADY_MALLOC)")
     parser.add_argument("--one-core", action="store_true",
                         help="the CPU parts' processes wholly on the training thread's core, "
                              "gpumon's thread too")
     args = parser.parse_args()
     if args.cpu_worker is not None:
         cpu_worker(args.cpu_worker, args.job, args.one_core)
+        return
+    if args.blocks_process:
+        figures = cpu_blocks(args.blocks, args.block_steps, tuple(args.job.split()), args.one_core)
+        print(json.dumps(figures))
         return
     if args.worker:
         ddp_worker(args.ddp_steps)
@@ -111,21 +132,59 @@ def main() -> None:
         return
     # A model so small that the step is mostly the loop's own Python: what the hooks add shows.
     small = ("--hidden", "8", "--batch-size", "8")
-    cpu = tiny = cpu_in_turns = tiny_in_turns = None
-    if args.blocks:
-        cpu = cpu_blocks(args.blocks, args.block_steps, one_core=args.one_core)
-        tiny = cpu_blocks(args.blocks, args.block_steps * 10, small, args.one_core)
+    cpu = tiny = tiny_in_turns = None
+    if args.blocks and args.processes:
+        malloc = {} if args.default_malloc else STEADY_MALLOC
+        cpu = cpu_processes(args.processes, args.blocks, args.block_steps, (), args.one_core, malloc)
+        tiny = cpu_processes(args.processes, args.blocks, args.block_steps * 10, small, args.one_core, malloc)
     if args.cpu_pairs and args.turns:
-        cpu_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps, one_core=args.one_core)
         tiny_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps * 10, small, args.one_core)
     in_process = ddp_blocks(args.ddp_rounds, args.ddp_block_steps) if args.ddp_rounds else None
     ddp = ddp_pairs(args.ddp_pairs, args.ddp_steps) if args.ddp_pairs else None
-    print(json.dumps({"bench": "run", "cpu": cpu, "tiny": tiny, "cpu_turns": cpu_in_turns,
-                      "tiny_turns": tiny_in_turns, "ddp_in_process": in_process,
-                      "ddp_throughput_ratio": ddp, "blocks": args.blocks, "block_steps": args.block_steps,
+    print(json.dumps({"bench": "run", "cpu": cpu, "tiny": tiny, "tiny_turns": tiny_in_turns,
+                      "ddp_in_process": in_process, "ddp_throughput_ratio": ddp, "processes": args.processes,
+                      "blocks": args.blocks, "block_steps": args.block_steps,
                       "cpu_pairs": args.cpu_pairs, "turns": args.turns, "ddp_rounds": args.ddp_rounds,
                       "ddp_block_steps": args.ddp_block_steps, "ddp_pairs": args.ddp_pairs,
                       "ddp_steps": args.ddp_steps}))
+
+
+def cpu_processes(processes: int, blocks: int, block_steps: int, extra: tuple[str, ...],
+                  one_core: bool, malloc: dict[str, str]) -> dict[str, Any]:
+    """``cpu_blocks`` in ``processes`` fresh processes, one after another. Where a process's
+    tensors and gpumon's objects fall in memory is drawn anew in each (address-space layout
+    randomisation), and on this machine it moves one arm against another by up to ~1 % for a
+    whole run; each process's medians carry that draw. The figures: the mean over processes of
+    each one's medians (the draws averaged out), with each process's figure."""
+    command = [sys.executable, __file__, "--blocks-process", "--blocks", str(blocks), "--block-steps",
+               str(block_steps), "--job", " ".join(extra), *(["--one-core"] if one_core else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **malloc}
+    runs = []
+    for i in range(processes):
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            sys.exit(f"a CPU blocks process failed:\n{done.stdout}\n{done.stderr[-6000:]}")
+        runs.append(json.loads(done.stdout.splitlines()[-1]))
+        print(f"  process {i}: gpumon run {runs[-1]['run']:.4f} ({runs[-1]['run_added_us']:+.1f} µs), "
+              f"by hand {runs[-1]['hooked']:.4f} ({runs[-1]['hooked_added_us']:+.1f} µs), "
+              f"bare again {runs[-1]['again']:.4f} ({runs[-1]['again_added_us']:+.1f} µs)")
+    figures: dict[str, Any] = {key: statistics.fmean(run[key] for run in runs) for key in runs[0]}
+    for kind in ("run", "hooked", "again"):
+        figures[f"{kind}_processes"] = [run[kind] for run in runs]
+    print(f"cpu {' '.join(extra) or 'example'}: {processes} processes of {blocks} rounds of "
+          f"{block_steps}-step blocks ({figures['bare_ms']:.2f} ms of CPU a bare step), "
+          "means over processes:")
+    for kind, name in (("run", "gpumon run"), ("hooked", "hooked by hand"), ("again", "bare again")):
+        values = figures[f"{kind}_processes"]
+        print(f"  {name:15s} throughput / bare {figures[kind]:.4f} (processes {min(values):.4f} .. "
+              f"{max(values):.4f}, standard error {standard_error(values):.4f}); "
+              f"training thread's CPU {figures[kind + '_added_us']:+.1f} µs a step")
+    return figures
+
+
+def standard_error(values: list[float]) -> float:
+    """Of the mean of ``values`` (0 for fewer than two)."""
+    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
 
 
 def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = (), one_core: bool = False,
