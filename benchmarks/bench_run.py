@@ -16,12 +16,15 @@ a DDP part.
   datagram socket drained by a reader process. Every arm trains the same model on the same
   tensors. Each block starts with ``WARM_STEPS`` untimed steps of its kind (after the hooks go
   in or come out, Python re-specialises the call sites that depend on the model's class: once
-  in a job, once a block here, a cost this method charges to gpumon), and a watched block ends
-  with a synchronous flush of its records, timed with it. The training thread has a core of
-  its own; gpumon's thread and the reader run on the other (a GPU node has cores to spare;
-  what gpumon must not take is the training thread's time). ``--one-core`` puts them all on
-  the training thread's core instead. A process's figures are medians over rounds: the
-  throughput ratio to bare, and the training thread's CPU time added per step. This runs in
+  in a job, once a block here, a cost this method charges to gpumon). The training thread has
+  a core of its own; gpumon's thread and the reader run on the other (a GPU node has cores to
+  spare; what gpumon must not take is the training thread's time), and a watched block's
+  records are sent when its clock has stopped, before the next block (gpumon's thread may also
+  send some while the block runs, every ``FLUSH_INTERVAL_S``, as in a job). ``--one-core`` puts
+  them all on the training thread's core, and times the sending of a block's records with it
+  (on the training thread: the worst case, a job with one core). A process's figures are
+  medians over rounds: the throughput ratio to bare, and the training thread's CPU time added
+  per step. This runs in
   ``--processes`` fresh processes, one after another: where a process's tensors and gpumon's
   objects fall in memory is drawn anew in each, and that draw alone moves one arm against
   another by up to ~1 % for a whole process (the control's spread shows it). The figures are
@@ -138,7 +141,8 @@ def main() -> None:
         cpu = cpu_processes(args.processes, args.blocks, args.block_steps, (), args.one_core, malloc)
         tiny = cpu_processes(args.processes, args.blocks, args.block_steps * 10, small, args.one_core, malloc)
     if args.cpu_pairs and args.turns:
-        tiny_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps * 10, small, args.one_core)
+        tiny_in_turns = cpu_turns(args.cpu_pairs, args.turns, args.block_steps * 10, small, args.one_core,
+                                  {} if args.default_malloc else STEADY_MALLOC)
     in_process = ddp_blocks(args.ddp_rounds, args.ddp_block_steps) if args.ddp_rounds else None
     ddp = ddp_pairs(args.ddp_pairs, args.ddp_steps) if args.ddp_pairs else None
     print(json.dumps({"bench": "run", "cpu": cpu, "tiny": tiny, "tiny_turns": tiny_in_turns,
@@ -219,8 +223,10 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = (), one_c
             flush(kind)
             c0, t0 = time.thread_time(), time.perf_counter()
             train(job, block_steps, by_hand if kind == "hooked" else None)
-            flush(kind)
+            if one_core:
+                flush(kind)
             wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            flush(kind)  # (where a watched block's records are sent: in it, not in the next)
             if kind == "run":
                 hooks.take_out()
             return wall, cpu
@@ -262,7 +268,7 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = (), one_c
 
 
 def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] = (),
-              one_core: bool = False) -> dict[str, float]:
+              one_core: bool = False, malloc: dict[str, str] | None = None) -> dict[str, float]:
     """``examples/train_cpu.py``'s loop in two processes at a time that take turns running blocks
     of ``block_steps`` steps, ``rounds`` each, the order flipping every round. A pair is either
     a bare process and one started under ``gpumon run`` (``run``), or two bare ones (``control``,
@@ -278,7 +284,8 @@ def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] 
         for pair in range(2 * pairs):
             kind = ("run", "control")[(pair + 1) // 2 % 2]
             cores = (0, 1) if len(per_pair[kind]) % 2 == 0 else (1, 0)
-            figures = turns(socket_path, kind == "run", cores, rounds, block_steps, extra, one_core)
+            figures = turns(socket_path, kind == "run", cores, rounds, block_steps, extra, one_core,
+                            malloc or {})
             per_pair[kind].append(figures)
             print(f"  pair {pair} ({kind}, bare on core {cores[0]}): "
                   f"bare {figures['bare_ms']:.3f} ms a step; "
@@ -302,10 +309,10 @@ def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] 
 
 
 def turns(socket_path: str, watched: bool, cores: tuple[int, int], rounds: int, block_steps: int,
-          extra: tuple[str, ...], one_core: bool) -> dict[str, float]:
+          extra: tuple[str, ...], one_core: bool, malloc: dict[str, str]) -> dict[str, float]:
     """One pair: a bare worker on ``cores[0]`` and, on ``cores[1]``, one under ``gpumon run``
     (``watched``) or bare; each runs a block when told to, one at a time."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **malloc}
     job = ["--job", " ".join(extra), *(["--one-core"] if one_core else [])]
     commands = [[sys.executable, __file__, "--cpu-worker", str(core), *job] for core in cores]
     if watched:
