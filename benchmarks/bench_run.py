@@ -267,8 +267,8 @@ def cpu_blocks(blocks: int, block_steps: int, extra: tuple[str, ...] = (), one_c
     return figures
 
 
-def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] = (),
-              one_core: bool = False, malloc: dict[str, str] | None = None) -> dict[str, float]:
+def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...], one_core: bool,
+              malloc: dict[str, str]) -> dict[str, Any]:
     """``examples/train_cpu.py``'s loop in two processes at a time that take turns running blocks
     of ``block_steps`` steps, ``rounds`` each, the order flipping every round. A pair is either
     a bare process and one started under ``gpumon run`` (``run``), or two bare ones (``control``,
@@ -284,20 +284,19 @@ def cpu_turns(pairs: int, rounds: int, block_steps: int, extra: tuple[str, ...] 
         for pair in range(2 * pairs):
             kind = ("run", "control")[(pair + 1) // 2 % 2]
             cores = (0, 1) if len(per_pair[kind]) % 2 == 0 else (1, 0)
-            figures = turns(socket_path, kind == "run", cores, rounds, block_steps, extra, one_core,
-                            malloc or {})
+            figures = turns(socket_path, kind == "run", cores, rounds, block_steps, extra, one_core, malloc)
             per_pair[kind].append(figures)
             print(f"  pair {pair} ({kind}, bare on core {cores[0]}): "
                   f"bare {figures['bare_ms']:.3f} ms a step; "
                   f"throughput bare / other {figures['wall']:.4f}, training thread's CPU "
                   f"{figures['cpu']:.4f} ({figures['added_us']:+.1f} µs a step)")
         received = finish()
-    result = {f"{kind}{suffix}": statistics.median(p[figure] for p in per_pair[kind])
+    result: dict[str, Any] = {f"{kind}{suffix}": statistics.median(p[figure] for p in per_pair[kind])
               for kind in per_pair for suffix, figure in (("", "wall"), ("_cpu", "cpu"),
                                                           ("_added_us", "added_us"))}
     result["bare_ms"] = statistics.median(p["bare_ms"] for p in per_pair["run"] + per_pair["control"])
-    result["run_pairs"] = [p["wall"] for p in per_pair["run"]]  # type: ignore[assignment]
-    result["control_pairs"] = [p["wall"] for p in per_pair["control"]]  # type: ignore[assignment]
+    result["run_pairs"] = [p["wall"] for p in per_pair["run"]]
+    result["control_pairs"] = [p["wall"] for p in per_pair["control"]]
     print(f"cpu {' '.join(extra) or 'example'}: {pairs} pairs of each kind, {rounds} rounds of "
           f"{block_steps}-step turns ({result['bare_ms']:.2f} ms a bare step), {received} records received")
     for kind, name in (("run", "gpumon run"), ("control", "bare (control)")):
