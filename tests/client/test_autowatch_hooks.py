@@ -375,3 +375,68 @@ def test_a_narrowed_wrap_lets_torch_fx_record_a_model_as_a_leaf(
     assert wrapped(Net) and not wrapped(nn.Module)  # narrowed to the model's class
     graph = NetIsLeaf().trace(Outer(Net()))
     assert [n.target for n in graph.nodes if n.op == "call_module"] == ["net"]
+
+
+class Pair:
+    """A batch that knows its size until it is told to break (``shape`` then raises)."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+        self.broken = False
+
+    @property
+    def shape(self) -> torch.Size:
+        if self.broken:
+            raise RuntimeError("a batch gpumon cannot measure")
+        return self.x.shape
+
+
+class Raising:
+    """Stands in for the monitor's extensions: the step's beginning raises."""
+
+    def begin(self) -> None:
+        raise RuntimeError("an extension broken by its API")
+
+
+@pytest.mark.parametrize("where", ["fetch", "forward", "step end"])
+def test_an_error_in_gpumons_own_work_stops_the_watch_and_leaves_the_loop_as_it_was(
+    transport: MemoryTransport, uncompiled: None, where: str
+) -> None:
+    """Well into the run (each hook on its common path, in C where the core is), gpumon's own
+    work raises at one hook point: the process is no longer watched, the steps before stay
+    recorded, and the loop trains exactly as it does with no hooks at all."""
+    warm, steps = hooks.LEARN_STEPS + 3, hooks.LEARN_STEPS + 8
+    x, y = torch.randn(8 * steps, 16), torch.randn(8 * steps, 1)
+    pairs = [Pair(x[i:i + 8], y[i:i + 8]) for i in range(0, len(x), 8)]
+
+    def run() -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        losses = []
+        for i, pair in enumerate(DataLoader(pairs, batch_size=None)):
+            if i == warm:
+                finder = hooks._state.finder
+                if finder is not None and where == "forward":
+                    finder.monitor._core.set_extensions(Raising())
+                    finder.monitor._core.set_quiet_until(0.0)
+                elif finder is not None and where == "step end":
+                    finder.on_step_end = Raising().begin
+            loss = nn.functional.mse_loss(model(pair.x), pair.y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    hooks.take_out()
+    expected = run()  # no hooks
+    assert hooks.install()
+    if where == "fetch":
+        pairs[warm].broken = True
+    losses, parameters = run()
+    assert losses == expected[0]
+    assert all(torch.equal(a, b) for a, b in zip(parameters, expected[1], strict=True))
+    assert hooks._state.finder is None and hooks._state.inert
+    counted = [s.step for s in steps_of(transport)]
+    assert counted == list(range(warm + (where == "step end")))

@@ -50,13 +50,19 @@ import os
 import threading
 from collections.abc import Callable
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gpumon.client import monitor as _monitor_module
-from gpumon.client.autowatch import calls, compiler
+from gpumon.client.autowatch import calls, compiler, steps
 from gpumon.client.autowatch.met import Met
 from gpumon.client.autowatch.steps import StepFinder, step_finder
 from gpumon.client.monitor import StepMonitor
+
+if TYPE_CHECKING or steps._CStepFinder is None:  # (the C state drives the C finder only)
+    _HookState = _Hooked = None
+else:
+    from gpumon.client._hook import Hooked as _Hooked
+    from gpumon.client._hook import HookState as _HookState
 
 log = logging.getLogger("gpumon.client")
 
@@ -64,38 +70,190 @@ log = logging.getLogger("gpumon.client")
 LEARN_STEPS = 4
 """Optimizer steps during which every module call is looked at, to learn the models."""
 
+_get_ident = threading.get_ident
+_dynamo_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
+_compiler: Any = None  # torch.compiler, once installed (``compiler.tracing``)
 
-class _State:
-    """This process's watch: what the hooks share (touched by the training thread only)."""
+
+class PythonState:
+    """This process's watch: what the hooks share (touched by the training thread only), and
+    what each hook does once it has passed its compile test. Where the monitor's core is C,
+    ``_hook.HookState`` does the common case of each in C, and hands the rest to these
+    methods, its reference (``python_call``, ...)."""
 
     def __init__(self) -> None:
-        self.main = threading.main_thread().ident
+        self.reset()
+
+    def reset(self) -> None:
+        """A new watch (in place: the C hooks hold the state)."""
+        self.main = threading.main_thread().ident or 0
         self.finder: StepFinder | None = None
         self.inert = False  # decided: this process is not watched
         self.module_depth = 0
         self.optimizer_depth = 0
         self.met = Met()  # the modules and optimizers met, each watched once
+        self.last_module: Callable[[], Any] | None = None  # a weak reference to the last one called
+        self.last_optimizer: Callable[[], Any] | None = None  # ... to the last one stepped
+        self.compiler: Any = _compiler  # what holds _is_compiling_flag
         self.narrowed = False  # only the models' classes' calls are wrapped
         self.learning = 0  # optimizer steps left before the wrap narrows (0: it does not)
         self.forward_seen = False  # an outermost forward since the last optimizer step
         self.relearn = True  # a backward with no forward before it widens the wrap again
         self.classes_learnt = 0  # how many classes were known when it last widened
 
+    def give_up(self, error: BaseException | None = None) -> None:
+        """An error in gpumon's own work: stop watching this process."""
+        _give_up(error)
+
+    def call(self, original: Callable[..., Any], module: Any, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> Any:
+        """``original(module, *args, **kwargs)``; the training thread's outermost module call
+        is the forward (its module watched the first time)."""
+        if self.module_depth or self.inert or _get_ident() != self.main:  # inside a forward
+            return original(module, *args, **kwargs)
+        finder = self.finder
+        try:
+            if finder is None:
+                finder = _finder()
+            if finder is not None:
+                last = self.last_module
+                if last is None or last() is not module:
+                    self.last_module = self.met.module(finder, module)
+                finder.forward_begin()
+        except Exception:
+            _give_up()
+            finder = None
+        if finder is None:
+            return original(module, *args, **kwargs)
+        self.module_depth = 1
+        self.forward_seen = True
+        try:
+            return original(module, *args, **kwargs)
+        finally:
+            self.module_depth = 0
+            try:
+                finder.forward_end()
+            except Exception:
+                _give_up()
+
+    def backward(self, original: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``original(*args, **kwargs)``, timed as the backward."""
+        if _dynamo_compiling() or _compiler._is_compiling_flag:
+            return original(*args, **kwargs)
+        if self.inert or _get_ident() != self.main:
+            return original(*args, **kwargs)
+        finder = self.finder
+        try:
+            if finder is None:
+                finder = _finder()
+            if finder is not None:
+                if not self.forward_seen and self.narrowed and self.relearn and calls.any_wrapped():
+                    _relearn()
+                finder.backward_begin()
+        except Exception:
+            _give_up()
+            finder = None
+        if finder is None:
+            return original(*args, **kwargs)
+        try:
+            return original(*args, **kwargs)
+        finally:
+            try:
+                finder.end()
+            except Exception:
+                _give_up()
+
+    def fetch(self, original: Callable[[Any], Any], iterator: Any) -> Any:
+        """``original(iterator)``, a DataLoader's next batch: the wait for it is the data
+        phase."""
+        if self.inert or _get_ident() != self.main:
+            return original(iterator)
+        finder = self.finder
+        if finder is not None and finder.lingering:  # a forward left open ends here
+            try:
+                finder.settle()
+            except Exception:
+                _give_up()
+                return original(iterator)
+        t0 = perf_counter()
+        try:
+            batch = original(iterator)
+        except StopIteration:
+            self._fetched(t0, None, False)
+            raise
+        self._fetched(t0, batch, True)
+        return batch
+
+    def _fetched(self, t0: float, batch: Any, got: bool) -> None:
+        t1 = perf_counter()
+        try:
+            finder = self.finder or _finder()
+            if finder is not None:
+                self.optimizer_depth = 0  # a batch is never fetched inside an optimizer step
+                finder.fetched(t0, t1, batch, got)
+        except Exception:
+            _give_up()
+
+    def optimizer_pre(self, optimizer: Any) -> None:
+        """An optimizer step begins (the outermost one opens the optimizer phase)."""
+        if self.inert or _get_ident() != self.main:
+            return
+        self.optimizer_depth += 1
+        if self.optimizer_depth == 1:
+            try:
+                finder = self.finder or _finder()
+                if finder is not None:
+                    last = self.last_optimizer
+                    if last is None or last() is not optimizer:
+                        self.last_optimizer = self.met.optimizer(finder, optimizer)
+                    finder.optimizer_begin()
+            except Exception:
+                _give_up()
+
+    def optimizer_post(self, optimizer: Any) -> None:
+        """An optimizer step ended (the outermost one ends the step)."""
+        if self.inert or _get_ident() != self.main or not self.optimizer_depth:
+            return
+        self.optimizer_depth -= 1
+        finder = self.finder
+        if not self.optimizer_depth and finder is not None:
+            try:
+                finder.optimizer_end(id(optimizer))
+                self.forward_seen = False
+                if self.learning and not self.inert:
+                    self.learning -= 1
+                    if not self.learning and calls.any_wrapped():
+                        _narrow()
+            except Exception:
+                _give_up()
+
+
+if _HookState is not None:
+    class _CState(_HookState, PythonState):  # type: ignore[misc,valid-type]
+        """``PythonState`` with the common case of each hook in C (``_hook.HookState``)."""
+
+        python_call = PythonState.call
+        python_backward = PythonState.backward
+        python_fetch = PythonState.fetch
+        python_optimizer_pre = PythonState.optimizer_pre
+        python_optimizer_post = PythonState.optimizer_post
+
+    _State: type[PythonState] = _CState
+else:
+    _State = PythonState
+
 
 _state = _State()
 _handles: list[Any] = []
 _fork_handler = False
-_get_ident = threading.get_ident
 _restore: list[Callable[[], None]] = []
-_dynamo_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
-_compiler: Any = None  # torch.compiler, once installed (``compiler.tracing``)
 make_monitor: Callable[[], StepMonitor] = StepMonitor
 """How the process's monitor is made (run, rank and socket from the environment)."""
 
 
 def install() -> bool:
     """Put the hooks into torch (imported by now); False if this torch lacks what they need."""
-    global _dynamo_compiling, _compiler, _state, _fork_handler
+    global _dynamo_compiling, _compiler, _fork_handler
     if _handles or _restore:
         return True
     try:
@@ -110,7 +268,8 @@ def install() -> bool:
         return False
     _dynamo_compiling, _compiler = compiler.tracing(torch_compiler)
     if _state.inert:  # taken out by uninstall(): a new watch
-        _state = _State()
+        _state.reset()
+    _state.compiler = _compiler
     _handles.append(optimizer.register_optimizer_step_pre_hook(_optimizer_pre))
     _handles.append(optimizer.register_optimizer_step_post_hook(_optimizer_post))
     backward = _patch(torch.autograd, "backward", _wrap_backward)
@@ -136,10 +295,9 @@ def install() -> bool:
 
 def uninstall() -> None:
     """Take every hook out again and forget this process's watch (its monitor is closed)."""
-    global _state
     take_out()
     finder = _state.finder
-    _state = _State()
+    _state.reset()
     _state.inert = True
     if finder is not None:
         finder.close()
@@ -266,8 +424,7 @@ def _after_step() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _state
-    _state = _State()  # the parent's monitor is closed here (``monitor``'s own fork handler)
+    _state.reset()  # the parent's monitor is closed here (``monitor``'s own fork handler)
     if calls.any_wrapped():
         _widen()  # the child learns its own models
 
@@ -277,9 +434,10 @@ def _after_fork_in_child() -> None:
 # (``_give_up``), and never reaches the training loop.
 
 
-def _give_up() -> None:
-    """An error in gpumon's own work: stop watching this process."""
-    log.debug("gpumon: stopped watching this process", exc_info=True)
+def _give_up(error: BaseException | None = None) -> None:
+    """An error in gpumon's own work (``error``, or the one being handled): stop watching
+    this process."""
+    log.debug("gpumon: stopped watching this process", exc_info=error or True)
     state = _state
     finder, state.finder, state.inert = state.finder, None, True
     if finder is not None:
@@ -291,35 +449,9 @@ def _give_up() -> None:
 
 def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        state = _state
-        if state.module_depth or state.inert:  # inside a forward already: as fast as can be
+        if _dynamo_compiling() or _compiler._is_compiling_flag:
             return original(self, *args, **kwargs)
-        if _dynamo_compiling() or _compiler._is_compiling_flag or _get_ident() != state.main:
-            return original(self, *args, **kwargs)
-        finder = state.finder
-        try:
-            if finder is None:
-                finder = _finder()
-            if finder is not None:
-                met = state.met
-                if met.last_module() is not self:
-                    met.module(finder, self)
-                finder.forward_begin()
-        except Exception:
-            _give_up()
-            finder = None
-        if finder is None:
-            return original(self, *args, **kwargs)
-        state.module_depth = 1
-        state.forward_seen = True
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            state.module_depth = 0
-            try:
-                finder.forward_end()
-            except Exception:
-                _give_up()
+        return _state.call(original, self, args, kwargs)
 
     return __call__
 
@@ -327,69 +459,21 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
 def _optimizer_pre(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _dynamo_compiling() or _compiler._is_compiling_flag:
         return
-    state = _state
-    if state.inert or _get_ident() != state.main:
-        return
-    state.optimizer_depth += 1
-    if state.optimizer_depth == 1:
-        try:
-            finder = state.finder or _finder()
-            if finder is not None:
-                met = state.met
-                if met.last_optimizer() is not optimizer:
-                    met.optimizer(finder, optimizer)
-                finder.optimizer_begin()
-        except Exception:
-            _give_up()
+    _state.optimizer_pre(optimizer)
 
 
 def _optimizer_post(optimizer: Any, args: Any, kwargs: Any) -> None:
     if _dynamo_compiling() or _compiler._is_compiling_flag:
         return
-    state = _state
-    if state.inert or _get_ident() != state.main or not state.optimizer_depth:
-        return
-    state.optimizer_depth -= 1
-    finder = state.finder
-    if not state.optimizer_depth and finder is not None:
-        try:
-            finder.optimizer_end(id(optimizer))
-            state.forward_seen = False
-            if state.learning and not state.inert:
-                state.learning -= 1
-                if not state.learning and calls.any_wrapped():
-                    _narrow()
-        except Exception:
-            _give_up()
+    _state.optimizer_post(optimizer)
 
 
 def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
+    if _Hooked is not None:
+        return _Hooked(_state, original, "backward")  # (its compile test: the flag)
+
     def backward(*args: Any, **kwargs: Any) -> Any:
-        if _dynamo_compiling() or _compiler._is_compiling_flag:
-            return original(*args, **kwargs)
-        state = _state
-        if state.inert or _get_ident() != state.main:
-            return original(*args, **kwargs)
-        finder = state.finder
-        try:
-            if finder is None:
-                finder = _finder()
-            if finder is not None:
-                if not state.forward_seen and state.narrowed and state.relearn and calls.any_wrapped():
-                    _relearn()
-                finder.backward_begin()
-        except Exception:
-            _give_up()
-            finder = None
-        if finder is None:
-            return original(*args, **kwargs)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            try:
-                finder.end()
-            except Exception:
-                _give_up()
+        return _state.backward(original, *args, **kwargs)
 
     return backward
 
@@ -407,41 +491,10 @@ def _wrap_compile(original: Callable[..., Any], run_as_python: Callable[[], None
 
 
 def _wrap_next(original: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    if _Hooked is not None:
+        return _Hooked(_state, original, "fetch")  # (binds to the iterator as a method)
+
     def __next__(self: Any) -> Any:
-        state = _state
-        if state.inert or _get_ident() != state.main:
-            return original(self)
-        finder = state.finder
-        if finder is not None and finder.lingering:  # a forward left open ends here
-            try:
-                finder.settle()
-            except Exception:
-                _give_up()
-        t0 = perf_counter()
-        try:
-            batch = original(self)
-        except StopIteration:
-            _fetched(state, t0, None, False)
-            raise
-        t1 = perf_counter()
-        try:
-            if finder is None:
-                finder = _finder()
-            if finder is not None:
-                state.optimizer_depth = 0  # a batch is never fetched inside an optimizer step
-                finder.fetched(t0, t1, batch, True)
-        except Exception:
-            _give_up()
-        return batch
+        return _state.fetch(original, self)
 
     return __next__
-
-
-def _fetched(state: _State, t0: float, batch: Any, got: bool) -> None:
-    try:
-        finder = state.finder or _finder()
-        if finder is not None:
-            state.optimizer_depth = 0  # a batch is never fetched inside an optimizer step
-            finder.fetched(t0, perf_counter(), batch, got)
-    except Exception:
-        _give_up()

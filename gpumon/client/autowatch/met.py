@@ -4,8 +4,9 @@ The first outermost forward of each module with parameters ``watch()``es it: a
 ``DistributedDataParallel``, FSDP or DeepSpeed module gets its communication measured, any
 module its memory breakdown, and its class is a model's (the classes the module-call wrap
 narrows to, ``calls``). The first step of each optimizer adds it to the watch of the modules
-whose parameters it updates (its states and master copies in the breakdown). The last module
-and optimizer met are kept by reference, so a step's events check them by identity alone.
+whose parameters it updates (its states and master copies in the breakdown). Each is given
+back as a weak reference: the hooks keep the last module and optimizer met by it, so a step's
+events check them by identity alone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 from gpumon.client.autowatch.steps import StepFinder
@@ -22,30 +22,25 @@ from gpumon.client.monitor import StepMonitor
 log = logging.getLogger("gpumon.client")
 
 
-def _nothing() -> None:
-    return None
-
-
 class Met:
     """What the hooks met (touched by the training thread only)."""
 
     def __init__(self) -> None:
         self.seen: dict[int, weakref.ref[Any]] = {}  # modules looked at, by id
-        self.last_module: Callable[[], Any] = _nothing  # a reference to the last one called
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()  # ... those with parameters
         self.classes: dict[type, None] = {}  # the classes of the models
         self.paired: dict[int, weakref.ref[Any]] = {}  # optimizers, by id
-        self.last_optimizer: Callable[[], Any] = _nothing  # a reference to the last one stepped
 
-    def module(self, finder: StepFinder, module: Any) -> None:
-        """An outermost forward of another module than the last one: looked at if it is new."""
+    def module(self, finder: StepFinder, module: Any) -> weakref.ref[Any]:
+        """An outermost forward of another module than the last one: looked at if it is new.
+        A weak reference to it."""
         seen = self.seen
         key = id(module)
         ref = seen.get(key)
         if ref is None or ref() is not module:
             ref = _remember(seen, module)  # (one that cannot be: the process is unwatched)
             self._look_at(finder, module)
-        self.last_module = ref
+        return ref
 
     def _look_at(self, finder: StepFinder, module: Any) -> None:
         """``watch()`` a module seen for the first time in an outermost forward, if it has
@@ -62,16 +57,15 @@ class Met:
         except Exception:
             log.debug("gpumon: could not watch %s", type(module).__name__, exc_info=True)
 
-    def optimizer(self, finder: StepFinder, optimizer: Any) -> None:
+    def optimizer(self, finder: StepFinder, optimizer: Any) -> weakref.ref[Any]:
         """Another optimizer than the last one steps: if it is its first step, watch it with
-        the modules whose parameters it updates."""
+        the modules whose parameters it updates. A weak reference to it."""
         paired = self.paired
         key = id(optimizer)
         ref = paired.get(key)
         if ref is not None and ref() is optimizer:
-            self.last_optimizer = ref
-            return
-        ref = self.last_optimizer = _remember(paired, optimizer)
+            return ref
+        ref = _remember(paired, optimizer)
         try:
             updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
             for model in list(self.models):
@@ -79,6 +73,7 @@ class Met:
                     finder.monitor.watch(model, optimizer)
         except Exception:
             log.debug("gpumon: could not watch %s", type(optimizer).__name__, exc_info=True)
+        return ref
 
 
 def _remember(table: dict[int, weakref.ref[Any]], obj: Any) -> weakref.ref[Any]:
