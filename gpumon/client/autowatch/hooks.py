@@ -10,6 +10,15 @@ wraps another); anything else returns at once.
 What they see goes to a ``StepFinder`` (``steps``), made with its ``StepMonitor`` on the first
 event, when the rank is known.
 
+What each hook does past its compile test is a method of the process's state
+(``PythonState``). Where the monitor's core is C, the state is ``_hook.HookState``'s subclass:
+each event's common case (the training thread, a finder, the model or optimizer met last) runs
+there in C, and everything else in these methods, which it calls before it has changed
+anything. The backward and DataLoader hooks are then ``_hook.Hooked`` objects, with no Python
+frame of their own; the model-call wrapper and the optimizer hooks stay Python functions for
+their compile test. The state is reset in place (``reset()``), never replaced: the C hooks
+hold it.
+
 Module calls are wrapped in two stages (``calls`` does the wrapping). For the first
 ``LEARN_STEPS`` optimizer steps, ``Module.__call__`` itself: every module call passes the
 wrapper, and the outermost ones with parameters are the models. Then only the models' classes
