@@ -39,7 +39,8 @@ before ``--budget-s``):
    ``torch.cuda.memory_stats()``.
 7b. run (``run``): an unmodified CUDA script (``run_job.py``) bare and under ``gpumon run``:
    its output and loss unchanged, one step per optimizer step with the phases the hooks found,
-   and the throughput ratio (information: separate launches).
+   the throughput ratio (information: separate launches), and the hooks a process it started
+   holds (the C core's ``Hooked`` objects where it was built).
 8. stall (``stall``): a rank stuck behind a kernel, its NCCL all-reduce not passed on the GPU,
    told apart from one stuck on the host, as the agent reports them (the host case only in a
    dry run).

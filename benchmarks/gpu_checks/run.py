@@ -7,6 +7,8 @@ says gpumon is watching; the agent recorded one step per optimizer step, each wi
 forward, backward and optimizer phases the hooks found and the DataLoader's samples. The
 throughput ratio (under ``gpumon run`` ÷ bare, median of the pairs) is reported against the
 ≥ 0.99 target; launches of separate processes scatter, so it is information, not a check.
+A last check looks at the hooks themselves in a process ``gpumon run`` started: where the C
+core was built, the backward and DataLoader hooks are its C objects (``_hook.Hooked``).
 """
 
 from __future__ import annotations
@@ -80,3 +82,24 @@ def section_run(report: Report, result: dict[str, Any], agent: AgentProcess, dev
                  bool(lines) and all(r.get("samples") == (64 if cuda else 8) for r in lines),
                  sorted({r.get("samples") for r in lines}, key=str))
     result["dev_phases"] = sorted({p for r in lines for p in r.get("dev", [])})
+    section_hooks_in_c(report, result, env)
+
+
+HOOK_PROBE = ("import torch, torch.utils.data.dataloader as d; "
+              "print(type(torch.autograd.backward).__name__, "
+              "type(d._BaseDataLoaderIter.__dict__['__next__']).__name__)")
+
+
+def section_hooks_in_c(report: Report, result: dict[str, Any], env: dict[str, str]) -> None:
+    """Which hooks a process ``gpumon run`` started has: C objects where the C core was built."""
+    from gpumon.client.monitor import IMPLEMENTATION
+
+    done = subprocess.run([sys.executable, "-m", "gpumon.cli", "run", "--run", RUN, "--",
+                           sys.executable, "-c", HOOK_PROBE],
+                          env=env, capture_output=True, text=True, timeout=120)
+    kinds = done.stdout.split()
+    result["hook_kinds"] = kinds
+    expected = ["Hooked", "Hooked"] if IMPLEMENTATION == "c" else ["function", "function"]
+    report.check("run.hooks_are_the_cores_own", done.returncode == 0 and kinds == expected,
+                 {"core": IMPLEMENTATION, "hooks": kinds, "expected": expected,
+                  "stderr_tail": done.stderr[-500:]})
