@@ -1478,7 +1478,7 @@ static PyTypeObject StepFinderType = {
 };
 
 /* ---- HookState, Hooked -------------------------------------------------------------- */
-/* The common case of `gpumon run`'s hooks (gpumon/client/autowatch/hooks.py) in C: the
+/* The common case of `gpumon run`'s hooks (gpumon/client/autowatch/state.py) in C: the
  * training thread's outermost forward, backward, batch fetch and optimizer step, with the
  * process's step finder (the C one) and the model and optimizer it has already met. Each
  * event then costs the loop one C call between the hook point and the step finder; the model
@@ -1486,7 +1486,7 @@ static PyTypeObject StepFinderType = {
  * must be able to read. Whatever is not that case (no finder yet, a module or optimizer other
  * than the last one, the models still being learnt, a backward with no forward before it)
  * goes, before anything is changed, to the Python method of the same name (python_call, ...),
- * which is the reference: hooks.py's PythonState, which the hooks use as they are where the
+ * which is the reference: state.py's PythonState, which the hooks use as they are where the
  * core is Python. Errors in gpumon's own work go to self.give_up(error) and never reach the
  * loop. HookState is a base class: its fields are attributes of the Python state. */
 

@@ -10,14 +10,12 @@ wraps another); anything else returns at once.
 What they see goes to a ``StepFinder`` (``steps``), made with its ``StepMonitor`` on the first
 event, when the rank is known.
 
-What each hook does past its compile test is a method of the process's state
-(``PythonState``). Where the monitor's core is C, the state is ``_hook.HookState``'s subclass:
-each event's common case (the training thread, a finder, the model or optimizer met last) runs
-there in C, and everything else in these methods, which it calls before it has changed
-anything. The backward and DataLoader hooks are then ``_hook.Hooked`` objects, with no Python
-frame of their own; the model-call wrapper and the optimizer hooks stay Python functions for
-their compile test. The state is reset in place (``reset()``), never replaced: the C hooks
-hold it.
+What each hook does past its compile test is a method of the process's state (``state``,
+where it runs in C where it can); this module gives the state what the process does about its
+watch (``_Watch``: its finder, giving up, learning the models). Where the monitor's core is C,
+the backward and DataLoader hooks are ``_hook.Hooked`` objects, with no Python frame of their
+own; the model-call wrapper and the optimizer hooks stay Python functions for their compile
+test. The state is reset in place (``reset()``), never replaced: the C hooks hold it.
 
 Module calls are wrapped in two stages (``calls`` does the wrapping). For the first
 ``LEARN_STEPS`` optimizer steps, ``Module.__call__`` itself: every module call passes the
@@ -56,22 +54,19 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import threading
 from collections.abc import Callable
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from gpumon.client import monitor as _monitor_module
 from gpumon.client.autowatch import calls, compiler, steps
-from gpumon.client.autowatch.met import Met
+from gpumon.client.autowatch.state import State
 from gpumon.client.autowatch.steps import StepFinder, step_finder
 from gpumon.client.monitor import StepMonitor
 
-if TYPE_CHECKING or steps._CStepFinder is None:  # (the C state drives the C finder only)
-    _HookState = _Hooked = None
+if TYPE_CHECKING or steps._CStepFinder is None:  # (the C hooks drive the C finder only)
+    _Hooked = None
 else:
     from gpumon.client._hook import Hooked as _Hooked
-    from gpumon.client._hook import HookState as _HookState
 
 log = logging.getLogger("gpumon.client")
 
@@ -79,180 +74,63 @@ log = logging.getLogger("gpumon.client")
 LEARN_STEPS = 4
 """Optimizer steps during which every module call is looked at, to learn the models."""
 
-_get_ident = threading.get_ident
 _dynamo_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
 _compiler: Any = None  # torch.compiler, once installed (``compiler.tracing``)
 
 
-class PythonState:
-    """This process's watch: what the hooks share (touched by the training thread only), and
-    what each hook does once it has passed its compile test. Where the monitor's core is C,
-    ``_hook.HookState`` does the common case of each in C, and hands the rest to these
-    methods, its reference (``python_call``, ...)."""
-
-    def __init__(self) -> None:
-        self.reset()
+class _Watch(State):
+    """The process's watch: the hooks' state (``state``), with what the process does about it."""
 
     def reset(self) -> None:
-        """A new watch (in place: the C hooks hold the state)."""
-        self.main = threading.main_thread().ident or 0
-        self.finder: StepFinder | None = None
-        self.inert = False  # decided: this process is not watched
-        self.module_depth = 0
-        self.optimizer_depth = 0
-        self.met = Met()  # the modules and optimizers met, each watched once
-        self.last_module: Callable[[], Any] | None = None  # a weak reference to the last one called
-        self.last_optimizer: Callable[[], Any] | None = None  # ... to the last one stepped
-        self.compiler: Any = _compiler  # what holds _is_compiling_flag
+        super().reset()
         self.narrowed = False  # only the models' classes' calls are wrapped
-        self.learning = 0  # optimizer steps left before the wrap narrows (0: it does not)
-        self.forward_seen = False  # an outermost forward since the last optimizer step
         self.relearn = True  # a backward with no forward before it widens the wrap again
         self.classes_learnt = 0  # how many classes were known when it last widened
 
+    def open_finder(self) -> StepFinder | None:
+        if self.finder is not None:
+            return self.finder
+        if self.inert:
+            return None
+        self.inert = True  # until a monitor is made: an error below leaves the process unwatched
+        try:
+            import torch.utils.data
+
+            if torch.utils.data.get_worker_info() is not None:
+                return None  # a DataLoader worker: its batches are the rank's data wait
+            if _others():
+                return None  # the job watches itself
+            mon = make_monitor()
+        except Exception:
+            log.debug("gpumon: this process is not watched", exc_info=True)
+            return None
+        quiet = logging.getLogger("gpumon")  # what gpumon logs must not change what the job prints
+        quiet.addHandler(logging.NullHandler())
+        quiet.propagate = False
+        self.finder = step_finder(mon)
+        self.inert = False
+        return self.finder
+
     def give_up(self, error: BaseException | None = None) -> None:
-        """An error in gpumon's own work: stop watching this process."""
-        _give_up(error)
-
-    def call(self, original: Callable[..., Any], module: Any, args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> Any:
-        """``original(module, *args, **kwargs)``; the training thread's outermost module call
-        is the forward (its module watched the first time)."""
-        if self.module_depth or self.inert or _get_ident() != self.main:  # inside a forward
-            return original(module, *args, **kwargs)
-        finder = self.finder
-        try:
-            if finder is None:
-                finder = _finder()
-            if finder is not None:
-                last = self.last_module
-                if last is None or last() is not module:
-                    self.last_module = self.met.module(finder, module)
-                finder.forward_begin()
-        except Exception:
-            _give_up()
-            finder = None
-        if finder is None:
-            return original(module, *args, **kwargs)
-        self.module_depth = 1
-        self.forward_seen = True
-        try:
-            return original(module, *args, **kwargs)
-        finally:
-            self.module_depth = 0
+        log.debug("gpumon: stopped watching this process", exc_info=error or True)
+        finder, self.finder, self.inert = self.finder, None, True
+        if finder is not None:
             try:
-                finder.forward_end()
+                finder.monitor.close()
             except Exception:
-                _give_up()
+                pass
 
-    def backward(self, original: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
-        """``original(*args, **kwargs)``, timed as the backward."""
-        if _dynamo_compiling() or _compiler._is_compiling_flag:
-            return original(*args, **kwargs)
-        if self.inert or _get_ident() != self.main:
-            return original(*args, **kwargs)
-        finder = self.finder
-        try:
-            if finder is None:
-                finder = _finder()
-            if finder is not None:
-                if not self.forward_seen and self.narrowed and self.relearn and calls.any_wrapped():
-                    _relearn()
-                finder.backward_begin()
-        except Exception:
-            _give_up()
-            finder = None
-        if finder is None:
-            return original(*args, **kwargs)
-        try:
-            return original(*args, **kwargs)
-        finally:
-            try:
-                finder.end()
-            except Exception:
-                _give_up()
+    def forward_unseen(self) -> None:
+        if self.narrowed and self.relearn and calls.any_wrapped():
+            _relearn()
 
-    def fetch(self, original: Callable[[Any], Any], iterator: Any) -> Any:
-        """``original(iterator)``, a DataLoader's next batch: the wait for it is the data
-        phase."""
-        if self.inert or _get_ident() != self.main:
-            return original(iterator)
-        finder = self.finder
-        if finder is not None and finder.lingering:  # a forward left open ends here
-            try:
-                finder.settle()
-            except Exception:
-                _give_up()
-                return original(iterator)
-        t0 = perf_counter()
-        try:
-            batch = original(iterator)
-        except StopIteration:
-            self._fetched(t0, None, False)
-            raise
-        self._fetched(t0, batch, True)
-        return batch
-
-    def _fetched(self, t0: float, batch: Any, got: bool) -> None:
-        t1 = perf_counter()
-        try:
-            finder = self.finder or _finder()
-            if finder is not None:
-                self.optimizer_depth = 0  # a batch is never fetched inside an optimizer step
-                finder.fetched(t0, t1, batch, got)
-        except Exception:
-            _give_up()
-
-    def optimizer_pre(self, optimizer: Any) -> None:
-        """An optimizer step begins (the outermost one opens the optimizer phase)."""
-        if self.inert or _get_ident() != self.main:
-            return
-        self.optimizer_depth += 1
-        if self.optimizer_depth == 1:
-            try:
-                finder = self.finder or _finder()
-                if finder is not None:
-                    last = self.last_optimizer
-                    if last is None or last() is not optimizer:
-                        self.last_optimizer = self.met.optimizer(finder, optimizer)
-                    finder.optimizer_begin()
-            except Exception:
-                _give_up()
-
-    def optimizer_post(self, optimizer: Any) -> None:
-        """An optimizer step ended (the outermost one ends the step)."""
-        if self.inert or _get_ident() != self.main or not self.optimizer_depth:
-            return
-        self.optimizer_depth -= 1
-        finder = self.finder
-        if not self.optimizer_depth and finder is not None:
-            try:
-                finder.optimizer_end(id(optimizer))
-                self.forward_seen = False
-                if self.learning and not self.inert:
-                    self.learning -= 1
-                    if not self.learning and calls.any_wrapped():
-                        _narrow()
-            except Exception:
-                _give_up()
+    def learnt_step(self) -> None:
+        self.learning -= 1
+        if not self.learning and calls.any_wrapped():
+            _narrow()
 
 
-if _HookState is not None:
-    class _CState(_HookState, PythonState):  # type: ignore[misc,valid-type]
-        """``PythonState`` with the common case of each hook in C (``_hook.HookState``)."""
-
-        python_call = PythonState.call
-        python_backward = PythonState.backward
-        python_fetch = PythonState.fetch
-        python_optimizer_pre = PythonState.optimizer_pre
-        python_optimizer_post = PythonState.optimizer_post
-
-    _State: type[PythonState] = _CState
-else:
-    _State = PythonState
-
-
-_state = _State()
+_state = _Watch()
 _handles: list[Any] = []
 _fork_handler = False
 _restore: list[Callable[[], None]] = []
@@ -376,33 +254,6 @@ def _relearn() -> None:
     _widen()
 
 
-def _finder() -> StepFinder | None:
-    """The process's step finder, made on the first event; None while it is not watched."""
-    state = _state
-    if state.finder is not None:
-        return state.finder
-    if state.inert:
-        return None
-    state.inert = True  # until a monitor is made: an error below leaves the process unwatched
-    try:
-        import torch.utils.data
-
-        if torch.utils.data.get_worker_info() is not None:
-            return None  # a DataLoader worker: its batches are the rank's data wait
-        if _others():
-            return None  # the job watches itself
-        mon = make_monitor()
-    except Exception:
-        log.debug("gpumon: this process is not watched", exc_info=True)
-        return None
-    quiet = logging.getLogger("gpumon")  # what gpumon logs must not change what the job prints
-    quiet.addHandler(logging.NullHandler())
-    quiet.propagate = False
-    state.finder = step_finder(mon)
-    state.inert = False
-    return state.finder
-
-
 def _others() -> int:
     """Open monitors in this process that are not gpumon run's."""
     finder = _state.finder
@@ -438,22 +289,7 @@ def _after_fork_in_child() -> None:
         _widen()  # the child learns its own models
 
 
-# --- the hooks: each returns at once unless it is the training thread's outermost call ----
-# An error in what they do beyond that leaves the process unwatched from then on
-# (``_give_up``), and never reaches the training loop.
-
-
-def _give_up(error: BaseException | None = None) -> None:
-    """An error in gpumon's own work (``error``, or the one being handled): stop watching
-    this process."""
-    log.debug("gpumon: stopped watching this process", exc_info=error or True)
-    state = _state
-    finder, state.finder, state.inert = state.finder, None, True
-    if finder is not None:
-        try:
-            finder.monitor.close()
-        except Exception:
-            pass
+# --- the hooks: each passes its compile test, then hands its event to the state (``state``) ---
 
 
 def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -482,6 +318,8 @@ def _wrap_backward(original: Callable[..., Any]) -> Callable[..., Any]:
         return _Hooked(_state, original, "backward")  # (its compile test: the flag)
 
     def backward(*args: Any, **kwargs: Any) -> Any:
+        if _dynamo_compiling() or _compiler._is_compiling_flag:
+            return original(*args, **kwargs)
         return _state.backward(original, *args, **kwargs)
 
     return backward
@@ -493,7 +331,7 @@ def _wrap_compile(original: Callable[..., Any], run_as_python: Callable[[], None
         try:  # the job compiles: the compiler must leave the backward and DataLoader wrappers alone
             run_as_python()
         except Exception:
-            _give_up()
+            _state.give_up()
         return compiled
 
     return compile
