@@ -84,3 +84,27 @@ class SenderCredentials:
 
     pid: int | None = None
     uid: int | None = None
+
+
+OWNER_LABELS = ("node", "pod", "namespace", "container", "slurm_job", "slurm_step", "user")
+"""The labels that say whose a process is (``gpumon_rank_info``, ``gpumon_gpu_owner_info``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """Whose a process (or a GPU's holder) is, as the agent verified it: the kernel's view of
+    the process (its cgroup, its uid) and the kubelet's names. Empty where unknown or where it
+    does not apply (no pod on a Slurm node, no Slurm job in a pod)."""
+
+    node: str = ""
+    pod: str = ""
+    namespace: str = ""
+    container: str = ""
+    slurm_job: str = ""
+    slurm_step: str = ""
+    user: str = ""
+
+    def labels(self) -> list[str]:
+        """Label values in ``OWNER_LABELS`` order."""
+        return [self.node, self.pod, self.namespace, self.container, self.slurm_job,
+                self.slurm_step, self.user]
