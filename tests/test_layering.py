@@ -66,12 +66,15 @@ LAYERS: dict[str, Allowed] = {
                                  "transformers"),
     "collectors": allow("wire", libraries="psutil"),
     "collectors.nvml": allow("wire", libraries="pynvml"),
+    # The kubelet's PodResources API: gRPC and the code protoc generated from its proto.
+    "collectors.podresources": allow("wire", libraries="grpc google"),
     "analysis": allow("wire collectors.samples", pure=True),
     "state": allow("wire collectors.samples collectors.sender_shares analysis"),
     "sim": allow("client collectors.samples"),
     "export": allow("gpumon wire collectors analysis state",
                     libraries="prometheus_client bcrypt yaml"),
-    "agent": allow("gpumon wire collectors collectors.nvml analysis state sim export",
+    "agent": allow("gpumon wire collectors collectors.nvml collectors.podresources analysis state "
+                   "sim export",
                    libraries="prometheus_client"),
     "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent "
                       "client.autowatch client.identity",

@@ -16,7 +16,8 @@ from gpumon.analysis.thresholds import Thresholds
 
 DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"
-COLLECTORS = ("nvml", "host", "ingest")
+DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+COLLECTORS = ("nvml", "host", "ingest", "owners")
 
 
 class ConfigError(ValueError):
@@ -41,6 +42,10 @@ class AgentConfig:
     max_ranks: int = 1024
     log_level: str = "info"
     web_config: str | None = None
+    node_name: str = ""
+    """The node's name on ``gpumon_rank_info`` and ``gpumon_gpu_owner_info``; unset: the host name."""
+    pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
+    """The kubelet's PodResources socket, asked where its directory exists."""
     thresholds: Thresholds = field(default_factory=Thresholds)
     config: str | None = field(default=None, compare=False)
 
@@ -182,7 +187,9 @@ def _validate(values: dict[str, Any], origins: Mapping[str, str]) -> AgentConfig
             out[f.name] = str(value).lower()
         elif f.name == "thresholds":
             out[f.name] = value
-        elif f.name in ("socket", "record", "config", "web_config"):
+        elif f.name == "node_name":
+            out[f.name] = str(value).strip()
+        elif f.name in ("socket", "record", "config", "web_config", "pod_resources_socket"):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: expected a non-empty path")
             out[f.name] = value

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from prometheus_client.process_collector import ProcessCollector
 from gpumon import __version__
 from gpumon.agent.analyzer import SharedAnalyzer
 from gpumon.agent.config import AgentConfig
+from gpumon.agent.owners import OwnerCollector
 from gpumon.agent.recorder import Recorder
 from gpumon.agent.reload import apply_reload
 from gpumon.agent.scheduler import Periodic
@@ -41,6 +43,7 @@ from gpumon.collectors.samples import SenderCredentials
 from gpumon.export.server import MetricsServer
 from gpumon.export.webconfig import WebConfigError, load_web_config
 from gpumon.state.node import NodeState
+from gpumon.state.owners import OwnerState
 from gpumon.state.ranks import RankStore
 from gpumon.state.recording import RecorderStatus
 from gpumon.wire import Record
@@ -52,6 +55,8 @@ DISCOVER_EVERY_CYCLES = 30  # look for GPUs that appeared after start (30 s at 1
 HOUSEKEEPING_INTERVAL_S = 1.0
 LIVENESS_INTERVAL_S = 5.0
 """How often the training processes are looked for in /proc: an exit is seen within 5 s."""
+OWNERS_INTERVAL_S = 5.0
+"""How often whose each process and GPU is is worked out again (cgroups, the kubelet)."""
 
 
 class AgentError(RuntimeError):
@@ -71,8 +76,10 @@ class Agent:
         self._host = HostSource() if config.enabled("host") else None
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
+        self.owners = OwnerState(config.node_name or socket.gethostname())
+        self._owner_collector = OwnerCollector(self.owners, config.pod_resources_socket)
         self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
-                                         self.recording_status, self.ingest_status)
+                                         self.recording_status, self.ingest_status, self.owners)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self._collector)
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
@@ -119,6 +126,12 @@ class Agent:
                                           self._collect_host, self.state))
         if self.config.enabled("ingest"):
             self._start_ingest()
+        if self.config.enabled("owners"):
+            self._threads.append(Periodic("owners", OWNERS_INTERVAL_S, self._collect_owners,
+                                          self.state))
+            if Path(self.config.pod_resources_socket).parent.is_dir():  # a kubelet's node
+                self._threads.append(Periodic("kubelet", OWNERS_INTERVAL_S,
+                                              self._owner_collector.poll_kubelet, self.state))
         self._threads.append(Periodic("housekeeping", HOUSEKEEPING_INTERVAL_S,
                                       self._housekeeping, self.state))
         for thread in self._threads:
@@ -215,6 +228,12 @@ class Agent:
     def _collect_host(self, now: float, monotonic: float) -> None:
         assert self._host is not None
         self.state.put_host(self._host.sample(now), self._host.processes(self.rank_store.pids()))
+
+    def _collect_owners(self, now: float, monotonic: float) -> None:
+        snap = self.state.snapshot(now)
+        listed = {pid for sample in snap.latest.values()
+                  for pid in sample.process_memory_bytes or ()}
+        self._owner_collector.collect(listed | set(self.rank_store.watched_pids()))
 
     def _on_records(self, records: list[Record], sender: SenderCredentials) -> None:
         now = time.time()

@@ -42,7 +42,8 @@ class Periodic(threading.Thread):
             try:
                 self._fn(stats.last_attempt_t, started)
             except Exception as exc:  # a collector failure must never stop the agent
-                kind = type(exc).__name__
+                # An error may name its kind (``kind``); else its class does.
+                kind = getattr(exc, "kind", None) or type(exc).__name__
                 self._state.count_error(self.collector, kind.lower())
                 if kind not in self._logged:
                     self._logged.add(kind)

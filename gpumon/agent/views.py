@@ -24,9 +24,11 @@ from gpumon.collectors.samples import GpuSample
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.health_metrics import eviction_families, ingest_families, recording_families
 from gpumon.export.memory_metrics import MemoryFamilies
+from gpumon.export.owner_metrics import owner_families
 from gpumon.export.rank_state_metrics import rank_state_families
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.state.node import NodeSnapshot, NodeState
+from gpumon.state.owners import OwnerState
 from gpumon.state.rank_states import rank_conditions
 from gpumon.state.ranks import RankStore, RankTotals
 from gpumon.state.recording import RecorderStatus
@@ -39,8 +41,9 @@ class AgentCollector:
 
     def __init__(self, node: NodeState, rank_store: RankStore, analyzer: SharedAnalyzer,
                  recording: Callable[[], RecorderStatus | None],
-                 ingest: Callable[[], IngestStatus | None]) -> None:
+                 ingest: Callable[[], IngestStatus | None], owners: OwnerState) -> None:
         self._node = node
+        self._owners = owners
         self._recording = recording
         self._ingest = ingest
         self._rank_store = rank_store
@@ -57,7 +60,14 @@ class AgentCollector:
         uuids = {g.index: g.uuid for g in snap.gpus}
         resolved = {(a.run, a.rank): uuids[a.gpu] for a in analyses if a.gpu in uuids}
         ranks = self._rank_store.ranks()
-        yield from self._step_families.steps(ranks, records, dropped, snap.processes, resolved)
+        ownership = self._owners.get()
+        yield from self._step_families.steps(ranks, records, dropped, snap.processes, resolved,
+                                             ownership)
+        live = {r.kernel_pid: (r.run, r.rank) for r in ranks
+                if r.kernel_pid is not None and r.exited_monotonic is None}
+        yield from owner_families(ownership, snap.gpus, {
+            index: sample.process_memory_bytes or {} for index, sample in snap.latest.items()},
+            live)
         yield from self._step_families.analyses(analyses)
         yield from self._memory_families.families(ranks, analyses)
         yield from rank_state_families(rank_conditions(ranks, time.monotonic()))

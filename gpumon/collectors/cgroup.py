@@ -25,7 +25,8 @@ import re
 from dataclasses import dataclass
 
 _UID = r"[0-9a-f]{8}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{4}[-_][0-9a-f]{12}"
-_POD_SLICE = re.compile(rf"^(?:kubelet-)?kubepods(?:-(?:burstable|besteffort|guaranteed))?-pod({_UID})\.slice$")
+_POD_SLICE = re.compile(
+    rf"^(?:kubelet-)?kubepods(?:-(?:burstable|besteffort|guaranteed))?-pod({_UID})\.slice$")
 _POD_DIR = re.compile(rf"^pod({_UID})$")
 _CONTAINER_ID = r"[0-9a-f]{64}"
 _CONTAINER_SCOPE = re.compile(rf"^(?:cri-containerd|crio|docker)-({_CONTAINER_ID})\.scope$")

@@ -108,3 +108,4 @@ class Owner:
         """Label values in ``OWNER_LABELS`` order."""
         return [self.node, self.pod, self.namespace, self.container, self.slurm_job,
                 self.slurm_step, self.user]
+

@@ -18,8 +18,9 @@ from prometheus_client.core import Metric
 from gpumon.analysis.bottleneck import Bottleneck, Flag
 from gpumon.analysis.straggler import StragglerCause
 from gpumon.analysis.stream import RankAnalysis, RankKey
-from gpumon.collectors.samples import ProcessSample
+from gpumon.collectors.samples import OWNER_LABELS, Owner, ProcessSample
 from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily, RenderCache
+from gpumon.state.owners import Ownership
 from gpumon.state.ranks import DURATION_BUCKETS_S, RankTotals
 
 RANK_LABELS = ["run", "rank"]
@@ -30,8 +31,9 @@ _BOTTLENECKS = tuple((b, b.value) for b in Bottleneck)
 _FLAGS = tuple((f, f.value) for f in Flag)
 _CAUSES = tuple((c, c.value) for c in StragglerCause)
 
-RankSource = tuple[RankTotals, ProcessSample | None, str]
-"""A rank's state, its process's sample, and the device it runs on (``gpumon_rank_info{gpu}``)."""
+RankSource = tuple[RankTotals, ProcessSample | None, str, Owner]
+"""A rank's state, its process's sample, the device it runs on (``gpumon_rank_info{gpu}``) and
+whose it is (the owner labels of ``gpumon_rank_info``)."""
 
 
 class StepFamilies:
@@ -46,22 +48,27 @@ class StepFamilies:
 
     def steps(self, ranks: list[RankTotals], records_total: dict[str, int],
               dropped_total: dict[str, int], processes: dict[int, ProcessSample],
-              resolved_uuids: dict[RankKey, str]) -> Iterator[Metric]:
+              resolved_uuids: dict[RankKey, str],
+              ownership: Ownership | None = None) -> Iterator[Metric]:
         """Step, phase, memory and process families per (run, rank), and ingest counters.
 
         ``resolved_uuids`` holds the device UUID the agent attributed each rank to (by UUID,
         NVML process list or CUDA index); ``gpumon_rank_info{gpu}`` carries it, so ranks join
         GPU series on ``uuid`` even when their client reported only a CUDA index.
+        ``ownership`` says whose each rank's process is (by the pid the kernel gave).
         """
+        ownership = ownership or Ownership()
         runs: dict[str, list[RankSource]] = {}
         for state in sorted(ranks, key=lambda s: (s.run, s.rank)):
             process = processes.get(state.pid) if state.pid is not None else None
             gpu = resolved_uuids.get((state.run, state.rank), _text(state.gpu_hint))
-            runs.setdefault(state.run, []).append((state, process, gpu))
+            owner = ownership.of_pid(state.kernel_pid)
+            runs.setdefault(state.run, []).append((state, process, gpu, owner))
         # Versions are unique to a state, so they also say which ranks there are. A process
         # sample is a new object each host cycle; equal readings render the same (they are
         # non-negative: never -0.0 beside 0.0, nor NaN).
-        keyed = [(run, tuple((s.version, process, gpu) for s, process, gpu in sources), sources)
+        keyed = [(run, tuple((s.version, process, gpu, owner)
+                             for s, process, gpu, owner in sources), sources)
                  for run, sources in runs.items()]
         yield from self._steps.families(keyed)
         yield from self._comm.families(keyed)
@@ -114,7 +121,9 @@ def _step_families() -> _StepFamilySet:
         GaugeFamily(
             "gpumon_rank_info", "Identity of each reporting rank; gpu is the device UUID when "
             "the agent resolved it (join with gpumon_gpu_info on uuid), else what the client "
-            "reported.", labels=[*RANK_LABELS, "world", "local_rank", "pid", "gpu"]),
+            "reported; node, pod, namespace, container, slurm_job, slurm_step and user say "
+            "whose it is, as the agent verified them (empty where unknown).",
+            labels=[*RANK_LABELS, "world", "local_rank", "pid", "gpu", *OWNER_LABELS]),
         CounterFamily("gpumon_steps", "Training steps reported.", labels=RANK_LABELS),
         HistogramFamily("gpumon_step_duration_seconds", "Wall time of each step.",
                         labels=RANK_LABELS),
@@ -151,17 +160,17 @@ def _step_families() -> _StepFamilySet:
 
 
 def _add_steps(families: _StepFamilySet, ranks: list[RankSource]) -> None:
-    for state, process, gpu in ranks:
-        _add_rank_steps(families, state, process, gpu)
+    for state, process, gpu, owner in ranks:
+        _add_rank_steps(families, state, process, gpu, owner)
 
 
 def _add_rank_steps(families: _StepFamilySet, state: RankTotals, process: ProcessSample | None,
-                    gpu: str) -> None:
+                    gpu: str, owner: Owner) -> None:
     (info, steps, duration, phases, samples, tokens, flops, last,
      allocated, reserved, peak, retries, ooms, cpu, rss, framework) = families
     labels = [state.run, str(state.rank)]
     info.add_metric([*labels, _text(state.world), _text(state.local_rank),
-                     _text(state.pid), gpu], 1.0)
+                     _text(state.pid), gpu, *owner.labels()], 1.0)
     steps.add_metric(labels, float(state.steps_total))
     buckets, cumulative = [], 0
     for bound, count in zip(_BUCKET_BOUNDS, state.duration_bucket_counts, strict=True):
@@ -303,7 +312,7 @@ def _comm_families() -> _CommFamilySet:
 
 def _add_comm(families: _CommFamilySet, ranks: list[RankSource]) -> None:
     exposed, overlapped, operations, size, seconds, bus = families
-    for state, _, _ in ranks:
+    for state, _, _, _ in ranks:
         comm = state.comm
         if comm is None:
             continue

@@ -22,7 +22,6 @@ from google.protobuf.message import DecodeError
 
 from gpumon.collectors.podresources import api_pb2, api_pb2_grpc
 
-DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 GPU_RESOURCES = ("nvidia.com/gpu",)
 """Resource names whose device ids are GPU UUIDs (MIG and shared GPUs use others)."""
 

@@ -1,0 +1,75 @@
+"""Whose each rank and GPU is: the kernel's facts about a process joined with kubelet's names.
+
+Two collectors, each on its own thread (``scheduler.Periodic``):
+
+- ``kubelet`` asks the PodResources API which container each GPU is allocated to, bounded by a
+  timeout; an absent, slow or garbled socket is counted as that collector's error and empties
+  the allocations, touching nothing else.
+- ``owners`` reads, for every process the agent knows (the kernel-given pid of each rank, every
+  pid in NVML's process lists), its cgroup and uid from ``/proc``, and names its container from
+  kubelet's container links.
+
+What a process says about itself is never used: the pod and container come from its cgroup,
+their names from kubelet, the Slurm job and step from Slurm's cgroup, the user from the uid the
+kernel holds. Where a GPU's holder cannot be seen (the agent without the host's pids), the
+GPU's owner is the container kubelet allocated it to (``export.owner_metrics``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from gpumon.collectors.container_logs import CONTAINER_LOGS, ContainerName, container_names
+from gpumon.collectors.podresources import list_gpu_holders
+from gpumon.collectors.process_owner import PROC, ProcessFacts, read_process
+from gpumon.collectors.samples import Owner
+from gpumon.state.owners import OwnerState
+
+KUBELET_TIMEOUT_S = 2.0
+"""A List answers in milliseconds; longer means a kubelet in trouble, not one to wait on."""
+
+
+class OwnerCollector:
+    """Works out the owners of processes (/proc, kubelet's container links) and of GPUs
+    (PodResources) into an ``OwnerState``."""
+
+    def __init__(self, state: OwnerState, kubelet_socket: str,
+                 containers_dir: str = CONTAINER_LOGS, proc: Path = PROC,
+                 timeout_s: float = KUBELET_TIMEOUT_S) -> None:
+        self._state = state
+        self._socket = kubelet_socket
+        self._containers_dir = containers_dir
+        self._proc = proc
+        self._timeout_s = timeout_s
+
+    def poll_kubelet(self, now: float, monotonic: float) -> None:
+        """One PodResources ``List``; on failure the allocations are forgotten and the error
+        (a ``PodResourcesError`` with its ``kind``) goes to the scheduler to be counted."""
+        node = self._state.get().node
+        try:
+            holders = list_gpu_holders(self._socket, self._timeout_s)
+        except Exception:
+            self._state.put_allocations({})
+            raise
+        self._state.put_allocations({
+            uuid: Owner(node=node, pod=h.pod, namespace=h.namespace, container=h.container)
+            for uuid, h in holders.items()})
+
+    def collect(self, pids: Iterable[int]) -> None:
+        """Attribute every process in ``pids`` that is still there."""
+        node = self._state.get().node
+        facts = {pid: read_process(pid, self._proc) for pid in set(pids)}
+        names = container_names(self._containers_dir) if any(
+            f is not None and f.place.container_id for f in facts.values()) else {}
+        self._state.put_processes({pid: attribute(node, f, names)
+                                   for pid, f in facts.items() if f is not None})
+
+
+def attribute(node: str, facts: ProcessFacts, names: Mapping[str, ContainerName]) -> Owner:
+    """A process's owner from its facts and the names of the node's containers."""
+    place = facts.place
+    name = names.get(place.container_id) if place.container_id else None
+    return Owner(node=node, pod=name.pod if name else "", namespace=name.namespace if name else "",
+                 container=name.container if name else "", slurm_job=place.slurm_job,
+                 slurm_step=place.slurm_step, user=facts.user)
