@@ -14,7 +14,9 @@ def test_defaults() -> None:
     assert cfg.port == DEFAULT_PORT == 9403
     assert cfg.socket == "/run/gpumon/ingest.sock"
     assert cfg.interval == 1.0
-    assert cfg.collectors == ("nvml", "host", "ingest")
+    assert cfg.collectors == ("nvml", "host", "ingest", "owners")
+    assert cfg.node_name == ""  # the host name
+    assert cfg.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
 
 
 def test_layers_flags_beat_env_beat_file(tmp_path: Path) -> None:

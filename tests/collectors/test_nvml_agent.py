@@ -44,8 +44,10 @@ VARIABLE_VALUES = re.compile(
     r"|gpumon_host_\w+|gpumon_agent_process_\w+)(\{.*\})? .*$")
 """Series whose values are this host's or this moment's, not the scenario's: their presence
 and labels are compared, their values not."""
-VARIABLE_LABELS = re.compile(r'\b(path|group|version)="[^"]*"')
-"""Labels naming this run's socket file, the user's group and the package's version."""
+VARIABLE_LABELS = re.compile(
+    r'\b(path|group|version|node|pod|namespace|container|slurm_job|slurm_step|user)="[^"]*"')
+"""Labels naming this run's socket file, the user's group, the package's version, and whose a
+process is on this host (a scenario's pid may be a live process here)."""
 
 CLOCK_BITS = {"gpu_idle": 0x1, "sw_power_cap": 0x4, "hw_slowdown": 0x8,
               "sw_thermal_slowdown": 0x20, "hw_thermal_slowdown": 0x40}
