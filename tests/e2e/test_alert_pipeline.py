@@ -22,6 +22,7 @@ The rules are the shipped ones with every duration divided by ``TIME_SCALE`` (se
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
@@ -37,6 +38,7 @@ import yaml
 
 from gpumon.agent.config import AgentConfig
 from gpumon.agent.lifecycle import Agent
+from gpumon.collectors.process_owner import user_name
 from gpumon.sim.gpus import SimulatedSource
 from gpumon.sim.job import SimulatedJob
 from gpumon.sim.schedule import PhaseKind, parse_schedule
@@ -277,7 +279,8 @@ class DemoNode:
               world: int = 2, ranks: int = 2) -> DemoNode:
         source = SimulatedSource(2)
         agent = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=2, interval=INTERVAL_S,
-                                  socket=str(tmp_path / f"{name}.sock")), gpu_source=source)
+                                  socket=str(tmp_path / f"{name}.sock"), node_name=f"{name}-node"),
+                      gpu_source=source)
         job = SimulatedJob(source, parse_schedule(schedule, name), ranks=ranks,
                            socket_path=agent.config.socket, run=run, loop=False,
                            rank_offset=rank_offset, world=world)
@@ -463,3 +466,12 @@ def test_a_straggler_on_one_of_three_nodes_fires_for_that_rank_only(fleet: Fleet
         _check_labels_and_annotations(fleet, alert, slow_node)
     assert scores[str(STRAGGLER_RANK)] < 0.75 < min(s for r, s in scores.items()
                                                     if r != str(STRAGGLER_RANK))
+
+
+@pytest.mark.slow
+def test_the_notification_says_whose_rank_it_is(fleet: Fleet) -> None:
+    """The straggler's notification names its node (the agent's node name) and its user (the
+    uid of the process that sent its steps, this test's own, as the kernel gave it)."""
+    found = fleet.wait_firing("GpumonRankStraggler", lambda alerts: bool(_ranks(alerts, "straggler")))
+    description = " ".join(found[0][1]["annotations"]["description"].split())
+    assert f"Whose: node straggler-c-node, user {user_name(os.getuid())}." in description, description
