@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import socket
 import time
 from collections.abc import Iterator
@@ -129,9 +130,7 @@ class Agent:
         if self.config.enabled("owners"):
             self._threads.append(Periodic("owners", OWNERS_INTERVAL_S, self._collect_owners,
                                           self.state))
-            if Path(self.config.pod_resources_socket).parent.is_dir():  # a kubelet's node
-                self._threads.append(Periodic("kubelet", OWNERS_INTERVAL_S,
-                                              self._owner_collector.poll_kubelet, self.state))
+            self._start_kubelet()
         self._threads.append(Periodic("housekeeping", HOUSEKEEPING_INTERVAL_S,
                                       self._housekeeping, self.state))
         for thread in self._threads:
@@ -160,6 +159,19 @@ class Agent:
             return
         self._ingest.start()
         log.info("receiving training steps on %s", self.config.socket)
+
+    def _start_kubelet(self) -> None:
+        """Ask the kubelet's PodResources API on a node that runs one and lets the agent in."""
+        path = Path(self.config.pod_resources_socket)
+        if not path.parent.is_dir():
+            return  # no kubelet here (a Slurm node, a workstation)
+        if path.exists() and not os.access(path, os.W_OK):
+            log.warning("the kubelet's PodResources socket %s admits only its owner, not uid %d:"
+                        " GPUs are attributed from their processes' cgroups alone", path,
+                        os.getuid())
+            return
+        self._threads.append(Periodic("kubelet", OWNERS_INTERVAL_S,
+                                      self._owner_collector.poll_kubelet, self.state))
 
     def reload(self, config: AgentConfig) -> list[str]:
         """Apply what can change while running (SIGHUP); returns one line per setting.

@@ -117,7 +117,8 @@ def test_daemonset() -> None:
     labels = template["metadata"]["labels"]
     assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
     pod = template["spec"]
-    assert pod.get("hostPID", False) is False
+    # The host's pids: each sender's process, its exit and its cgroup (docs/security.md).
+    assert pod["hostPID"] is True
     assert pod["runtimeClassName"] == "nvidia"
     assert pod["securityContext"]["runAsNonRoot"] is True
     for container in [*pod.get("initContainers", []), *pod["containers"]]:
@@ -138,6 +139,13 @@ def test_daemonset() -> None:
     mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
     (socket_volume,) = [name for name, path in mounts.items() if path == SOCKET_DIR]
     assert volumes[socket_volume]["hostPath"]["path"] == SOCKET_DIR
+    # kubelet's names, read-only: the PodResources socket and the container links.
+    read_only = {m["mountPath"]: m["name"] for m in agent["volumeMounts"] if m.get("readOnly")}
+    for path in ("/var/lib/kubelet/pod-resources", "/var/log/containers"):
+        assert volumes[read_only[path]]["hostPath"]["path"] == path
+    assert env["GPUMON_POD_RESOURCES_SOCKET"] == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    (node_name,) = [e for e in agent["env"] if e["name"] == "GPUMON_NODE_NAME"]
+    assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
 
 
 def test_service_selects_the_daemonset() -> None:
