@@ -201,6 +201,20 @@ def dashboard(uid: str, title: str, description: str, variables: list[dict[str, 
 
 RUN = 'run=~"$run",rank=~"$rank"'
 RUN_ONLY = 'run=~"$run"'
+OWNERS = 'namespace=~"$namespace",pod=~"$pod",slurm_job=~"$slurm_job"'
+
+
+def _owner_variables() -> list[dict[str, Any]]:
+    """Namespace, pod and Slurm job, from gpumon_rank_info: they narrow the runs offered. All is
+    ``.*``, which also matches the empty value of a rank outside Kubernetes or Slurm."""
+    return [
+        query_variable("namespace", "Namespace", "label_values(gpumon_rank_info, namespace)",
+                       multi=True),
+        query_variable("pod", "Pod", 'label_values(gpumon_rank_info{namespace=~"$namespace"}, pod)',
+                       multi=True),
+        query_variable("slurm_job", "Slurm job", "label_values(gpumon_rank_info, slurm_job)",
+                       multi=True),
+    ]
 
 
 def _share(phase: str) -> str:
@@ -298,6 +312,9 @@ def training() -> dict[str, Any]:
              Target(f"max(gpumon_oom_risk_ratio{{{RUN}}})"), unit="percentunit", max=1,
              thresholds=[(None, "green"), (0.5, "orange"), (0.8, "red")]),
         *_rank_state_panels(),
+        table("Whose ranks", "Each rank's node, pod and namespace or Slurm job and step, user and "
+              "pid, as the agent verified them (its process's cgroup and uid, kubelet's names).",
+              Target(f"gpumon_rank_info{{{RUN}}}"), width=24),
         row("Speed"),
         timeseries("Step time p50 / p95", "Quantiles of the step-duration histogram over the "
                    "selected ranks.",
@@ -391,7 +408,8 @@ def training() -> dict[str, Any]:
         "gpumon-training", "gpumon / Training run",
         "One training run as gpumon sees it: step time, throughput, MFU, per-step verdicts, "
         "where the time goes, memory and OOM prediction.",
-        [query_variable("run", "Run", "label_values(gpumon_steps_total, run)"),
+        [*_owner_variables(),
+         query_variable("run", "Run", f"label_values(gpumon_rank_info{{{OWNERS}}}, run)"),
          query_variable("rank", "Rank", 'label_values(gpumon_steps_total{run=~"$run"}, rank)',
                         multi=True)],
         panels)
@@ -486,6 +504,10 @@ def node() -> dict[str, Any]:
                    unit="bytes"),
         table("GPU memory by process", "Device memory held by each compute process.",
               Target(f"gpumon_gpu_process_memory_bytes{{{GPUS}}}"), unit="bytes"),
+        table("Whose GPUs", "Each GPU's holders: the process (or the container the kubelet "
+              "allocated the GPU to), its pod, namespace or Slurm job, user, and the run and rank "
+              "it reports, as the agent verified them.",
+              Target(f"gpumon_gpu_owner_info{{{GPUS}}}")),
         row("Interconnect"),
         timeseries("NVLink throughput", "Bytes per second over all NVLink links, per GPU.",
                    Target(f"rate(gpumon_gpu_nvlink_transmit_bytes_total{{{GPUS}}}[{RATE}])",
