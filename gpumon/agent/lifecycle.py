@@ -293,4 +293,4 @@ class Agent:
     def snapshot(self) -> dict[str, Any]:
         """The current state as JSON-ready data (for /api/v1/snapshot and `gpumon top`)."""
         return snapshot_document(self.state.snapshot(time.time()), self.rank_store.ranks(),
-                                 self.analyzer.analyses())
+                                 self.analyzer.analyses(), self.owners.get())

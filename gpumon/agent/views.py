@@ -28,7 +28,7 @@ from gpumon.export.owner_metrics import owner_families
 from gpumon.export.rank_state_metrics import rank_state_families
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.state.node import NodeSnapshot, NodeState
-from gpumon.state.owners import OwnerState
+from gpumon.state.owners import Ownership, OwnerState
 from gpumon.state.rank_states import rank_conditions
 from gpumon.state.ranks import RankStore, RankTotals
 from gpumon.state.recording import RecorderStatus
@@ -109,8 +109,10 @@ def readiness(snap: NodeSnapshot, ingest_problem: str | None, now_monotonic: flo
 
 
 def snapshot_document(snap: NodeSnapshot, ranks: list[RankTotals],
-                      analyses: list[RankAnalysis]) -> dict[str, Any]:
-    """The node, its GPUs and its ranks as JSON-ready data."""
+                      analyses: list[RankAnalysis],
+                      ownership: Ownership | None = None) -> dict[str, Any]:
+    """The node, its GPUs and its ranks (with whose each is) as JSON-ready data."""
+    ownership = ownership or Ownership()
     by_rank = {(a.run, a.rank): a for a in analyses}
     conditions = rank_conditions(ranks, time.monotonic())
     gpus = []
@@ -137,7 +139,8 @@ def snapshot_document(snap: NodeSnapshot, ranks: list[RankTotals],
             "memory_total_bytes": host.memory_total_bytes},
         "xid_errors": [{"gpu": g, "xid": x, "count": c}
                        for (g, x), c in sorted(snap.xid_counts.items())],
-        "ranks": [_rank_dict(r, by_rank.get((r.run, r.rank)), conditions.get((r.run, r.rank)))
+        "ranks": [{**_rank_dict(r, by_rank.get((r.run, r.rank)), conditions.get((r.run, r.rank))),
+                   "owner": asdict(ownership.of_pid(r.kernel_pid))}
                   for r in sorted(ranks, key=lambda r: (r.run, r.rank))],
     }
 

@@ -1,6 +1,6 @@
 """``gpumon stacks``: where every rank of a run is, from a running agent's snapshot.
 
-For each rank: its state, the open phase, the collective in flight (kind, number, bytes, for
+For each rank: whose it is (pod or Slurm job, user, node), its state, the open phase, the collective in flight (kind, number, bytes, for
 how long, and on a GPU whether only its kernels are left), whom it waits on, and its training
 thread's stack, the job's own frames first (innermost first), then the rest. ``render``
 is pure (tests call it on a snapshot); ``--json`` prints the same as one JSON document.
@@ -13,7 +13,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from gpumon.commands.top import fetch_snapshot
+from gpumon.commands.top import fetch_snapshot, owner_text
 
 STACKS_VERSION = 1
 
@@ -27,7 +27,7 @@ def stacks_document(snapshot: Mapping[str, Any], run: str | None = None) -> dict
         condition = rank.get("condition") or {"state": "stepping"}
         runs.setdefault(str(rank.get("run")), []).append(
             {"rank": rank.get("rank"), "pid": rank.get("pid"), "steps_total": rank.get("steps_total"),
-             **condition})
+             "owner": rank.get("owner"), **condition})
     for ranks in runs.values():
         ranks.sort(key=lambda r: r.get("rank") or 0)
     return {"version": STACKS_VERSION, "t": snapshot.get("t"), "runs": runs}
@@ -53,7 +53,9 @@ def render(document: Mapping[str, Any], now_unix_s: float | None = None) -> str:
 
 def _rank_lines(rank: Mapping[str, Any], now: float) -> list[str]:
     state = rank.get("state")
-    head = f"  rank {rank.get('rank')} (pid {rank.get('pid') or '?'}): {state}"
+    whose = owner_text(rank.get("owner"))
+    head = (f"  rank {rank.get('rank')} (pid {rank.get('pid') or '?'}"
+            f"{', ' + whose if whose else ''}): {state}")
     if state != "stalled":
         return [head + f", {rank.get('steps_total', 0)} steps"]
     stalled = rank.get("stalled_seconds")

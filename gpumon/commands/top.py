@@ -60,6 +60,9 @@ def render(snapshot: Mapping[str, Any], title: str | None = None,
         stalled = _stalled_places(ranks)
         if stalled is not None:
             parts.append(stalled)
+        owners = _owners(ranks)
+        if owners is not None:
+            parts.append(owners)
         shown = select_rank(ranks, rank)
         if shown is not None:
             parts.append(memory_table(shown, _capacity(gpus, shown)))
@@ -147,6 +150,38 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
 
 
 _STATE_STYLES = {"stepping": "green", "stalled": "bold red", "exited": "magenta"}
+
+
+def owner_text(owner: Mapping[str, Any] | None) -> str:
+    """Whose a rank is, in words: its pod or Slurm job, user and node (what is known)."""
+    owner = owner or {}
+    parts = []
+    if owner.get("pod"):
+        container = f" ({owner['container']})" if owner.get("container") else ""
+        parts.append(f"pod {owner.get('namespace')}/{owner['pod']}{container}")
+    if owner.get("slurm_job"):
+        step = f".{owner['slurm_step']}" if owner.get("slurm_step") else ""
+        parts.append(f"Slurm job {owner['slurm_job']}{step}")
+    if owner.get("user"):
+        parts.append(f"user {owner['user']}")
+    if owner.get("node"):
+        parts.append(f"node {owner['node']}")
+    return ", ".join(parts)
+
+
+def _owners(ranks: list[Mapping[str, Any]]) -> Text | None:
+    """One line per run and owner: which ranks are whose."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for rank in ranks:
+        text = owner_text(rank.get("owner"))
+        if text:
+            groups.setdefault((str(rank.get("run")), text), []).append(str(rank.get("rank")))
+    if not groups:
+        return None
+    out = Text("Whose:\n", style="bold")
+    out.append("\n".join(f"{run} rank{'s' if len(r) > 1 else ''} {', '.join(r)}: {text}"
+                         for (run, text), r in groups.items()))
+    return out
 
 
 def _stalled_places(ranks: list[Mapping[str, Any]]) -> Text | None:

@@ -290,3 +290,43 @@ def test_top_refuses_a_url_that_is_not_an_agent_address() -> None:
                             capture_output=True, text=True, env=agent_env(), cwd=ROOT, timeout=30)
     assert result.returncode == 2
     assert "gpumon: error: --url 'node:9403': expected the agent's address" in result.stderr
+
+
+def test_render_says_whose_each_rank_is() -> None:
+    pod = {"node": "gpu-node-1", "pod": "llm-0", "namespace": "research", "container": "trainer",
+           "slurm_job": "", "slurm_step": "", "user": "alice"}
+    slurm = {"node": "hpc-17", "pod": "", "namespace": "", "container": "", "slurm_job": "7731",
+             "slurm_step": "0", "user": "bob"}
+    ranks = [{"run": "llm", "rank": 0, "steps_total": 5, "owner": pod},
+             {"run": "llm", "rank": 1, "steps_total": 5, "owner": pod},
+             {"run": "sim", "rank": 0, "steps_total": 5, "owner": slurm},
+             {"run": "bare", "rank": 0, "steps_total": 5, "owner": {"node": "", "user": ""}}]
+    text = text_of(render({**SNAPSHOT, "ranks": ranks}))
+    assert ("llm ranks 0, 1: pod research/llm-0 (trainer), user alice, node gpu-node-1"
+            in text), text
+    assert "sim rank 0: Slurm job 7731.0, user bob, node hpc-17" in text
+    assert "bare rank" not in text  # nothing known: no line
+
+
+def test_stacks_name_each_ranks_owner() -> None:
+    from gpumon.commands.stacks import render as render_stacks
+    from gpumon.commands.stacks import stacks_document
+
+    owner = {"node": "hpc-17", "slurm_job": "7731", "slurm_step": "0", "user": "bob"}
+    snapshot = {"t": 1.0, "ranks": [{"run": "sim", "rank": 2, "pid": 981, "steps_total": 9,
+                                     "owner": owner}]}
+    text = render_stacks(stacks_document(snapshot))
+    assert "rank 2 (pid 981, Slurm job 7731.0, user bob, node hpc-17): stepping, 9 steps" in text
+
+
+def test_the_live_snapshot_carries_the_agents_node_and_the_senders_user(
+        live_agent: Agent) -> None:
+    """The simulated job sends from this process: the kernel gives the agent its pid and uid."""
+    from gpumon.collectors.process_owner import user_name
+
+    def owners() -> list[Any]:
+        return [r["owner"] for r in live_agent.snapshot()["ranks"] if r["owner"]["user"]]
+
+    (owner, *_) = wait_for(owners, timeout=15, what="an attributed rank")
+    assert owner["user"] == user_name(os.getuid())
+    assert owner["node"] == live_agent.owners.get().node
