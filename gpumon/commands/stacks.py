@@ -2,8 +2,9 @@
 
 For each rank: whose it is (pod or Slurm job, user, node), its state, the open phase, the
 collective in flight (kind, number, bytes, for how long, and on a GPU whether only its kernels
-are left), whom it waits on, and its training thread's stack, the job's own frames first (innermost first), then the rest. ``render``
-is pure (tests call it on a snapshot); ``--json`` prints the same as one JSON document.
+are left), whom it waits on, and its training thread's stack, the job's own frames first
+(innermost first), then the rest. ``render`` is pure (tests call it on a snapshot); ``--json``
+prints the same as one JSON document.
 """
 
 from __future__ import annotations
