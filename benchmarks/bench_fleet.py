@@ -7,7 +7,8 @@ evaluation grows with the ranks of one run.
 
 1. **One node**: an agent on 8 simulated GPUs with 8 ranks of one run reporting to it (the
    comm field and the memory breakdown on): series and bytes of one scrape, samples per
-   second at a 15 s scrape.
+   second at a 15 s scrape, and of them the owner series (``gpumon_rank_info``, one a rank,
+   and ``gpumon_gpu_owner_info``, one a GPU holder: none here, simulated GPUs list no process).
 2. **Load run**: ``--nodes`` agents (``gpumon agent --simulate 8``, polling every
    ``--interval`` s), one simulated run over all of them (gpumon.sim.fleet, 8 ranks a node, one
    straggler), two shards (a Prometheus server with the node-level alerts, a vmagent)
@@ -118,8 +119,12 @@ def one_node(tmp: Path) -> dict[str, Any]:
     per_rank = sum('rank="' in line for line in lines)
     comm = sum(n.startswith("gpumon_comm_") for n in names)
     memory = sum(n.startswith(("gpumon_oom_", "gpumon_torch_", "gpumon_memory_")) for n in names)
-    gpu = sum('gpu="' in line and 'rank="' not in line for line in lines)
+    holders = names.count("gpumon_gpu_owner_info")  # carries run and rank labels, often empty
+    per_rank -= holders
+    gpu = sum('gpu="' in line and 'rank="' not in line for line in lines) + holders
+    owners = names.count("gpumon_rank_info") + holders
     result = {"series": len(lines), "rank_series": per_rank, "gpu_series": gpu,
+              "owner_series": owners, "gpu_owner_series": holders,
               "comm_series": comm, "memory_series": memory,
               "other_series": len(lines) - per_rank - gpu,
               "scrape_bytes": len(body.encode()), "scrape_gzip_bytes": len(gzip.compress(body.encode())),
@@ -129,6 +134,7 @@ def one_node(tmp: Path) -> dict[str, Any]:
         ["  of which per-rank (run, rank labels)", f"{per_rank} ({per_rank / RANKS:.0f} a rank)"],
         ["  of which per-GPU", f"{gpu} ({gpu / GPUS:.0f} a GPU)"],
         ["  communication / memory breakdown", f"{comm} / {memory}"],
+        ["  whose (gpumon_rank_info + gpumon_gpu_owner_info)", f"{owners - holders} + {holders}"],
         ["scrape body", f"{result['scrape_bytes'] / 1024:.1f} KiB "
                         f"({result['scrape_gzip_bytes'] / 1024:.1f} KiB gzipped)"],
         ["samples/s at a 15 s scrape", f"{result['samples_per_s_at_15s']:.1f}"],
