@@ -11,6 +11,7 @@ back everything worth knowing from that run, in a few files under ``--out``:
     metrics_mid_training.txt   /metrics while the CUDA training loop runs (GPU gauges busy)
     metrics_after_training.txt /metrics once the agent has analysed the steps
     metrics_oom.txt            /metrics at the highest OOM risk of the memory-pressure test
+    metrics_owners.txt         /metrics once the agent has worked out whose the training process is
     recording.jsonl.gz         the agent's ``--record`` of every step and GPU sample
     agent.log                  the agent's log
     (and what the memory-breakdown section writes, where it exists)
@@ -26,6 +27,8 @@ before ``--budget-s``):
 3. agent + training (``agent``, ``hook``): ``gpumon agent`` on a free port with its socket in
    a temp dir, a bf16 transformer trained on the GPU through ``StepMonitor``, /metrics while
    it runs and after: steps, verdicts, CUDA-event phase times, torch memory, the rank's GPU.
+   Then (``owners``) whose that process is: ``gpumon_rank_info``'s node and user for its rank,
+   ``gpumon_gpu_owner_info`` for the GPU it holds, and its own cgroup as the parser reads it.
 4. overhead (``hook``): blocks with and without the hook, alternating, for the GPU-bound
    transformer and a launch-bound small MLP.
 5. oom (``oom``): memory held up to ~85 % of the device with steps running, then freed (the
@@ -71,7 +74,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gpu_checks import agent as agent_checks  # noqa: E402
-from gpu_checks import ddp, hook, nvml, oom, stall  # noqa: E402
+from gpu_checks import ddp, hook, nvml, oom, owners, stall  # noqa: E402
 from gpu_checks import deepspeed as deepspeed_check  # noqa: E402
 from gpu_checks import run as run_check  # noqa: E402
 from gpu_checks.environment import section_environment  # noqa: E402
@@ -178,6 +181,8 @@ def main() -> int:
         if agent is not None and agent.process.poll() is None:
             report.run("training", training, need_s=50)
             report.run("endpoints", lambda r: agent_checks.section_endpoints(report, r, agent))
+            report.run("owners", lambda r: owners.section_owners(report, r, agent, st["device"]),
+                       need_s=20)
             report.run("overhead", overhead, need_s=45)
             report.run("oom", oom_pressure, need_s=35)
             report.run("oom_event", lambda r: oom.section_oom_event(report, r, st["torch"], agent),

@@ -153,11 +153,21 @@ class Report:
             self.write()
         return value
 
+    def document(self) -> dict[str, Any]:
+        """The report as plain JSON data."""
+        with self.lock:
+            return {key: ({name: jsonable(item, 1) for name, item in value.items()}
+                          if key in ("sections", "checks") else jsonable(value, 1))
+                    for key, value in self.data.items()}
+
     def write(self) -> None:
         with self.lock:
             self.data["elapsed_s"] = round(now() - self.t0, 2)
             tmp = self.out / ".summary.json.tmp"
-            tmp.write_text(json.dumps(jsonable(self.data), indent=1, default=str))
+            # The report's own sections and checks are written whole: jsonable bounds a dict to
+            # 64 items, which is for what NVML and the agent hand back, not for this table.
+            doc = self.document()
+            tmp.write_text(json.dumps(doc, indent=1, default=str))
             os.replace(tmp, self.out / "summary.json")
 
     def start_watchdog(self) -> None:
@@ -182,7 +192,7 @@ class Report:
 
     def write_markdown(self) -> None:
         """summary.md: the run, sections and checks, then each section's own part."""
-        d = jsonable(self.data)
+        d = self.document()
         lines = ["# gpumon GPU node check", ""]
         env = d["sections"].get("environment", {})
         smi = env.get("nvidia_smi")

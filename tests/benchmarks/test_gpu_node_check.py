@@ -32,7 +32,7 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
     sections = summary["sections"]
     errors = {name: s.get("error") for name, s in sections.items() if s.get("status") == "error"}
     assert not errors, errors
-    for name in ("environment", "nvml", "agent_start", "training", "endpoints", "overhead",
+    for name in ("environment", "nvml", "agent_start", "training", "endpoints", "owners", "overhead",
                  "oom", "oom_event", "stall", "deepspeed", "run", "replay", "agent_stop"):
         assert sections[name]["status"] == "ok", (name, sections[name])
     # Sections that depend on parts still to come say so instead of failing.
@@ -49,10 +49,12 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
                  "deepspeed.one_step_per_optimizer_step", "deepspeed.phases_from_the_engine",
                  "deepspeed.samples_summed_over_micro_batches",
                  "deepspeed.optimizer_states_hold_the_master_copy", "deepspeed.framework_exported",
-                 "run.one_step_per_optimizer_step", "run.hooks_are_the_cores_own"):
+                 "run.one_step_per_optimizer_step", "run.hooks_are_the_cores_own",
+                 "owners.rank_names_node_and_user"):
         assert checks[name]["ok"] is True, (name, checks[name])
     brought_back = {p.name for p in out.iterdir()}
     assert {"summary.json", "summary.md", "agent.log", "recording.jsonl.gz",
-            "metrics_after_training.txt", "metrics_oom.txt"} <= brought_back, brought_back
+            "metrics_after_training.txt", "metrics_oom.txt", "metrics_owners.txt"} <= brought_back, (
+        brought_back)
     markdown = (out / "summary.md").read_text()
     assert "## Raw NVML calls, GPU 0" in markdown and "## OOM-risk series" in markdown
