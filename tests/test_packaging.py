@@ -29,6 +29,8 @@ IMPORT_DISTRIBUTIONS = {
     "pynvml": "nvidia-ml-py",
     "yaml": "pyyaml",
     "prometheus_client": "prometheus-client",
+    "grpc": "grpcio",
+    "google": "protobuf",
 }
 """Modules whose distribution has another name; any other module is looked for under its own."""
 
