@@ -21,7 +21,6 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from gpumon.collectors.container_logs import CONTAINER_LOGS, ContainerName, container_names
-from gpumon.collectors.podresources import list_gpu_holders
 from gpumon.collectors.process_owner import PROC, ProcessFacts, read_process
 from gpumon.collectors.samples import Owner
 from gpumon.state.owners import OwnerState
@@ -46,6 +45,9 @@ class OwnerCollector:
     def poll_kubelet(self, now: float, monotonic: float) -> None:
         """One PodResources ``List``; on failure the allocations are forgotten and the error
         (a ``PodResourcesError`` with its ``kind``) goes to the scheduler to be counted."""
+        # gRPC is loaded here, on a node with a kubelet, never by an agent that has none.
+        from gpumon.collectors.podresources import list_gpu_holders
+
         node = self._state.get().node
         try:
             holders = list_gpu_holders(self._socket, self._timeout_s)
