@@ -19,7 +19,7 @@ from gpumon.export.webconfig import WebConfig, load_web_config
 from gpumon.state.ranks import RankStore
 
 RESTART_ONLY = ("address", "port", "socket", "socket_group", "interval", "collectors", "simulate",
-                "record")
+                "record", "node_name", "pod_resources_socket")
 
 
 def apply_reload(running: AgentConfig, new: AgentConfig, *, server: MetricsServer | None,
