@@ -1,12 +1,14 @@
 """Whose each rank and GPU is, end to end: an agent on the fake 8xH100 node (the unmodified
 nvidia-ml-py over the fake library), a real gRPC server speaking the kubelet's PodResources proto
-on a Unix socket, and a rank sending from this test's own process, whose /proc is real."""
+on a Unix socket (then gone, then too slow), and a rank sending from this test's own process,
+whose /proc is real."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -26,14 +28,24 @@ NODE = "gpu-node-7"
 class Kubelet(api_pb2_grpc.PodResourcesListerServicer):
     """A kubelet that allocated GPU 0 of the scenario to ml/train-0's trainer container."""
 
-    def __init__(self, uuid: str) -> None:
+    def __init__(self, uuid: str, delay_s: float = 0.0) -> None:
         self.uuid = uuid
+        self.delay_s = delay_s
 
     def List(self, request, context):  # noqa: N802 - the proto's name
+        time.sleep(self.delay_s)
         gpu = api_pb2.ContainerDevices(resource_name="nvidia.com/gpu", device_ids=[self.uuid])
         return api_pb2.ListPodResourcesResponse(pod_resources=[api_pb2.PodResources(
             name="train-0", namespace="ml",
             containers=[api_pb2.ContainerResources(name="trainer", devices=[gpu])])])
+
+
+def _serve(path: Path, kubelet: Kubelet) -> grpc.Server:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    api_pb2_grpc.add_PodResourcesListerServicer_to_server(kubelet, server)
+    server.add_insecure_port(f"unix://{path}")
+    server.start()
+    return server
 
 
 def _step(run: str) -> bytes:
@@ -46,10 +58,7 @@ def test_ranks_and_gpus_carry_their_owners(tmp_path: Path, fake_nvml_lib: Path) 
     uuid0 = scenario.gpu(0)["uuid"]
     kubelet_socket = tmp_path / "pod-resources" / "kubelet.sock"
     kubelet_socket.parent.mkdir()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    api_pb2_grpc.add_PodResourcesListerServicer_to_server(Kubelet(uuid0), server)
-    server.add_insecure_port(f"unix://{kubelet_socket}")
-    server.start()
+    server = _serve(kubelet_socket, Kubelet(uuid0))
     env = agent_env(fake_nvml_lib.parent, SCENARIOS / "h100_8x.scn",
                     {"GPUMON_NODE_NAME": NODE, "GPUMON_POD_RESOURCES_SOCKET": str(kubelet_socket)})
     agent = start_agent(tmp_path, "--interval", "0.25", env=env)
@@ -73,6 +82,14 @@ def test_ranks_and_gpus_carry_their_owners(tmp_path: Path, fake_nvml_lib: Path) 
                  timeout=15, what="the absent kubelet counted")
         metrics = agent.metrics()
         assert not values(metrics, "gpumon_gpu_owner_info", pod="train-0")
+        assert len(values(metrics, "gpumon_gpu_up")) == 8
+        assert values(metrics, "gpumon_rank_info", run="owned", node=NODE)
+        # A kubelet that answers too slowly: cut off by the timeout and counted, the rest goes on.
+        server = _serve(kubelet_socket, Kubelet(uuid0, delay_s=10.0))
+        wait_for(lambda: values(agent.metrics(), "gpumon_collector_errors_total",
+                                collector="kubelet", error="timeout"),
+                 timeout=20, what="the slow kubelet counted")
+        metrics = agent.metrics()
         assert len(values(metrics, "gpumon_gpu_up")) == 8
         assert values(metrics, "gpumon_rank_info", run="owned", node=NODE)
     finally:
