@@ -1,7 +1,7 @@
 """The one compiled part: the hook's hot path in C (``gpumon.client._hook``).
 
 Optional: where it does not build (no compiler, not Linux) gpumon installs without it and the
-hook runs its pure-Python twin, ``gpumon.client._core``.
+hook runs its pure-Python twin, ``gpumon.client.core._core``.
 """
 
 from setuptools import Extension, setup

@@ -54,12 +54,14 @@ LAYERS: dict[str, Allowed] = {
     "gpumon": allow(),
     "wire": allow(),
     "client": allow("gpumon wire", lazy="torch"),
+    "client.core": allow("gpumon wire", lazy="torch"),
+    "client.watchers": allow("gpumon wire", lazy="torch"),
     # The memory watcher imports torch as it loads: the rest of the client imports it only
     # inside watch(), once the model shows torch is there.
-    "client.memory": allow("gpumon wire", libraries="torch"),
+    "client.watchers.memory": allow("gpumon wire", libraries="torch"),
     # So do the DeepSpeed watchers, which watch() imports once it holds an engine.
-    "client.deepspeed": allow("gpumon wire", libraries="torch"),
-    "client.deepspeed_memory": allow("gpumon wire", libraries="torch"),
+    "client.watchers.deepspeed": allow("gpumon wire", libraries="torch"),
+    "client.watchers.deepspeed_memory": allow("gpumon wire", libraries="torch"),
     # gpumon run's hooks: torch only once the job has imported it.
     "client.autowatch": allow("gpumon wire", lazy="torch"),
     "client.integrations": allow("gpumon wire", libraries="lightning pytorch_lightning "
@@ -74,7 +76,7 @@ LAYERS: dict[str, Allowed] = {
     "agent": allow("gpumon wire collectors collectors.nvml analysis state sim export",
                    libraries="prometheus_client"),
     "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent "
-                      "client.autowatch client.identity",
+                      "client.autowatch client.core.identity",
                       libraries="rich"),
     "cli": allow("gpumon commands agent analysis sim", libraries="typer"),
     "testing": allow("gpumon agent", libraries="prometheus_client psutil"),
@@ -130,7 +132,7 @@ class _Imports(ast.NodeVisitor):
             parts = self.module.split(".")[: len(self.module.split(".")) - node.level
                                            + self.is_package]
             base = ".".join(parts + ([base] if base else []))
-        # "from gpumon.client import _core" names the module gpumon.client._core.
+        # "from gpumon.client.core import _core" names the module gpumon.client.core._core.
         names = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
         if len(names) < len(node.names):
             names.append(base)

@@ -1,7 +1,7 @@
 /* gpumon.client._hook: the training thread's half of StepMonitor, in C (and the sender's
  * common step record, format_step).
  *
- * The same classes as gpumon/client/_core.py, which is the reference: every method here
+ * The same classes as gpumon/client/core/_core.py, which is the reference: every method here
  * follows its Python twin statement by statement, and tests/client/test_core.py drives both
  * through the same script and compares every record. On a CPU-sized step most of the hook's
  * cost is the interpreter's work at the points the loop passes through each step (loader,
@@ -616,7 +616,7 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *start = PyFloat_FromDouble(t0);
         PyObject *end = PyFloat_FromDouble(t1);
         PyObject *record = NULL;
-        /* A StepTuple: the fields of gpumon.client._step_tuple.StepFields, in its order. */
+        /* A StepTuple: the fields of gpumon.client.core._step_tuple.StepFields, in its order. */
         if (seq != NULL && start != NULL && end != NULL)
             record = PyTuple_Pack(11, seq, OR_NONE(self->step), start, end, phases,
                                   OR_NONE(self->samples), OR_NONE(self->tokens),
@@ -2494,7 +2494,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef hook_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "gpumon.client._hook",
-    .m_doc = "The training thread's half of StepMonitor, in C (see gpumon.client._core).",
+    .m_doc = "The training thread's half of StepMonitor, in C (see gpumon.client.core._core).",
     .m_size = -1,
     .m_methods = module_methods,
 };

@@ -18,8 +18,8 @@ import pytest
 from gpumon.client import StepMonitor, _hook
 from gpumon.client.autowatch import steps as steps_module
 from gpumon.client.autowatch.steps import StepFinder, step_finder
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.monitor import IMPLEMENTATION
-from gpumon.client.transport import MemoryTransport
 from gpumon.wire import StepRecord
 from tests.helpers import steps_of
 
@@ -47,8 +47,8 @@ def test_gpumon_run_uses_the_c_finder_on_a_c_core() -> None:
 
 
 def test_the_c_finder_refuses_a_monitor_on_the_python_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpumon.client import _core, monitor
-
+    from gpumon.client import monitor
+    from gpumon.client.core import _core
     monkeypatch.setattr(monitor, "HookCore", _core.HookCore)
     mon = StepMonitor(run="autowatch", transport=MemoryTransport(), rank=0, world=1)
     with pytest.raises(TypeError, match="core"):

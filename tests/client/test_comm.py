@@ -12,11 +12,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumon.client.comm import MAX_PENDING_OPS, CommLedger
-from gpumon.client.comm_intervals import MIN_QUIET_WALL_S, contention_seconds, union_seconds
+from gpumon.client.watchers.comm import MAX_PENDING_OPS, CommLedger
+from gpumon.client.watchers.comm_intervals import MIN_QUIET_WALL_S, contention_seconds, union_seconds
 from tests.client.conftest import ManualClock
 
-LEDGER = "gpumon.client.comm"
+LEDGER = "gpumon.client.watchers.comm"
 
 
 @pytest.fixture

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 
-from gpumon.client import StepMonitor, _cuda
-from gpumon.client.transport import MemoryTransport
+from gpumon.client import StepMonitor
+from gpumon.client.core import _cuda
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.wire import StepRecord
 from tests.client.test_cuda_timing import FakeCuda
 

@@ -29,12 +29,12 @@ from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumon.client._cuda import MEMORY_OOMS
+from gpumon.client.core._cuda import MEMORY_OOMS
 
 if TYPE_CHECKING:
-    from gpumon.client._cuda import CudaClock, Mark, MemoryTuple
-    from gpumon.client._extensions import StepExtensions
-    from gpumon.client._step_tuple import StepTuple
+    from gpumon.client.core._cuda import CudaClock, Mark, MemoryTuple
+    from gpumon.client.core._extensions import StepExtensions
+    from gpumon.client.core._step_tuple import StepTuple
 
 T = TypeVar("T")
 

@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumon.client.comm import CommLedger
-from gpumon.client.comm_tap import tap_into
-from gpumon.client.cpu_wait import CpuWaitClock
+from gpumon.client.watchers.comm import CommLedger
+from gpumon.client.watchers.comm_tap import tap_into
+from gpumon.client.watchers.cpu_wait import CpuWaitClock
 
 if TYPE_CHECKING:
     from gpumon.client.monitor import StepMonitor
@@ -55,7 +55,7 @@ def _watch_memory(monitor: StepMonitor, model: object, optimizer: Any) -> None:
     names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(model).__mro__}
     if "torch.nn.modules.module.Module" not in names:
         return  # not a torch module: nothing to break down
-    from gpumon.client.memory import watch_memory
+    from gpumon.client.watchers.memory import watch_memory
 
     watch_memory(monitor, model, _torch_optimizer(optimizer))
 
@@ -141,7 +141,7 @@ def _watch_communication(monitor: StepMonitor, model: object) -> None:
 
 
 def _watch_ddp(monitor: StepMonitor, model: object) -> None:
-    from gpumon.client.ddp import watch_ddp
+    from gpumon.client.watchers.ddp import watch_ddp
 
     watch_ddp(comm_ledger(monitor), model)
 
@@ -152,9 +152,9 @@ def _watch_fsdp(monitor: StepMonitor, model: object) -> None:
 
 
 def _watch_deepspeed(monitor: StepMonitor, engine: Any) -> None:
-    from gpumon.client.deepspeed import rebind_backend, time_gather_waits, watch_engine, zero_stage
-    from gpumon.client.deepspeed_memory import DeepSpeedHoldings
-    from gpumon.client.memory import watch_memory
+    from gpumon.client.watchers.deepspeed import rebind_backend, time_gather_waits, watch_engine, zero_stage
+    from gpumon.client.watchers.deepspeed_memory import DeepSpeedHoldings
+    from gpumon.client.watchers.memory import watch_memory
 
     watch_engine(monitor, engine)
     monitor.extensions.describe("deepspeed", zero_stage(engine))

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpumon.client.comm_intervals import union_seconds
+from gpumon.client.watchers.comm_intervals import union_seconds
 
 if TYPE_CHECKING:
-    from gpumon.client.comm import Op, Tail
+    from gpumon.client.watchers.comm import Op, Tail
 
 NO_EVENT = object()
 """Stands for a CUDA event that could not be recorded: the step's ``DeviceComm`` is then

@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm_device import NO_EVENT, DeviceComm, record_event
-from gpumon.client.comm_intervals import contention_seconds, last_end, union_seconds
+from gpumon.client.watchers.comm_device import NO_EVENT, DeviceComm, record_event
+from gpumon.client.watchers.comm_intervals import contention_seconds, last_end, union_seconds
 
 __all__ = ["MAX_PENDING_OPS", "NO_EVENT", "CommLedger", "DeviceComm", "Op", "Tail",
            "contention_seconds", "record_event", "union_seconds"]

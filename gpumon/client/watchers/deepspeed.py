@@ -39,9 +39,9 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gpumon.client._phases import batch_size
-from gpumon.client.comm import CommLedger
-from gpumon.client.memory import MemoryBreakdownSampler
+from gpumon.client.integrations._phases import batch_size
+from gpumon.client.watchers.comm import CommLedger
+from gpumon.client.watchers.memory import MemoryBreakdownSampler
 
 if TYPE_CHECKING:
     from gpumon.client.monitor import Step, StepMonitor

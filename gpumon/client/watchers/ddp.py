@@ -37,11 +37,11 @@ import logging
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm import CommLedger, Tail
-from gpumon.client.comm_device import record_event
-from gpumon.client.comm_inflight import IN_FLIGHT
-from gpumon.client.comm_tap import tap_into
-from gpumon.client.ddp_buckets import Buckets
+from gpumon.client.core.comm_inflight import IN_FLIGHT
+from gpumon.client.watchers.comm import CommLedger, Tail
+from gpumon.client.watchers.comm_device import record_event
+from gpumon.client.watchers.comm_tap import tap_into
+from gpumon.client.watchers.ddp_buckets import Buckets
 
 log = logging.getLogger("gpumon.client")
 

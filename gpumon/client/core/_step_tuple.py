@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from gpumon.client._cuda import Mark, MemoryTuple
+    from gpumon.client.core._cuda import Mark, MemoryTuple
 
 StepTuple = tuple[Any, ...]
 """What a core appends: ``StepFields``' fields, in order, as a plain tuple."""

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from gpumon.client._cuda import CudaClock
+    from gpumon.client.core._cuda import CudaClock
 
 E = TypeVar("E", bound="StepExtension")
 
