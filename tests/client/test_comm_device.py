@@ -81,7 +81,8 @@ def ddp_step(ledger: CommLedger, gpu: FakeGpu, launches: list[tuple[float, float
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     """The ledger's host clock, moved by the test."""
-    return ManualClock().install(monkeypatch, "gpumon.client.watchers.comm")
+    return ManualClock().install(monkeypatch, "gpumon.client.watchers.comm").install(
+        monkeypatch, "gpumon.client.watchers.comm_ops")
 
 
 def test_exposed_is_the_streams_wait_and_busy_the_union_of_the_collectives(clock: ManualClock) -> None:

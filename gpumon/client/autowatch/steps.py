@@ -33,7 +33,7 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gpumon.client.integrations._phases import batch_size
+from gpumon.client.core.batches import batch_size
 from gpumon.client.monitor import IMPLEMENTATION, Phase, Step, StepMonitor
 
 if TYPE_CHECKING or IMPLEMENTATION != "c" or os.environ.get("GPUMON_PURE_PYTHON"):

@@ -17,7 +17,7 @@ from typing import Any
 
 from gpumon.client.core.comm_inflight import IN_FLIGHT
 from gpumon.client.watchers.comm import CommLedger
-from gpumon.client.watchers.comm_device import record_event
+from gpumon.client.watchers.comm_ops import record_event
 
 log = logging.getLogger("gpumon.client")
 

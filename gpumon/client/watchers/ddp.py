@@ -38,8 +38,8 @@ from time import perf_counter, thread_time
 from typing import Any
 
 from gpumon.client.core.comm_inflight import IN_FLIGHT
-from gpumon.client.watchers.comm import CommLedger, Tail
-from gpumon.client.watchers.comm_device import record_event
+from gpumon.client.watchers.comm import CommLedger
+from gpumon.client.watchers.comm_ops import Tail, record_event
 from gpumon.client.watchers.comm_tap import tap_into
 from gpumon.client.watchers.ddp_buckets import Buckets
 

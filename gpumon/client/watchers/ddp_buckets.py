@@ -19,7 +19,8 @@ from time import perf_counter, thread_time
 from typing import Any
 
 from gpumon.client.core.comm_inflight import IN_FLIGHT
-from gpumon.client.watchers.comm import CommLedger, Op, Tail
+from gpumon.client.watchers.comm import CommLedger
+from gpumon.client.watchers.comm_ops import Op, Tail
 
 log = logging.getLogger("gpumon.client")
 

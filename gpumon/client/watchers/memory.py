@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from gpumon.client.monitor import StepMonitor
+    from gpumon.client.core.seam import Watched
 
 SAMPLE_INTERVAL_S = 5.0
 INTERVAL_ENV = "GPUMON_MEMORY_SAMPLE_S"
@@ -79,7 +79,7 @@ class Holdings(Protocol):
         ...
 
 
-def watch_memory(monitor: StepMonitor, model: torch.nn.Module,
+def watch_memory(monitor: Watched, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None,
                  holdings: Holdings | None = None) -> MemoryBreakdownSampler:
     """The monitor's sampler, registered as a step extension on first use, now also watching
