@@ -84,6 +84,19 @@ LAYERS: dict[str, Allowed] = {
 }
 
 
+# The client's rooms, bottom to top, and the other rooms each may import. The step core knows
+# no watcher; a watcher knows the core and is handed its monitor (client/core/seam.py); the
+# hall (gpumon.client and its monitor.py) puts the two together; the integrations and
+# gpumon run's hooks drive a monitor from outside.
+ROOMS: dict[str, frozenset[str]] = {
+    "client.core": frozenset(),
+    "client.watchers": frozenset({"client.core"}),
+    "client": frozenset({"client.core", "client.watchers"}),
+    "client.integrations": frozenset({"client", "client.core", "client.watchers"}),
+    "client.autowatch": frozenset({"client", "client.core"}),
+}
+
+
 @dataclass(frozen=True)
 class Import:
     """One imported module as a module statement names it."""
@@ -296,6 +309,33 @@ def test_a_pure_layer_reads_no_clock_file_socket_or_process() -> None:
               for m, i in all_imports()
               if row_of(m) in pure and i.name.split(".")[0] in IMPURE_STDLIB]
     assert impure == [], "\n".join(impure)
+
+
+def room_of(module: str) -> str:
+    """The client's room a module of the client is in (the hall is "client")."""
+    inner = module.removeprefix("gpumon.")
+    return max((room for room in ROOMS if inner == room or inner.startswith(room + ".")), key=len)
+
+
+def test_every_room_of_the_client_is_in_the_table_bottom_to_top() -> None:
+    packages = {name.removeprefix("gpumon.") for name, path in MODULES.items()
+                if name.startswith("gpumon.client.") and path.name == "__init__.py"
+                and name.count(".") == 2}
+    assert packages == set(ROOMS) - {"client"}
+    order = list(ROOMS)
+    for room, below in ROOMS.items():
+        assert all(order.index(other) < order.index(room) for other in below), room
+
+
+def test_each_room_of_the_client_imports_only_the_rooms_below_it() -> None:
+    arrows = [(m, i) for m, i in all_imports()
+              if m.startswith("gpumon.client") and i.name.startswith("gpumon.client.")]
+    assert len(arrows) >= 80
+    assert {room_of(m) for m, _ in arrows} == set(ROOMS)  # every room seen importing
+    wrong = [f"{MODULES[m].relative_to(PACKAGE.parent)}:{i.line} imports {i.name}"
+             for m, i in arrows
+             if room_of(i.name) != room_of(m) and room_of(i.name) not in ROOMS[room_of(m)]]
+    assert wrong == [], "\n".join(wrong)
 
 
 def import_graph() -> dict[str, list[str]]:

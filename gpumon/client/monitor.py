@@ -46,7 +46,7 @@ if TYPE_CHECKING or os.environ.get("GPUMON_PURE_PYTHON"):
     from gpumon.client.core._core import HookCore, Phase, Step
 else:
     try:
-        from gpumon.client._hook import HookCore, Phase, Step
+        from gpumon.client.core._hook import HookCore, Phase, Step
     except ImportError:  # not built here: no compiler at install time, or not Linux
         from gpumon.client.core._core import HookCore, Phase, Step
 

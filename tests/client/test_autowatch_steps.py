@@ -3,7 +3,7 @@ one step per optimizer step, gradient accumulation in one step, a GAN's two opti
 batch as one step once seen, an optimizer's closure (Lightning's) timed as its own phases.
 
 Every case runs on both finders: ``steps.StepFinder`` (the reference) and its C twin in
-``gpumon.client._hook``, which ``gpumon run`` uses; ``test_both_finders_leave_the_same_steps``
+``gpumon.client.core._hook``, which ``gpumon run`` uses; ``test_both_finders_leave_the_same_steps``
 drives the two through the same random events."""
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from gpumon.client import StepMonitor, _hook
+from gpumon.client import StepMonitor
 from gpumon.client.autowatch import steps as steps_module
 from gpumon.client.autowatch.steps import StepFinder, step_finder
+from gpumon.client.core import _hook
 from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.wire import StepRecord

@@ -1,4 +1,4 @@
-"""The hook's hot path in C (``gpumon.client._hook``) against its pure-Python reference
+"""The hook's hot path in C (``gpumon.client.core._hook``) against its pure-Python reference
 (``gpumon.client.core._core``): the same calls must leave the same records and state.
 
 Both cores are driven directly here, with a stand-in CUDA clock (events are plain objects,
@@ -33,9 +33,9 @@ from gpumon.wire import EventRecord, MemoryStats, StateRecord, StepRecord
 from gpumon.wire.records import MEM_WIRE_NAMES
 from tests.client.conftest import ManualClock
 
-_hook = pytest.importorskip("gpumon.client._hook") if sys.platform != "linux" else None
+_hook = pytest.importorskip("gpumon.client.core._hook") if sys.platform != "linux" else None
 if _hook is None:
-    from gpumon.client import _hook  # on Linux it must have been built: a missing build fails
+    from gpumon.client.core import _hook  # on Linux it must have been built: a missing build fails
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -16,7 +16,7 @@ from gpumon.client.core.stall import STALL_AFTER_ENV, StallWatch, is_own_code, r
 from gpumon.wire import StateRecord, decode_datagram, encode_record
 
 if sys.platform == "linux":
-    from gpumon.client import _hook
+    from gpumon.client.core import _hook
 
     CORES = [_core.HookCore, _hook.HookCore]
 else:  # pragma: no cover

@@ -1,6 +1,6 @@
 """The training thread's half of ``StepMonitor``: step and phase timing, in pure Python.
 
-``gpumon.client._hook`` is the same class in C, built when a compiler is at hand at install
+``gpumon.client.core._hook`` is the same class in C, built when a compiler is at hand at install
 time, and used in its place: on a CPU-sized step the interpreter's work at the eight or so
 points a hooked loop passes through each step is most of what the hook costs (see
 ``benchmarks/RESULTS.md``). This module is the reference the C code follows line by line and

@@ -23,7 +23,7 @@ MemoryTuple = tuple[int, int, int, int, int]
 the several since), alloc retries, OOMs. The encoder writes it as it stands."""
 
 MEMORY_OOMS = MEM_WIRE_NAMES.index("ooms")
-"""Where a ``MemoryTuple`` holds the allocator's OOM count (``_hook.c`` reads the same index;
+"""Where a ``MemoryTuple`` holds the allocator's OOM count (``hook/hook.h`` holds the same index;
 ``tests/client/test_core.py`` holds both cores to it)."""
 
 Mark = tuple[str, Any, Any]
@@ -201,7 +201,7 @@ def native_runtime(device: int, current_raw_stream: Any) -> Any:
     if os.environ.get("GPUMON_PURE_PYTHON"):
         return None
     try:
-        return importlib.import_module("gpumon.client._hook").cuda_runtime(device, current_raw_stream)
+        return importlib.import_module("gpumon.client.core._hook").cuda_runtime(device, current_raw_stream)
     except Exception:
         return None
 

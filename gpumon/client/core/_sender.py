@@ -44,7 +44,7 @@ def _c_formatter() -> Formatter | None:
     if os.environ.get("GPUMON_PURE_PYTHON"):
         return None
     try:
-        from gpumon.client._hook import format_step, set_step_limits
+        from gpumon.client.core._hook import format_step, set_step_limits
     except ImportError:
         return None
     set_step_limits(*LIMITS)
