@@ -157,9 +157,9 @@ class StepMonitor:
         ``extensions.attach(Kind, factory)`` and ``extensions.device_clock()`` (see
         ``gpumon.client.core._extensions``)."""
         # The three calls of the loop go straight to the core: a Python method in between
-        # adds a frame to each, 0.3 µs on a step with three phases (about a fifth of the C
-        # core's cost, measured in one process alternating both). The methods below carry
-        # the documentation and serve calls through the class.
+        # would add a frame to each, a fair share of the C core's own cost
+        # (benchmarks/RESULTS.md §4). The methods below carry the documentation and serve
+        # calls through the class.
         self.step = self._core.step  # type: ignore[method-assign]
         self.phase = self._core.phase  # type: ignore[method-assign]
         self.loader = self._core.loader  # type: ignore[method-assign]

@@ -167,8 +167,8 @@ class CommLedger:
         clocks.append((t_end, cpu_end))
         contended = contention_seconds(clocks, busy, blocked)
         # The unseen work happened after the step began and before the last measured moment:
-        # that bounds both figures (the ledger's clock reads bracket the record's window by a
-        # few µs, within the wire's slack).
+        # that bounds both figures (the ledger's clock reads bracket the record's window
+        # closely, within the wire's slack).
         span_s = last_end(busy + blocked, t_begin, t_end) - t_begin
         exposed = min(span_s, union_seconds(blocked, t_begin, t_end) + unseen_s + contended)
         fields["comm"] = {
