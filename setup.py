@@ -1,7 +1,9 @@
-"""The one compiled part: the hook's hot path in C (``gpumon.client._hook``).
+"""The one compiled part: the hook's hot path in C (``gpumon.client.core._hook``).
 
 Optional: where it does not build (no compiler, not Linux) gpumon installs without it and the
-hook runs its pure-Python twin, ``gpumon.client._core``.
+hook runs its pure-Python twins, ``gpumon.client.core._core`` first of them. The C twin of each
+Python module is a file of its own in ``gpumon/client/core/hook/`` (``hook.h`` lists them);
+``module.c``, the module itself, comes first.
 """
 
 from setuptools import Extension, setup
@@ -9,10 +11,20 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "gpumon.client._hook",
-            sources=["gpumon/client/_hook.c"],
+            "gpumon.client.core._hook",
+            sources=[
+                "gpumon/client/core/hook/module.c",
+                "gpumon/client/core/hook/step_core.c",
+                "gpumon/client/core/hook/step_finder.c",
+                "gpumon/client/core/hook/run_hooks.c",
+                "gpumon/client/core/hook/cuda_runtime.c",
+                "gpumon/client/core/hook/format_step.c",
+            ],
+            depends=["gpumon/client/core/hook/hook.h"],
             optional=True,
-            extra_compile_args=["-O2", "-Wall", "-Wno-unused-parameter"],
+            # The parts share their declarations through hook.h; nothing of them but the
+            # module's init is visible outside the extension.
+            extra_compile_args=["-O2", "-Wall", "-Wno-unused-parameter", "-fvisibility=hidden"],
         )
     ]
 )

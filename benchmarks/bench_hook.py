@@ -244,7 +244,7 @@ def _memory_watched_monitor(path: str) -> StepMonitor | None:
     try:
         import torch
 
-        from gpumon.client.memory import watch_memory
+        from gpumon.client.watchers.memory import watch_memory
     except ImportError:
         return None
     mon = StepMonitor(run="bench-memory", socket_path=path)
@@ -257,7 +257,7 @@ def _memory_watched_monitor(path: str) -> StepMonitor | None:
 def _cpu_wait_watched_monitor(path: str) -> StepMonitor:
     """A monitor reading its training thread's wait for a CPU at every step's edges: what
     ``watch()`` adds to every step of a distributed model, besides its communication."""
-    from gpumon.client.cpu_wait import CpuWaitClock
+    from gpumon.client.watchers.cpu_wait import CpuWaitClock
 
     mon = StepMonitor(run="bench-cpu-wait", socket_path=path)
     mon.extensions.attach(CpuWaitClock)

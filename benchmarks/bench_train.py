@@ -46,8 +46,8 @@ from train_cpu import main as train_main  # noqa: E402
 from train_cpu import make_job, parse_args, train  # noqa: E402
 
 from gpumon.client import StepMonitor  # noqa: E402
-from gpumon.client.memory import INTERVAL_ENV, watch_memory  # noqa: E402
 from gpumon.client.monitor import IMPLEMENTATION  # noqa: E402
+from gpumon.client.watchers.memory import INTERVAL_ENV, watch_memory  # noqa: E402
 
 T = TypeVar("T")
 

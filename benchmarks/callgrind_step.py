@@ -31,7 +31,7 @@ from train_cpu import make_job, parse_args, train  # noqa: E402
 
 from gpumon.client import StepMonitor  # noqa: E402
 from gpumon.client.autowatch import hooks  # noqa: E402
-from gpumon.client.transport import MemoryTransport  # noqa: E402
+from gpumon.client.core.transport import MemoryTransport  # noqa: E402
 
 kind, steps = sys.argv[1], int(sys.argv[2])
 job = make_job(parse_args(["--threads", "1"]))

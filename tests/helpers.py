@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpumon.client.transport import MemoryTransport
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.testing import (  # noqa: F401  (re-exported for the tests)
     AgentProcess,
     PrometheusProcess,

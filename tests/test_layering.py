@@ -54,12 +54,14 @@ LAYERS: dict[str, Allowed] = {
     "gpumon": allow(),
     "wire": allow(),
     "client": allow("gpumon wire", lazy="torch"),
+    "client.core": allow("gpumon wire", lazy="torch"),
+    "client.watchers": allow("gpumon wire", lazy="torch"),
     # The memory watcher imports torch as it loads: the rest of the client imports it only
     # inside watch(), once the model shows torch is there.
-    "client.memory": allow("gpumon wire", libraries="torch"),
+    "client.watchers.memory": allow("gpumon wire", libraries="torch"),
     # So do the DeepSpeed watchers, which watch() imports once it holds an engine.
-    "client.deepspeed": allow("gpumon wire", libraries="torch"),
-    "client.deepspeed_memory": allow("gpumon wire", libraries="torch"),
+    "client.watchers.deepspeed": allow("gpumon wire", libraries="torch"),
+    "client.watchers.deepspeed_memory": allow("gpumon wire", libraries="torch"),
     # gpumon run's hooks: torch only once the job has imported it.
     "client.autowatch": allow("gpumon wire", lazy="torch"),
     "client.integrations": allow("gpumon wire", libraries="lightning pytorch_lightning "
@@ -77,11 +79,24 @@ LAYERS: dict[str, Allowed] = {
                    "sim export",
                    libraries="prometheus_client"),
     "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent "
-                      "client.autowatch client.identity",
+                      "client.autowatch client.core.identity",
                       libraries="rich"),
     "cli": allow("gpumon commands agent analysis sim", libraries="typer"),
     "testing": allow("gpumon agent", libraries="prometheus_client psutil"),
     "testing.fakenvml": allow(),
+}
+
+
+# The client's rooms, bottom to top, and the other rooms each may import. The step core knows
+# no watcher; a watcher knows the core and is handed its monitor (client/core/seam.py); the
+# hall (gpumon.client and its monitor.py) puts the two together; the integrations and
+# gpumon run's hooks drive a monitor from outside.
+ROOMS: dict[str, frozenset[str]] = {
+    "client.core": frozenset(),
+    "client.watchers": frozenset({"client.core"}),
+    "client": frozenset({"client.core", "client.watchers"}),
+    "client.integrations": frozenset({"client", "client.core", "client.watchers"}),
+    "client.autowatch": frozenset({"client", "client.core"}),
 }
 
 
@@ -133,7 +148,7 @@ class _Imports(ast.NodeVisitor):
             parts = self.module.split(".")[: len(self.module.split(".")) - node.level
                                            + self.is_package]
             base = ".".join(parts + ([base] if base else []))
-        # "from gpumon.client import _core" names the module gpumon.client._core.
+        # "from gpumon.client.core import _core" names the module gpumon.client.core._core.
         names = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
         if len(names) < len(node.names):
             names.append(base)
@@ -299,24 +314,107 @@ def test_a_pure_layer_reads_no_clock_file_socket_or_process() -> None:
     assert impure == [], "\n".join(impure)
 
 
-def test_no_two_modules_import_each_other_at_import_time() -> None:
-    # A cycle of module-level imports makes a module fail when it is the first one imported.
-    graph = {m: {i.name for i in imports_of(m) if i.kind == "module" and i.name in MODULES}
-             for m in MODULES}
-    done: set[str] = set()
+def room_of(module: str) -> str:
+    """The client's room a module of the client is in (the hall is "client")."""
+    inner = module.removeprefix("gpumon.")
+    return max((room for room in ROOMS if inner == room or inner.startswith(room + ".")), key=len)
 
-    def visit(module: str, path: list[str]) -> None:
-        if module in path:
-            raise AssertionError(" -> ".join(path[path.index(module):] + [module]))
-        if module in done:
-            return
-        for target in sorted(graph[module]):
-            visit(target, path + [module])
-        done.add(module)
 
-    for module in sorted(graph):
-        visit(module, [])
-    assert len(done) == len(MODULES)
+def test_every_room_of_the_client_is_in_the_table_bottom_to_top() -> None:
+    packages = {name.removeprefix("gpumon.") for name, path in MODULES.items()
+                if name.startswith("gpumon.client.") and path.name == "__init__.py"
+                and name.count(".") == 2}
+    assert packages == set(ROOMS) - {"client"}
+    order = list(ROOMS)
+    for room, below in ROOMS.items():
+        assert all(order.index(other) < order.index(room) for other in below), room
+
+
+def test_each_room_of_the_client_imports_only_the_rooms_below_it() -> None:
+    arrows = [(m, i) for m, i in all_imports()
+              if m.startswith("gpumon.client") and i.name.startswith("gpumon.client.")]
+    assert len(arrows) >= 80
+    assert {room_of(m) for m, _ in arrows} == set(ROOMS)  # every room seen importing
+    wrong = [f"{MODULES[m].relative_to(PACKAGE.parent)}:{i.line} imports {i.name}"
+             for m, i in arrows
+             if room_of(i.name) != room_of(m) and room_of(i.name) not in ROOMS[room_of(m)]]
+    assert wrong == [], "\n".join(wrong)
+
+
+def import_graph() -> dict[str, list[str]]:
+    """Each gpumon module to the gpumon modules it imports, by imports of any kind (at import
+    time, inside a function, for type checking)."""
+    return {m: sorted({i.name for i in imports_of(m) if i.name in MODULES} - {m}) for m in MODULES}
+
+
+def cycles_in(graph: dict[str, list[str]]) -> list[list[str]]:
+    """One path around each set of nodes that reach each other (Tarjan's strongly connected
+    components), from the set's first node back to it."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in graph[node]:
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = {stack.pop()}
+            while node not in component:
+                component.add(stack.pop())
+            if len(component) > 1:
+                cycles.append(_path_around(component, graph))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return cycles
+
+
+def _path_around(component: set[str], graph: dict[str, list[str]]) -> list[str]:
+    """The shortest cycle through a component's first node, found breadth first."""
+    start = min(component)
+    came_from: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        node = todo.pop(0)
+        for target in graph[node]:
+            if target == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                return [*reversed(path), start]
+            if target in component and target not in came_from:
+                came_from[target] = node
+                todo.append(target)
+    raise AssertionError(f"no cycle through {start}")
+
+
+def test_no_module_reaches_itself_through_its_imports() -> None:
+    # A cycle of module-level imports makes a module fail when it is the first one imported;
+    # one closed by an import inside a function or for type checking still ties its modules
+    # into one knot, where neither half can change without the other.
+    graph = import_graph()
+    assert sum(map(len, graph.values())) >= 300  # the walk found the imports
+    cycles = cycles_in(graph)
+    assert cycles == [], "\n".join(" -> ".join(cycle) for cycle in cycles)
+
+
+def test_the_walk_sees_a_cycle_closed_by_a_lazy_or_typing_import() -> None:
+    lazy = _Imports("gpumon.a", False)
+    lazy.visit(ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                         "    from gpumon import b\ndef f():\n    import gpumon.wire\n"))
+    assert [(i.name, i.kind) for i in lazy.found] == [
+        ("typing", "module"), ("gpumon", "typing"), ("gpumon.wire", "lazy")]
+    graph = {"a": ["b"], "b": ["c", "d"], "c": ["a"], "d": [], "e": ["a", "f"], "f": ["e"]}
+    assert cycles_in(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
+    assert cycles_in({"a": ["b"], "b": []}) == []
 
 
 def test_the_client_loads_no_framework_and_nothing_of_the_agent() -> None:

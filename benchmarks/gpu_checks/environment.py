@@ -29,7 +29,7 @@ def section_environment(report: Report, result: dict[str, Any]) -> Any:
     result["packages"] = versions
     try:
         from gpumon.client.monitor import IMPLEMENTATION
-        result["hook_core"] = IMPLEMENTATION  # "c" where setup.py built gpumon.client._hook
+        result["hook_core"] = IMPLEMENTATION  # "c" where setup.py built gpumon.client.core._hook
     except Exception as exc:  # recorded, and the other sections still run
         result["hook_core"] = f"import failed: {exc!r}"
     if versions.get("pynvml"):

@@ -35,7 +35,7 @@ def memory_breakdown_check(out_dir: Path | str, steps: int = 6) -> dict[str, Any
     from torch import nn
 
     from gpumon.client import StepMonitor
-    from gpumon.client.transport import MemoryTransport
+    from gpumon.client.core.transport import MemoryTransport
     from gpumon.wire import StepRecord
 
     cuda = torch.cuda.is_available()

@@ -1,7 +1,7 @@
 """Where every rank of a run is when the run stops: each rank's state, and who waits on whom.
 
 Each rank's hook says whether it steps and, once stalled, where its training thread is (a
-``state`` record: ``gpumon.client.stall``). Here the reports of one run's ranks are joined:
+``state`` record: ``gpumon.client.core.stall``). Here the reports of one run's ranks are joined:
 
 - **state**: ``exited`` when the agent saw the process end; ``stalled`` while a fresh report
   says so and no step arrived since, or when a rank whose hook sends heartbeats has sent

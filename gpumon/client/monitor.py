@@ -7,7 +7,7 @@ ever blocks the training loop or raises from the transport.
 
 Watchers (``watch()``, the memory sampler, the simulator's ranks) add measured fields to each
 step through ``monitor.extensions`` alone (``attach(Kind, factory)``, ``device_clock()``;
-``gpumon.client._extensions``), never through the monitor's private attributes.
+``gpumon.client.core._extensions``), never through the monitor's private attributes.
 """
 
 from __future__ import annotations
@@ -25,13 +25,13 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import gpumon
-from gpumon.client import _core, _cuda
-from gpumon.client._extensions import Extensions
-from gpumon.client._sender import Sender
-from gpumon.client._step_tuple import StepTuple
-from gpumon.client.identity import resolve_identity, resolve_socket_path
-from gpumon.client.stall import StallWatch, monotonic_and_unix
-from gpumon.client.transport import Transport, UnixDatagramTransport
+from gpumon.client.core import _core, _cuda
+from gpumon.client.core._extensions import Extensions
+from gpumon.client.core._sender import Sender
+from gpumon.client.core._step_tuple import StepTuple
+from gpumon.client.core.identity import resolve_identity, resolve_socket_path
+from gpumon.client.core.stall import StallWatch, monotonic_and_unix
+from gpumon.client.core.transport import Transport, UnixDatagramTransport
 from gpumon.wire import (
     MAX_GPU_CHARS,
     MAX_GPU_INDEX,
@@ -43,12 +43,12 @@ from gpumon.wire import (
 )
 
 if TYPE_CHECKING or os.environ.get("GPUMON_PURE_PYTHON"):
-    from gpumon.client._core import HookCore, Phase, Step
+    from gpumon.client.core._core import HookCore, Phase, Step
 else:
     try:
-        from gpumon.client._hook import HookCore, Phase, Step
+        from gpumon.client.core._hook import HookCore, Phase, Step
     except ImportError:  # not built here: no compiler at install time, or not Linux
-        from gpumon.client._core import HookCore, Phase, Step
+        from gpumon.client.core._core import HookCore, Phase, Step
 
 IMPLEMENTATION = "c" if HookCore is not _core.HookCore else "python"
 """Which ``HookCore`` runs the hot path: ``"c"``, or ``"python"`` (``GPUMON_PURE_PYTHON=1``
@@ -155,11 +155,11 @@ class StepMonitor:
                                      self._core.set_quiet_until)
         """Where watchers attach what they measure in each step:
         ``extensions.attach(Kind, factory)`` and ``extensions.device_clock()`` (see
-        ``gpumon.client._extensions``)."""
+        ``gpumon.client.core._extensions``)."""
         # The three calls of the loop go straight to the core: a Python method in between
-        # adds a frame to each, 0.3 µs on a step with three phases (about a fifth of the C
-        # core's cost, measured in one process alternating both). The methods below carry
-        # the documentation and serve calls through the class.
+        # would add a frame to each, a fair share of the C core's own cost
+        # (benchmarks/RESULTS.md §4). The methods below carry the documentation and serve
+        # calls through the class.
         self.step = self._core.step  # type: ignore[method-assign]
         self.phase = self._core.phase  # type: ignore[method-assign]
         self.loader = self._core.loader  # type: ignore[method-assign]
@@ -260,7 +260,7 @@ class StepMonitor:
         registering a comm hook of your own (the hook is kept and measured either way).
         Idempotent; a plain module is left as it is; never raises into the training loop.
         """
-        from gpumon.client.watch import watch
+        from gpumon.client.watchers.watch import watch
 
         return watch(self, model, optimizer)
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from gpumon.client.autowatch import DISABLE_ENV, SHIM_DIR
-from gpumon.client.identity import resolve_socket_path
+from gpumon.client.core.identity import resolve_socket_path
 from gpumon.wire import MAX_LABEL_CHARS, is_label
 
 EXIT_NOT_FOUND = 127

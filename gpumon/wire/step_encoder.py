@@ -32,7 +32,7 @@ _MEM_FORMAT = ',"mem":{{' + ",".join(f'"{name}":{{:d}}' for name in MEM_WIRE_NAM
 Formatter = Callable[[str, object, int, float, float, dict[str, float], object, object, object], "str | None"]
 """``formatter(prefix, step, default_step, t_start, duration, phases, samples, tokens, flops)``:
 the record up to its counts, exactly as ``StepEncoder.encode`` writes it, or ``None`` where it
-would leave out, clamp or fold anything (``gpumon.client._hook.format_step``, in C)."""
+would leave out, clamp or fold anything (``gpumon.client.core._hook.format_step``, in C)."""
 LIMITS = (_MAX_STEP, _MAX_COUNT, _MAX_FLOPS, MAX_PHASES)
 """What a ``Formatter`` writes as it is: the step number, counts and FLOPs up to these, and at
 most this many phases."""

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gpumon.client import StepMonitor
 from gpumon.client.autowatch import hooks
-from gpumon.client.transport import MemoryTransport
+from gpumon.client.core.transport import MemoryTransport
 from tests.helpers import steps_of
 
 transport = MemoryTransport()

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from gpumon.client import StepMonitor
-from gpumon.client.transport import MemoryTransport
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.wire import StepRecord
 
 deepspeed.init_distributed(dist_backend="gloo")

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.integrations.hf import GpumonTrainerCallback
-from gpumon.client.transport import MemoryTransport
 from gpumon.wire import StepRecord
 
 

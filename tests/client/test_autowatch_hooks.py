@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from gpumon.client import StepMonitor
 from gpumon.client import monitor as monitor_module
 from gpumon.client.autowatch import calls, hooks
-from gpumon.client.transport import MemoryTransport
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.wire import StepRecord
 from tests.helpers import steps_of
 

@@ -3,7 +3,7 @@ one step per optimizer step, gradient accumulation in one step, a GAN's two opti
 batch as one step once seen, an optimizer's closure (Lightning's) timed as its own phases.
 
 Every case runs on both finders: ``steps.StepFinder`` (the reference) and its C twin in
-``gpumon.client._hook``, which ``gpumon run`` uses; ``test_both_finders_leave_the_same_steps``
+``gpumon.client.core._hook``, which ``gpumon run`` uses; ``test_both_finders_leave_the_same_steps``
 drives the two through the same random events."""
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any
 
 import pytest
 
-from gpumon.client import StepMonitor, _hook
+from gpumon.client import StepMonitor
 from gpumon.client.autowatch import steps as steps_module
 from gpumon.client.autowatch.steps import StepFinder, step_finder
+from gpumon.client.core import _hook
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.monitor import IMPLEMENTATION
-from gpumon.client.transport import MemoryTransport
 from gpumon.wire import StepRecord
 from tests.helpers import steps_of
 
@@ -47,8 +48,8 @@ def test_gpumon_run_uses_the_c_finder_on_a_c_core() -> None:
 
 
 def test_the_c_finder_refuses_a_monitor_on_the_python_core(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpumon.client import _core, monitor
-
+    from gpumon.client import monitor
+    from gpumon.client.core import _core
     monkeypatch.setattr(monitor, "HookCore", _core.HookCore)
     mon = StepMonitor(run="autowatch", transport=MemoryTransport(), rank=0, world=1)
     with pytest.raises(TypeError, match="core"):

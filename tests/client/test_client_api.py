@@ -7,7 +7,7 @@ import sys
 import pytest
 
 import gpumon.client
-from gpumon.client.identity import DEFAULT_SOCKET, Identity, resolve_identity, resolve_socket_path
+from gpumon.client.core.identity import DEFAULT_SOCKET, Identity, resolve_identity, resolve_socket_path
 
 
 def test_public_api_is_exactly_the_monitor_and_its_stats() -> None:

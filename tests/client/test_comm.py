@@ -12,16 +12,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumon.client.comm import MAX_PENDING_OPS, CommLedger
-from gpumon.client.comm_intervals import MIN_QUIET_WALL_S, contention_seconds, union_seconds
+from gpumon.client.watchers.comm import MAX_PENDING_OPS, CommLedger
+from gpumon.client.watchers.comm_intervals import MIN_QUIET_WALL_S, contention_seconds, union_seconds
 from tests.client.conftest import ManualClock
 
-LEDGER = "gpumon.client.comm"
+LEDGER = "gpumon.client.watchers.comm"
+OPS = "gpumon.client.watchers.comm_ops"  # where the collectives and the waits read the clock
 
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
-    return ManualClock().install(monkeypatch, LEDGER)
+    return ManualClock().install(monkeypatch, LEDGER).install(monkeypatch, OPS)
 
 
 @pytest.fixture
@@ -208,7 +209,7 @@ def test_figures_stay_within_the_step_whatever_the_timings(
     # Whatever launches, completions (late, never, before the launch) and waits: what reaches
     # the wire is finite, non-negative, exposed <= busy <= the step's window.
     with pytest.MonkeyPatch.context() as monkeypatch:
-        clock = ManualClock().install(monkeypatch, LEDGER)
+        clock = ManualClock().install(monkeypatch, LEDGER).install(monkeypatch, OPS)
         ledger = CommLedger()
         ledger.step_begin()
         t = clock()

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from gpumon.client import StepMonitor
-from gpumon.client.comm import CommLedger
-from gpumon.client.comm_device import DeviceComm
-from gpumon.client.transport import MemoryTransport
+from gpumon.client.core.transport import MemoryTransport
+from gpumon.client.watchers.comm import CommLedger
+from gpumon.client.watchers.comm_device import DeviceComm
 from gpumon.wire import CollectiveOp
 from tests.client.conftest import ManualClock
 from tests.helpers import steps_of
@@ -81,7 +81,8 @@ def ddp_step(ledger: CommLedger, gpu: FakeGpu, launches: list[tuple[float, float
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     """The ledger's host clock, moved by the test."""
-    return ManualClock().install(monkeypatch, "gpumon.client.comm")
+    return ManualClock().install(monkeypatch, "gpumon.client.watchers.comm").install(
+        monkeypatch, "gpumon.client.watchers.comm_ops")
 
 
 def test_exposed_is_the_streams_wait_and_busy_the_union_of_the_collectives(clock: ManualClock) -> None:

@@ -1,5 +1,5 @@
-"""The hook's hot path in C (``gpumon.client._hook``) against its pure-Python reference
-(``gpumon.client._core``): the same calls must leave the same records and state.
+"""The hook's hot path in C (``gpumon.client.core._hook``) against its pure-Python reference
+(``gpumon.client.core._core``): the same calls must leave the same records and state.
 
 Both cores are driven directly here, with a stand-in CUDA clock (events are plain objects,
 the allocator statistics a counter), since no GPU runs here. The rest of the client tests run
@@ -24,17 +24,18 @@ from typing import Any
 
 import pytest
 
-from gpumon.client import StepMonitor, _core, monitor
-from gpumon.client._step_tuple import StepFields
+from gpumon.client import StepMonitor, monitor
+from gpumon.client.core import _core
+from gpumon.client.core._step_tuple import StepFields
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.monitor import IMPLEMENTATION
-from gpumon.client.transport import MemoryTransport
 from gpumon.wire import EventRecord, MemoryStats, StateRecord, StepRecord
 from gpumon.wire.records import MEM_WIRE_NAMES
 from tests.client.conftest import ManualClock
 
-_hook = pytest.importorskip("gpumon.client._hook") if sys.platform != "linux" else None
+_hook = pytest.importorskip("gpumon.client.core._hook") if sys.platform != "linux" else None
 if _hook is None:
-    from gpumon.client import _hook  # on Linux it must have been built: a missing build fails
+    from gpumon.client.core import _hook  # on Linux it must have been built: a missing build fails
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -607,7 +608,7 @@ def sampled_as_the_rule_says(records: list[StepFields], interval_s: float) -> li
 
 def test_the_first_step_after_the_interval_is_timed_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # The pure-Python core on a clock the test moves: the exact steps.
-    clock = ManualClock().install(monkeypatch, "gpumon.client._core")
+    clock = ManualClock().install(monkeypatch, "gpumon.client.core._core")
     core = make_core(_core.HookCore)
     sampled = SampledClock(interval_s=1 / 16)  # binary fractions: sums without rounding
     core.set_cuda(sampled)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.client.cpu_wait import SCHEDSTAT, CpuWaitClock
+from gpumon.client.watchers.cpu_wait import SCHEDSTAT, CpuWaitClock
 
 
 def spin(seconds: float) -> None:

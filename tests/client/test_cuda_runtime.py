@@ -20,14 +20,15 @@ from typing import Any
 
 import pytest
 
-from gpumon.client import StepMonitor, _cuda
-from gpumon.client.transport import MemoryTransport
+from gpumon.client import StepMonitor
+from gpumon.client.core import _cuda
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.wire import StepRecord
 from tests.client.test_cuda_timing import FakeCuda
 
-_hook = pytest.importorskip("gpumon.client._hook") if sys.platform != "linux" else None
+_hook = pytest.importorskip("gpumon.client.core._hook") if sys.platform != "linux" else None
 if _hook is None:
-    from gpumon.client import _hook
+    from gpumon.client.core import _hook
 
 SOURCE = Path(__file__).parent / "native" / "fake_cudart.c"
 SYMBOLS = ("cudaEventCreateWithFlags", "cudaEventRecord", "cudaEventQuery", "cudaEventElapsedTime",

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from gpumon.client import StepMonitor, _cuda
-from gpumon.client._sender import EVENT_DEADLINE_S
-from gpumon.client.transport import MemoryTransport
+from gpumon.client import StepMonitor
+from gpumon.client.core import _cuda
+from gpumon.client.core._sender import EVENT_DEADLINE_S
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.wire import EventRecord, HelloRecord, MemoryStats
 from tests.client.conftest import ManualClock
 from tests.helpers import steps_of
@@ -270,7 +271,7 @@ def test_events_record_on_a_kept_stream_object(transport: MemoryTransport) -> No
 
 
 def test_allocator_statistics_are_read_at_most_every_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    now = ManualClock().install(monkeypatch, "gpumon.client._cuda")
+    now = ManualClock().install(monkeypatch, "gpumon.client.core._cuda")
     fake = FakeCuda()
     clock = _cuda.CudaClock(fake, 0, True, memory_interval_s=0.05)
     readings = []

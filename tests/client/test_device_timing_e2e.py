@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.client import StepMonitor, _cuda
+from gpumon.client import StepMonitor
+from gpumon.client.core import _cuda
 from tests.client.test_cuda_timing import FakeCuda
 from tests.helpers import ROOT, start_agent, wait_for
 

@@ -18,9 +18,9 @@ from types import FrameType
 import pytest
 
 from gpumon.client import StepMonitor
-from gpumon.client._extensions import MAX_CONSECUTIVE_FAILURES
+from gpumon.client.core._extensions import MAX_CONSECUTIVE_FAILURES
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.monitor import IMPLEMENTATION
-from gpumon.client.transport import MemoryTransport
 from gpumon.wire import CollectiveOp, CommStats, MemoryBreakdown
 from tests.client.conftest import Receiver
 from tests.helpers import steps_of

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumon.client import _hook, _sender
+from gpumon.client.core import _hook, _sender
 from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.wire import MAX_PHASES, StepEncoder, decode_datagram
 from gpumon.wire.step_encoder import LIMITS

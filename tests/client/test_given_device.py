@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpumon.client import StepMonitor
-from gpumon.client.transport import MemoryTransport
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.wire import HelloRecord, MemoryStats, StepRecord
 
 UUID = "GPU-5e1a0000-0000-4000-8000-000000000003"

@@ -9,8 +9,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpumon.client import StepMonitor
-from gpumon.client.memory import INTERVAL_ENV, MemoryBreakdownSampler
-from gpumon.client.transport import MemoryTransport
+from gpumon.client.core.transport import MemoryTransport
+from gpumon.client.watchers.memory import INTERVAL_ENV, MemoryBreakdownSampler
 from gpumon.wire import MemoryBreakdown, StepRecord
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from gpumon.client.memory import MemoryBreakdownSampler
+from gpumon.client.watchers.memory import MemoryBreakdownSampler
 
 
 def _bytes(tensors: list[torch.Tensor]) -> int:
@@ -243,8 +243,8 @@ def test_weights_swapped_in_for_the_registered_ones_are_parameters() -> None:
 
 def test_between_samples_a_monitor_makes_no_call_to_the_sampler() -> None:
     from gpumon.client import StepMonitor
-    from gpumon.client.memory import watch_memory
-    from gpumon.client.transport import MemoryTransport
+    from gpumon.client.core.transport import MemoryTransport
+    from gpumon.client.watchers.memory import watch_memory
     from tests.helpers import steps_of
 
     transport = MemoryTransport()

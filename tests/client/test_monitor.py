@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from gpumon.client import ClientStats, StepMonitor
+from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.integrations.wrap import wrap_step
 from gpumon.client.monitor import BUFFER_STEPS
-from gpumon.client.transport import MemoryTransport
 from gpumon.wire import MAX_PHASES, EventRecord, HelloRecord
 from tests.helpers import steps_of
 
@@ -286,7 +286,7 @@ def test_numbers_of_every_kind_become_valid_records(mon: StepMonitor, transport:
 
 def test_a_long_flush_lets_go_of_the_gil_every_few_records(transport: MemoryTransport,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpumon.client import _sender
+    from gpumon.client.core import _sender
 
     slept: list[float] = []
 

@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 
-from gpumon.client import StepMonitor, watch
-from gpumon.client.comm_tap import _ledgers
-from gpumon.client.cpu_wait import CpuWaitClock
-from gpumon.client.transport import MemoryTransport
+from gpumon.client import StepMonitor
+from gpumon.client.core.transport import MemoryTransport
+from gpumon.client.watchers import watch
+from gpumon.client.watchers.comm_tap import _ledgers
+from gpumon.client.watchers.cpu_wait import CpuWaitClock
 from gpumon.wire import StepRecord
 
-CLIENT = Path(watch.__file__).resolve().parent
+CLIENT = Path(watch.__file__).resolve().parent.parent
 WATCHERS = sorted(
     [p for p in CLIENT.rglob("*.py") if p.name != "monitor.py"] + list((CLIENT.parent / "sim").rglob("*.py"))
 )

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from gpumon.client import StepMonitor
-from gpumon.client.transport import UnixDatagramTransport
+from gpumon.client.core.transport import UnixDatagramTransport
 from gpumon.wire import MAX_DATAGRAM_BYTES
 from tests.client.conftest import Receiver
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import pytest
 
-from gpumon.client import _core
-from gpumon.client.comm_inflight import InFlightCollectives
-from gpumon.client.stall import STALL_AFTER_ENV, StallWatch, is_own_code, read_stack, stall_after_min_s
+from gpumon.client.core import _core
+from gpumon.client.core.comm_inflight import InFlightCollectives
+from gpumon.client.core.stall import STALL_AFTER_ENV, StallWatch, is_own_code, read_stack, stall_after_min_s
 from gpumon.wire import StateRecord, decode_datagram, encode_record
 
 if sys.platform == "linux":
-    from gpumon.client import _hook
+    from gpumon.client.core import _hook
 
     CORES = [_core.HookCore, _hook.HookCore]
 else:  # pragma: no cover

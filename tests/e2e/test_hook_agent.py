@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from gpumon.client import StepMonitor
-from gpumon.client.transport import UnixDatagramTransport
+from gpumon.client.core.transport import UnixDatagramTransport
 from gpumon.wire import StepRecord, decode_datagram
 from tests.helpers import AgentProcess, start_agent, value, values, wait_for
 

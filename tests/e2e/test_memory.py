@@ -11,7 +11,7 @@ from torch import nn
 
 from gpumon.analysis.memory import REMEDIES, activation_bytes
 from gpumon.client import StepMonitor
-from gpumon.client.memory import INTERVAL_ENV, MemoryBreakdownSampler
+from gpumon.client.watchers.memory import INTERVAL_ENV, MemoryBreakdownSampler
 from tests.e2e.distributed import AGENT, run_job
 from tests.helpers import AgentProcess, wait_for
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from gpumon.client.memory import INTERVAL_ENV
+from gpumon.client.watchers.memory import INTERVAL_ENV
 from tests.helpers import AgentProcess, wait_for
 
 pytestmark = pytest.mark.agent("--simulate", "1", "--interval", "0.25")

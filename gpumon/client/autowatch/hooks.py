@@ -66,7 +66,7 @@ from gpumon.client.monitor import StepMonitor
 if TYPE_CHECKING or steps._CStepFinder is None:  # (the C hooks drive the C finder only)
     _Hooked = None
 else:
-    from gpumon.client._hook import Hooked as _Hooked
+    from gpumon.client.core._hook import Hooked as _Hooked
 
 log = logging.getLogger("gpumon.client")
 

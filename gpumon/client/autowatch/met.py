@@ -90,7 +90,7 @@ def _remember(table: dict[int, weakref.ref[Any]], obj: Any) -> weakref.ref[Any]:
 
 def _drives_steps(monitor: StepMonitor) -> bool:
     """Whether a watcher attached to ``monitor`` makes the steps itself: a DeepSpeed engine's
-    (``gpumon.client.deepspeed``'s ``StepDriver``), whose steps are its accumulation boundaries
+    (``gpumon.client.watchers.deepspeed``'s ``StepDriver``), whose steps are its accumulation boundaries
     and whose phases its own forward, backward and step."""
-    driver = getattr(sys.modules.get("gpumon.client.deepspeed"), "StepDriver", None)
+    driver = getattr(sys.modules.get("gpumon.client.watchers.deepspeed"), "StepDriver", None)
     return isinstance(driver, type) and monitor.extensions.get(driver) is not None

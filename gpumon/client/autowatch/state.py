@@ -31,7 +31,7 @@ from gpumon.client.autowatch.steps import StepFinder
 if TYPE_CHECKING or steps._CStepFinder is None:  # (the C state drives the C finder only)
     _HookState = None
 else:
-    from gpumon.client._hook import HookState as _HookState
+    from gpumon.client.core._hook import HookState as _HookState
 
 _get_ident = threading.get_ident
 

@@ -33,17 +33,17 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gpumon.client._phases import batch_size
+from gpumon.client.core.batches import batch_size
 from gpumon.client.monitor import IMPLEMENTATION, Phase, Step, StepMonitor
 
 if TYPE_CHECKING or IMPLEMENTATION != "c" or os.environ.get("GPUMON_PURE_PYTHON"):
     _CStepFinder = None
 else:
-    from gpumon.client._hook import StepFinder as _CStepFinder
+    from gpumon.client.core._hook import StepFinder as _CStepFinder
 
 
 def step_finder(monitor: StepMonitor, on_step_end: Callable[[], object] | None = None) -> StepFinder:
-    """A finder for ``monitor``'s steps: ``gpumon.client._hook``'s, where the monitor's core is
+    """A finder for ``monitor``'s steps: ``gpumon.client.core._hook``'s, where the monitor's core is
     C too (it then drives the core's steps and phases with no Python frame between: per step,
     ``gpumon run`` makes 10 Python calls of its own instead of 32), else this module's, which
     it follows statement by statement."""

@@ -21,9 +21,9 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from gpumon.client._phases import PhaseSequence
+from gpumon.client.integrations._phases import PhaseSequence
 from gpumon.client.monitor import StepMonitor
-from gpumon.client.watch import find_wrapper, kind_of
+from gpumon.client.watchers.watch import find_wrapper, kind_of
 
 
 class GpumonTrainerCallback(TrainerCallback):  # type: ignore[misc]  # transformers is not analysed: Any

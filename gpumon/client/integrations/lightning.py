@@ -19,9 +19,10 @@ try:
 except ImportError:  # the standalone package of Lightning < 2
     import pytorch_lightning as pl
 
-from gpumon.client._phases import PhaseSequence, batch_size
+from gpumon.client.core.batches import batch_size
+from gpumon.client.integrations._phases import PhaseSequence
 from gpumon.client.monitor import StepMonitor
-from gpumon.client.watch import kind_of
+from gpumon.client.watchers.watch import kind_of
 
 
 class GpumonCallback(pl.Callback):  # type: ignore[misc]  # Lightning is not analysed: Any

@@ -25,11 +25,10 @@ step it adds a ``memb`` field to the step's record with, in bytes:
 What is sampled and why: the first step, then the first step that starts at least
 ``interval_s`` (5 s) after the previous sample. An unsampled step calls nothing here: the
 sampler tells the monitor when its next sample is due (``quiet_until``), and the core calls no
-extension before then (+0.03 µs a step in ``benchmarks/bench_hook.py``, within its noise; it
-was +1.0 µs with a call in and out of every step); a sampled one walks the
-parameters, gradients and optimizer states and runs a Python hook for every tensor saved
-for backward — about 0.8 ms on ``examples/train_cpu.py``'s MLP (``benchmarks/bench_train.py``):
-negligible once every few seconds, not once per step. Memory changes over many steps, so
+extension before then, so a watched loop's unsampled steps cost what unwatched ones do; a
+sampled one walks the parameters, gradients and optimizer states and runs a Python hook for
+every tensor saved for backward: negligible once every few seconds, not once per step (both
+measured in benchmarks/RESULTS.md §10 and §11). Memory changes over many steps, so
 seconds between samples lose nothing an out-of-memory warning needs.
 
 Saved-tensor hooks keep a graph's saved outputs alive through a reference cycle if that
@@ -51,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from gpumon.client.monitor import StepMonitor
+    from gpumon.client.core.seam import Watched
 
 SAMPLE_INTERVAL_S = 5.0
 INTERVAL_ENV = "GPUMON_MEMORY_SAMPLE_S"
@@ -79,7 +78,7 @@ class Holdings(Protocol):
         ...
 
 
-def watch_memory(monitor: StepMonitor, model: torch.nn.Module,
+def watch_memory(monitor: Watched, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer | None = None,
                  holdings: Holdings | None = None) -> MemoryBreakdownSampler:
     """The monitor's sampler, registered as a step extension on first use, now also watching

@@ -1,30 +1,14 @@
 """A step's collective communication read from CUDA events, on a GPU (NCCL): ``DeviceComm``,
 a ``Deferred`` the sender resolves once the GPU has passed every event the ledger and the
-watchers recorded (``record_event``). Why events, and which: docs/architecture.md §5.1 (on a GPU).
+watchers recorded (``comm_ops.record_event``). Why events, and which: docs/architecture.md §5.1 (on a GPU).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpumon.client.comm_intervals import union_seconds
-
-if TYPE_CHECKING:
-    from gpumon.client.comm import Op, Tail
-
-NO_EVENT = object()
-"""Stands for a CUDA event that could not be recorded: the step's ``DeviceComm`` is then
-ready at once and has no value (its ``comm`` field is left out and counted)."""
-
-
-def record_event(clock: Any) -> Any:
-    """A CUDA event recorded now on the current stream, or ``NO_EVENT``: recording runs inside
-    DDP's hook, its futures' callbacks and autograd's callbacks, where an error would fail the
-    training step."""
-    try:
-        return clock.event()
-    except Exception:
-        return NO_EVENT
+from gpumon.client.watchers.comm_intervals import union_seconds
+from gpumon.client.watchers.comm_ops import NO_EVENT, Op, Tail
 
 
 class DeviceComm:

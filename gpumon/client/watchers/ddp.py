@@ -27,7 +27,7 @@ sends. A hook registered before ``watch()`` cannot be wrapped (DDP takes one hoo
 Python one is still measured through its collectives, with the wait taken as lasting from the
 last launch to the last completion; a built-in C++ one calls no Python, so the step's
 communication is reported as not measured. The CPU clock of the training thread is read at
-the edges of the hooks and of the wait, where it is cheap (~1 µs), so contention is measured
+the edges of the hooks and of the wait, where it is cheap, so contention is measured
 without a reading inside backward's own work.
 """
 
@@ -37,11 +37,11 @@ import logging
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm import CommLedger, Tail
-from gpumon.client.comm_device import record_event
-from gpumon.client.comm_inflight import IN_FLIGHT
-from gpumon.client.comm_tap import tap_into
-from gpumon.client.ddp_buckets import Buckets
+from gpumon.client.core.comm_inflight import IN_FLIGHT
+from gpumon.client.watchers.comm import CommLedger
+from gpumon.client.watchers.comm_ops import Tail, record_event
+from gpumon.client.watchers.comm_tap import tap_into
+from gpumon.client.watchers.ddp_buckets import Buckets
 
 log = logging.getLogger("gpumon.client")
 
@@ -171,7 +171,7 @@ def _all_reduce(ledger: CommLedger, group: Any, bucket: Any, t0: float) -> Any:
     the reciprocal of the group's size before the sum, as DDP scales while copying gradients
     into the bucket; ``default_hooks.allreduce_hook`` divides, which differs in the last bit
     for a group of 3). Called on the process group itself (``torch.distributed``'s checks
-    around it cost ~25 µs a bucket) and timed by the one callback it needs anyway.
+    around it would cost every bucket again) and timed by the one callback it needs anyway.
 
     A hook costs one pass over the gradients DDP saves without one: it scales them in that
     copy only when no hook is registered (with ``gradient_as_bucket_view=True`` there is no

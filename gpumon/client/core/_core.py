@@ -1,6 +1,6 @@
 """The training thread's half of ``StepMonitor``: step and phase timing, in pure Python.
 
-``gpumon.client._hook`` is the same class in C, built when a compiler is at hand at install
+``gpumon.client.core._hook`` is the same class in C, built when a compiler is at hand at install
 time, and used in its place: on a CPU-sized step the interpreter's work at the eight or so
 points a hooked loop passes through each step is most of what the hook costs (see
 ``benchmarks/RESULTS.md``). This module is the reference the C code follows line by line and
@@ -29,12 +29,12 @@ from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumon.client._cuda import MEMORY_OOMS
+from gpumon.client.core._cuda import MEMORY_OOMS
 
 if TYPE_CHECKING:
-    from gpumon.client._cuda import CudaClock, Mark, MemoryTuple
-    from gpumon.client._extensions import StepExtensions
-    from gpumon.client._step_tuple import StepTuple
+    from gpumon.client.core._cuda import CudaClock, Mark, MemoryTuple
+    from gpumon.client.core._extensions import StepExtensions
+    from gpumon.client.core._step_tuple import StepTuple
 
 T = TypeVar("T")
 

@@ -4,7 +4,7 @@ Nothing here imports torch: it only uses the module the training code already im
 Events are recorded through the CUDA runtime torch has loaded, from C with the GIL held
 (``_hook.cuda_runtime``), where the C core is built and the runtime's symbols are found;
 else through ``torch.cuda.Event``, whose ``record()`` releases the GIL (next to a busy Python
-thread, one call took 3.4-5.2 ms to get it back on an H200).
+thread, the training thread can wait milliseconds to get it back: benchmarks/RESULTS.md §7).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ MemoryTuple = tuple[int, int, int, int, int]
 the several since), alloc retries, OOMs. The encoder writes it as it stands."""
 
 MEMORY_OOMS = MEM_WIRE_NAMES.index("ooms")
-"""Where a ``MemoryTuple`` holds the allocator's OOM count (``_hook.c`` reads the same index;
+"""Where a ``MemoryTuple`` holds the allocator's OOM count (``hook/hook.h`` holds the same index;
 ``tests/client/test_core.py`` holds both cores to it)."""
 
 Mark = tuple[str, Any, Any]
@@ -32,22 +32,22 @@ ended starts at that one's end event: the same object)."""
 
 SHARE_GAP_S = 10e-6
 """A CUDA-timed phase entered this soon after the previous one ended, in the same step, starts
-at that phase's end event instead of recording its own: recording an event costs 6-11 µs of
-the training thread (measured on an H200), and no kernel launch fits in the gap."""
+at that phase's end event instead of recording its own: recording an event costs the training
+thread more than the gap (benchmarks/RESULTS.md §7), and no kernel launch fits in it."""
 
 DEVICE_INTERVAL_S = 0.1
 """Phases are timed with CUDA events on one step per this interval (decided as a step ends,
 for the next one: the step after the first to end past the interval), with host clocks on
-the others. Recording an event through torch costs 6-11 µs of
-the training thread (measured on an H200), four a step about 40 µs: 2 % of a 2 ms step if
-every step paid it, 0.04 % once per 100 ms. A time interval rather than one step in N keeps
+the others. Recording events through torch costs the training thread enough to matter on a
+short step if every step paid it, and nothing noticeable once per interval
+(benchmarks/RESULTS.md §7). A time interval rather than one step in N keeps
 that cost per second the same for short and long steps, and still puts about ten GPU-timed
 steps in each second the agent judges; a step longer than the interval is timed every time."""
 
 MEMORY_INTERVAL_S = 0.05
 """Allocator statistics are read at most this often, on GPU-timed steps only (so in fact at
-most once per ``DEVICE_INTERVAL_S``): reading them costs 10-20 µs (measured on an H200), a
-lot on a 2 ms step. The peak read covers every step since the previous reading, so none is
+most once per ``DEVICE_INTERVAL_S``): reading them is costly next to a short step
+(benchmarks/RESULTS.md §7). The peak read covers every step since the previous reading, so none is
 missed."""
 
 
@@ -81,9 +81,10 @@ class CudaClock:
         self.share_gap_s = SHARE_GAP_S  # 0 turns the sharing of boundary events off
         self._next_memory_read = 0.0
         # torch's Event.record() builds a Stream object for the current stream on every call
-        # (several µs of Python). ``current_stream(device)`` (torch._C._cuda_getCurrentStream)
-        # returns the raw stream id in one C call, so the object is kept and rebuilt only when
-        # the current stream changes. Without it, or if it fails, record() finds the stream.
+        # (Python work on the training thread: benchmarks/RESULTS.md §7).
+        # ``current_stream(device)`` (torch._C._cuda_getCurrentStream) returns the raw stream
+        # id in one C call, so the object is kept and rebuilt only when the current stream
+        # changes. Without it, or if it fails, record() finds the stream.
         self._current_stream = current_stream
         self._stream_key: Any = None
         self._stream: Any = None
@@ -201,7 +202,7 @@ def native_runtime(device: int, current_raw_stream: Any) -> Any:
     if os.environ.get("GPUMON_PURE_PYTHON"):
         return None
     try:
-        return importlib.import_module("gpumon.client._hook").cuda_runtime(device, current_raw_stream)
+        return importlib.import_module("gpumon.client.core._hook").cuda_runtime(device, current_raw_stream)
     except Exception:
         return None
 

@@ -32,7 +32,7 @@ from types import FrameType
 from typing import Protocol
 
 import gpumon
-from gpumon.client.comm_inflight import IN_FLIGHT, InFlightCollectives
+from gpumon.client.core.comm_inflight import IN_FLIGHT, InFlightCollectives
 from gpumon.wire import (
     MAX_DATAGRAM_BYTES,
     MAX_FRAME_TEXT_CHARS,

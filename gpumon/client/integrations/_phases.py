@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from time import perf_counter
-from typing import Any
 
 from gpumon.client.monitor import Phase, Step, StepMonitor
 
@@ -64,16 +62,3 @@ class PhaseSequence:
         phase, self._phase = self._phase, None
         if phase is not None:
             phase.__exit__(None if exc is None else type(exc), exc, None)
-
-
-def batch_size(batch: Any, depth: int = 0) -> int | None:
-    """The leading dimension of a batch: a tensor, or the first tensor in a tuple/list/dict."""
-    shape = getattr(batch, "shape", None)
-    if shape is not None:
-        return int(shape[0]) if len(shape) else None
-    if depth < 3:
-        if isinstance(batch, Mapping):
-            return batch_size(next(iter(batch.values()), None), depth + 1)
-        if isinstance(batch, (list, tuple)) and batch:
-            return batch_size(batch[0], depth + 1)
-    return None

@@ -1,6 +1,6 @@
 """Collective communication measured on the host, per step: the ledger a watched model's
-monitor keeps (``CommLedger``, the monitor's step extension), the collectives it records
-(``Op``) and the training thread's waits for them (``Tail``).
+monitor keeps (``CommLedger``, the monitor's step extension) of the collectives and the training
+thread's waits for them (``comm_ops``' ``Op`` and ``Tail``).
 
 How and why it measures what it does (busy, exposed, contention; which step an operation
 belongs to; what is not measured): docs/architecture.md §5.1. The same figures from CUDA events
@@ -14,90 +14,15 @@ from collections.abc import Callable, Iterable
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm_device import NO_EVENT, DeviceComm, record_event
-from gpumon.client.comm_intervals import contention_seconds, last_end, union_seconds
+from gpumon.client.watchers.comm_device import DeviceComm
+from gpumon.client.watchers.comm_intervals import contention_seconds, last_end, union_seconds
+from gpumon.client.watchers.comm_ops import Op, Tail
 
-__all__ = ["MAX_PENDING_OPS", "NO_EVENT", "CommLedger", "DeviceComm", "Op", "Tail",
-           "contention_seconds", "record_event", "union_seconds"]
+__all__ = ["MAX_PENDING_OPS", "CommLedger"]
 
 MAX_PENDING_OPS = 4096
 """Operations kept in flight across step ends; beyond that the oldest are dropped and counted
 (a collective that never completes, such as a peer that died, must not grow memory)."""
-
-class Op:
-    """One collective: launched on some thread, completed (``t_done``) on another."""
-
-    __slots__ = ("name", "nbytes", "t0", "t1", "t_done", "counted_until", "on_training_thread",
-                 "events")
-
-    def __init__(self, name: str, nbytes: int, t0: float, t1: float, on_training_thread: bool) -> None:
-        self.name = name
-        self.nbytes = nbytes
-        self.t0 = t0  # launch call entered
-        self.t1 = t1  # launch call returned
-        self.t_done: float | None = None
-        self.counted_until = t0  # busy time before this was reported with an earlier step
-        self.on_training_thread = on_training_thread
-        self.events: list[Any] | None = None  # CUDA events at launch and completion, on a GPU
-
-    def done(self, _future: object = None) -> None:
-        """Stamp the completion (called from the thread that completes the work)."""
-        self.t_done = perf_counter()
-
-    def device_done(self, clock: Any) -> None:
-        """Stamp the completion on the GPU: an event on the current stream, which the work's
-        end gates (a CUDA future's callback runs on streams made to wait for it)."""
-        self.t_done = perf_counter()
-        if self.events is not None:
-            self.events[1] = record_event(clock)
-
-
-class Tail:
-    """A wait of the training thread from ``start`` until its step's operations completed,
-    or until ``end``, stamped by a callback that ran when the waiter resumed.
-
-    With ``mirrored``, the work between the last completion and ``end`` (DDP copying each
-    bucket back into the gradients) was done once before too, unseen (DDP copying each
-    gradient into its bucket as it became ready, inside backward): the same bytes, so it is
-    taken to have cost the same, and counted as exposed once more. Where no copy is made
-    (``gradient_as_bucket_view=True``) both are nil.
-    """
-
-    __slots__ = ("start", "end", "cpu_end", "mirrored", "clock", "events")
-
-    def __init__(self, start: float, mirrored: bool = False, clock: Any = None) -> None:
-        self.start = start
-        self.end: float | None = None
-        self.cpu_end: float | None = None  # the waiter's CPU clock at ``end``
-        self.mirrored = mirrored
-        self.clock = clock  # a CudaClock when the wait is on a GPU stream
-        self.events: list[Any] = [None, None]
-
-    def waiting(self) -> None:
-        """On a GPU: the wait's start, once the last work it follows is queued."""
-        if self.clock is not None:
-            self.events[0] = record_event(self.clock)
-
-    def resumed(self) -> None:
-        """Stamp ``end``; called on the waiting thread."""
-        self.end = perf_counter()
-        self.cpu_end = thread_time()
-        if self.clock is not None:
-            self.events[1] = record_event(self.clock)
-
-    def interval(self, ops: Iterable[Op]) -> tuple[float, float] | None:
-        """When the wait was, if it can be told."""
-        ends = [op.t_done for op in ops if op.t_done is not None]
-        if self.end is not None:
-            return (self.start, self.end)
-        return (self.start, max(ends)) if ends else None
-
-    def unseen_s(self, ops: Iterable[Op]) -> float:
-        """Seconds of the mirrored work done before the wait (0 unless ``mirrored``)."""
-        if not self.mirrored or self.end is None:
-            return 0.0
-        ends = [op.t_done for op in ops if op.t_done is not None and op.t_done <= self.end]
-        return self.end - max(ends) if ends else 0.0
 
 
 class CommLedger:
@@ -242,8 +167,8 @@ class CommLedger:
         clocks.append((t_end, cpu_end))
         contended = contention_seconds(clocks, busy, blocked)
         # The unseen work happened after the step began and before the last measured moment:
-        # that bounds both figures (the ledger's clock reads bracket the record's window by a
-        # few µs, within the wire's slack).
+        # that bounds both figures (the ledger's clock reads bracket the record's window
+        # closely, within the wire's slack).
         span_s = last_end(busy + blocked, t_begin, t_end) - t_begin
         exposed = min(span_s, union_seconds(blocked, t_begin, t_end) + unseen_s + contended)
         fields["comm"] = {

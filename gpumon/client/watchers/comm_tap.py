@@ -15,9 +15,9 @@ from collections.abc import Callable
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.comm import CommLedger
-from gpumon.client.comm_device import record_event
-from gpumon.client.comm_inflight import IN_FLIGHT
+from gpumon.client.core.comm_inflight import IN_FLIGHT
+from gpumon.client.watchers.comm import CommLedger
+from gpumon.client.watchers.comm_ops import record_event
 
 log = logging.getLogger("gpumon.client")
 

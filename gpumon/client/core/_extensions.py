@@ -8,7 +8,8 @@ monitor, so watching twice registers nothing twice). ``monitor.extensions.descri
 zero_stage)`` names what drives the loop, for the agent. ``monitor.extensions.device_clock()`` is
 the monitor's CUDA clock once CUDA is seen in use, else ``None``; it holds no reference to the
 monitor, so an extension a process-wide hook keeps never keeps its monitor alive. Watchers use
-these three and nothing else of the monitor.
+these three and nothing else of the monitor; they are handed it as a ``seam.Watched`` and
+import nothing of the monitor's module.
 
 An extension is any object with ``step_begin() -> None`` and ``step_end(fields) -> None``, and
 optionally ``quiet_until() -> float``: the ``perf_counter()`` reading before which its
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from gpumon.client._cuda import CudaClock
+    from gpumon.client.core._cuda import CudaClock
 
 E = TypeVar("E", bound="StepExtension")
 

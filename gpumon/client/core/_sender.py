@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterable
 from time import perf_counter
 from typing import Any
 
-from gpumon.client._cuda import CudaClock
-from gpumon.client._step_tuple import (
+from gpumon.client.core._cuda import CudaClock
+from gpumon.client.core._step_tuple import (
     FLOPS,
     MARKS,
     MEASURED,
@@ -33,7 +33,7 @@ from gpumon.client._step_tuple import (
     TOKENS,
     StepTuple,
 )
-from gpumon.client.transport import Transport
+from gpumon.client.core.transport import Transport
 from gpumon.wire import EventRecord, HelloRecord, StateRecord, StepEncoder, encode_record, pack_datagrams
 from gpumon.wire.step_encoder import LIMITS, Formatter
 
@@ -44,7 +44,7 @@ def _c_formatter() -> Formatter | None:
     if os.environ.get("GPUMON_PURE_PYTHON"):
         return None
     try:
-        from gpumon.client._hook import format_step, set_step_limits
+        from gpumon.client.core._hook import format_step, set_step_limits
     except ImportError:
         return None
     set_step_limits(*LIMITS)

@@ -39,12 +39,13 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gpumon.client._phases import batch_size
-from gpumon.client.comm import CommLedger
-from gpumon.client.memory import MemoryBreakdownSampler
+from gpumon.client.core.batches import batch_size
+from gpumon.client.watchers.comm import CommLedger
+from gpumon.client.watchers.memory import MemoryBreakdownSampler
 
 if TYPE_CHECKING:
-    from gpumon.client.monitor import Step, StepMonitor
+    from gpumon.client.core._core import Step
+    from gpumon.client.core.seam import Watched
 
 log = logging.getLogger("gpumon.client")
 
@@ -65,7 +66,7 @@ class StepDriver:
     """The monitor's step extension for a DeepSpeed engine: opens and closes steps at the
     engine's accumulation boundaries, unless the loop opens its own."""
 
-    def __init__(self, monitor: StepMonitor) -> None:
+    def __init__(self, monitor: Watched) -> None:
         self._monitor = monitor
         self._step: Step | None = None
         self._opening = False
@@ -124,7 +125,7 @@ class StepDriver:
             self.steps_made += exc is None
 
 
-def watch_engine(monitor: StepMonitor, engine: Any) -> StepDriver | None:
+def watch_engine(monitor: Watched, engine: Any) -> StepDriver | None:
     """Time ``engine``'s forward, backward and optimizer step into ``monitor`` and make its
     steps; None if the engine's methods could not be wrapped."""
     driver = monitor.extensions.attach(StepDriver, lambda: StepDriver(monitor))

@@ -26,18 +26,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumon.client.comm import CommLedger
-from gpumon.client.comm_tap import tap_into
-from gpumon.client.cpu_wait import CpuWaitClock
+from gpumon.client.watchers.comm import CommLedger
+from gpumon.client.watchers.comm_tap import tap_into
+from gpumon.client.watchers.cpu_wait import CpuWaitClock
 
 if TYPE_CHECKING:
-    from gpumon.client.monitor import StepMonitor
+    from gpumon.client.core.seam import Watched
 
 log = logging.getLogger("gpumon.client")
 
 M = TypeVar("M")
 
-def watch(monitor: StepMonitor, model: M, optimizer: Any = None) -> M:
+def watch(monitor: Watched, model: M, optimizer: Any = None) -> M:
     """Measure what ``model`` (and ``optimizer``) do in each of ``monitor``'s steps; returns
     ``model``."""
     try:
@@ -51,11 +51,11 @@ def watch(monitor: StepMonitor, model: M, optimizer: Any = None) -> M:
     return model
 
 
-def _watch_memory(monitor: StepMonitor, model: object, optimizer: Any) -> None:
+def _watch_memory(monitor: Watched, model: object, optimizer: Any) -> None:
     names = {f"{cls.__module__}.{cls.__qualname__}" for cls in type(model).__mro__}
     if "torch.nn.modules.module.Module" not in names:
         return  # not a torch module: nothing to break down
-    from gpumon.client.memory import watch_memory
+    from gpumon.client.watchers.memory import watch_memory
 
     watch_memory(monitor, model, _torch_optimizer(optimizer))
 
@@ -125,13 +125,13 @@ def find_wrapper(model: object) -> object | None:
     return None
 
 
-def comm_ledger(monitor: StepMonitor) -> CommLedger:
+def comm_ledger(monitor: Watched) -> CommLedger:
     """The monitor's communication ledger, attached as a step extension on first use."""
     device_clock = monitor.extensions.device_clock  # not the monitor: a tap keeps the ledger
     return monitor.extensions.attach(CommLedger, lambda: CommLedger(device_clock=device_clock))
 
 
-def _watch_communication(monitor: StepMonitor, model: object) -> None:
+def _watch_communication(monitor: Watched, model: object) -> None:
     wrapper = _wrapper_of(model)
     if wrapper is None:
         return
@@ -140,21 +140,21 @@ def _watch_communication(monitor: StepMonitor, model: object) -> None:
     wrapper.watch(monitor, model)
 
 
-def _watch_ddp(monitor: StepMonitor, model: object) -> None:
-    from gpumon.client.ddp import watch_ddp
+def _watch_ddp(monitor: Watched, model: object) -> None:
+    from gpumon.client.watchers.ddp import watch_ddp
 
     watch_ddp(comm_ledger(monitor), model)
 
 
-def _watch_fsdp(monitor: StepMonitor, model: object) -> None:
+def _watch_fsdp(monitor: Watched, model: object) -> None:
     if not tap_into(comm_ledger(monitor)):
         log.warning("gpumon: torch.distributed is not available: FSDP communication not measured")
 
 
-def _watch_deepspeed(monitor: StepMonitor, engine: Any) -> None:
-    from gpumon.client.deepspeed import rebind_backend, time_gather_waits, watch_engine, zero_stage
-    from gpumon.client.deepspeed_memory import DeepSpeedHoldings
-    from gpumon.client.memory import watch_memory
+def _watch_deepspeed(monitor: Watched, engine: Any) -> None:
+    from gpumon.client.watchers.deepspeed import rebind_backend, time_gather_waits, watch_engine, zero_stage
+    from gpumon.client.watchers.deepspeed_memory import DeepSpeedHoldings
+    from gpumon.client.watchers.memory import watch_memory
 
     watch_engine(monitor, engine)
     monitor.extensions.describe("deepspeed", zero_stage(engine))
@@ -179,7 +179,7 @@ class Wrapper:
     be one of its classes)."""
     name: str
     """The class's name in ``module``."""
-    watch: Callable[[StepMonitor, Any], None]
+    watch: Callable[[Watched, Any], None]
     """Attaches what measures its communication (after the wait for a CPU, which every
     wrapper gets)."""
     holds_model: bool
