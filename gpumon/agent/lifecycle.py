@@ -73,7 +73,8 @@ class Agent:
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
                                          self.recording_status, self.ingest_status)
-        self.registry = CollectorRegistry(auto_describe=False)
+        # Every collector's families are named at registration, so a clash is refused there.
+        self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self._collector)
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
         self._ingest: IngestServer | None = None

@@ -209,7 +209,7 @@ def _analysis_families() -> _AnalysisFamilySet:
     return _AnalysisFamilySet(
         CounterFamily("gpumon_step_bottleneck", "Steps classified under each bottleneck.",
                       labels=[*RANK_LABELS, "bottleneck"]),
-        GaugeFamily("gpumon_step_bottleneck",
+        GaugeFamily("gpumon_step_bottleneck_current",
                     "1 for the latest verdict's bottleneck, 0 for the others.",
                     labels=[*RANK_LABELS, "bottleneck"]),
         GaugeFamily("gpumon_step_bottleneck_confidence",
