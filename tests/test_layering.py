@@ -66,7 +66,7 @@ LAYERS: dict[str, Allowed] = {
                                  "transformers"),
     "collectors": allow("wire", libraries="psutil"),
     "collectors.nvml": allow("wire", libraries="pynvml"),
-    "analysis": allow("wire collectors.samples", pure=True),
+    "analysis": allow("wire collectors.samples collectors.gpu_fields", pure=True),
     "state": allow("wire collectors.samples collectors.sender_shares analysis"),
     "sim": allow("client collectors.samples"),
     "export": allow("gpumon wire collectors analysis state",
