@@ -27,6 +27,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from gpumon import __version__
 from gpumon.agent.analyzer import SharedAnalyzer
+from gpumon.agent.collectors import COLLECTORS
 from gpumon.agent.config import AgentConfig
 from gpumon.agent.recorder import Recorder
 from gpumon.agent.reload import apply_reload
@@ -68,7 +69,7 @@ class Agent:
         self._threads: list[Periodic] = []
         self._xid: EventWatcher | None = None
         self._server: MetricsServer | None = None
-        self._host = HostSource() if config.enabled("host") else None
+        self._host: HostSource | None = None
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
@@ -111,15 +112,11 @@ class Agent:
             log.warning("no GPU metrics: %s; serving host and step metrics only", status.message)
         source = self._gpu_source
         self.state.set_nvml(status, source.statics() if source else [])
-        if source is not None:
-            self._threads.append(Periodic(source.name, self.config.interval,
-                                          self._collect_gpus, self.state))
-            self._xid = source.xid_watcher(self.state.add_xid)
-        if self._host is not None:
-            self._threads.append(Periodic("host", max(self.config.interval, HOST_INTERVAL_S),
-                                          self._collect_host, self.state))
-        if self.config.enabled("ingest"):
-            self._start_ingest()
+        # A simulated or handed-in GPU source stands in for NVML, whatever --collector says.
+        wanted = set(self.config.collectors) | ({"nvml"} if source is not None else set())
+        for collector in COLLECTORS:
+            if collector.name in wanted:
+                collector.start(self)
         self._threads.append(Periodic("housekeeping", HOUSEKEEPING_INTERVAL_S,
                                       self._housekeeping, self.state))
         for thread in self._threads:
@@ -135,6 +132,19 @@ class Agent:
         # (3-20 ms each, landing in whichever scrape or ingest is running).
         gc.collect()
         gc.freeze()
+
+    def _start_gpus(self) -> None:
+        source = self._gpu_source
+        if source is None:
+            return
+        self._threads.append(Periodic(source.name, self.config.interval,
+                                      self._collect_gpus, self.state))
+        self._xid = source.xid_watcher(self.state.add_xid)
+
+    def _start_host(self) -> None:
+        self._host = HostSource()
+        self._threads.append(Periodic("host", max(self.config.interval, HOST_INTERVAL_S),
+                                      self._collect_host, self.state))
 
     def _start_ingest(self) -> None:
         try:
