@@ -97,6 +97,8 @@ GPU_FIELDS: tuple[GpuField, ...] = (
              "Power draw.", record="power_watts", window=True),
     GpuField("temperature_celsius", "nvmlDeviceGetTemperature(NVML_TEMPERATURE_GPU)", float,
              "gpumon_gpu_temperature_celsius", "GPU core temperature.", window=True),
+    GpuField("memory_temperature_celsius", "NVML_FI_DEV_MEMORY_TEMP", float,
+             "gpumon_gpu_memory_temperature_celsius", "Device memory (HBM) temperature."),
     GpuField("sm_clock_hz", "nvmlDeviceGetClockInfo(NVML_CLOCK_SM) (MHz)", hertz_from_megahertz,
              "gpumon_gpu_sm_clock_hertz", "Current SM clock.", window=True),
     GpuField("pcie_tx_bytes_total", "NVML_FI_DEV_PCIE_COUNT_TX_BYTES", float,
