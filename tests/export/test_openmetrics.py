@@ -17,14 +17,28 @@ from typing import Any
 
 import pytest
 from prometheus_client import Gauge
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+)
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.openmetrics.parser import (
     text_string_to_metric_families as openmetrics_families,
 )
 from prometheus_client.parser import text_string_to_metric_families as text_families
 
 from gpumon.agent.lifecycle import Agent
+from gpumon.export.exposition import (
+    CounterFamily,
+    GaugeFamily,
+    HistogramFamily,
+    render_openmetrics,
+)
 from gpumon.export.server import wants_openmetrics
 from gpumon.testing.agent import library_agent
+from tests.export.test_exposition import _both, _Registry
 from tests.helpers import http_get, require_tool, start_prometheus, wait_for
 
 OPENMETRICS = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"
@@ -162,3 +176,19 @@ def test_prometheus_negotiates_openmetrics(agent: Agent, tmp_path: Path) -> None
         assert [m["type"] for m in metadata("gpumon_step_bottleneck_current")] == ["gauge"]
     finally:
         prometheus.stop()
+
+
+def test_row_families_render_as_prometheus_clients_openmetrics_writer_does() -> None:
+    """Byte for byte, on the values and labels of the text format's own test."""
+    gauge, ref_gauge = _both(GaugeFamily, GaugeMetricFamily, "bench_gauge", ["zone", "a"])
+    counter, ref_counter = _both(CounterFamily, CounterMetricFamily, "bench_things",
+                                 ["zone", "a"])
+    histogram, ref_histogram = (
+        HistogramFamily("bench_seconds", 'A "histogram".', labels=["run"]),
+        HistogramMetricFamily("bench_seconds", 'A "histogram".', labels=["run"]))
+    for family in (histogram, ref_histogram):
+        family.add_metric(['r"1'], [("0.5", 1.0), ("2.5", 3.0), ("+Inf", 4.0)], 7.25)
+    info = InfoMetricFamily("bench_build", "Info.", value={"version": "1.2"})
+    ours = [gauge, counter, histogram, info]
+    theirs = [ref_gauge, ref_counter, ref_histogram, info]
+    assert render_openmetrics(ours) == openmetrics_latest(_Registry(theirs))
