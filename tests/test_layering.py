@@ -68,7 +68,7 @@ LAYERS: dict[str, Allowed] = {
     "collectors.nvml": allow("wire", libraries="pynvml"),
     "analysis": allow("wire collectors.samples collectors.gpu_fields", pure=True),
     "state": allow("wire collectors.samples collectors.sender_shares analysis"),
-    "sim": allow("client collectors.samples"),
+    "sim": allow("client collectors.samples collectors.gpu_fields"),
     "export": allow("gpumon wire collectors analysis state",
                     libraries="prometheus_client bcrypt yaml"),
     "agent": allow("gpumon wire collectors collectors.nvml analysis state sim export",

@@ -70,3 +70,17 @@ def test_memory_temperature_reaches_metrics_through_the_binding(tmp_path: Path,
         assert value(m, "gpumon_gpu_temperature_celsius", gpu="1") == 40.0
     finally:
         assert agent.stop() == 0, agent.log()
+
+
+NOT_SIMULATED = {"memory_temperature_celsius"}
+"""Fields the simulator has no model of, absent from --simulate."""
+
+
+def test_the_simulator_gives_every_field_it_models() -> None:
+    from gpumon.sim.gpus import SimulatedSource
+
+    source = SimulatedSource(1)
+    source.sample(0.0, 0.0)
+    sample = source.sample(1.0, 1.0)[0]  # rates need a previous poll
+    missing = {f.name for f in GPU_FIELDS if getattr(sample, f.name) is None}
+    assert missing == NOT_SIMULATED
