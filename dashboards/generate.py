@@ -345,7 +345,7 @@ def training() -> dict[str, Any]:
                    Target(f"sum by (bottleneck) (rate(gpumon_step_bottleneck_total{{{RUN}}}[{RATE}]))",
                           "{{bottleneck}}"), stack="percent", unit="short"),
         table("Current verdict per rank", "The latest verdict of each rank, with its confidence.",
-              Target(f"max by (rank, bottleneck) (gpumon_step_bottleneck{{{RUN}}} == 1)"),
+              Target(f"max by (rank, bottleneck) (gpumon_step_bottleneck_current{{{RUN}}} == 1)"),
               Target(f"max by (rank) (gpumon_step_bottleneck_confidence{{{RUN}}})")),
         timeseries("Phase breakdown", "Mean seconds per step in each phase, over the selected "
                    "ranks as the loop timed them; data is the wait for the next batch. A wait on "
@@ -595,7 +595,7 @@ def fleet() -> dict[str, Any]:
              thresholds=[(None, "green"), (1, "red")]),
         row("Bottlenecks"),
         timeseries("GPUs by bottleneck", "Ranks (one per GPU) by their current verdict.",
-                   Target(f"count by (bottleneck) (gpumon_step_bottleneck{{{JOB}}} == 1)",
+                   Target(f"count by (bottleneck) (gpumon_step_bottleneck_current{{{JOB}}} == 1)",
                           "{{bottleneck}}"), stack="normal"),
         timeseries("Bottleneck mix by run", "Share of each run's steps per verdict.",
                    Target("run_bottleneck:gpumon_step_bottleneck:ratio_rate5m",

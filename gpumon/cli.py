@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal, NoReturn  # noqa: E402
 import typer  # noqa: E402
 
 from gpumon import __version__  # noqa: E402
+from gpumon.agent.collectors import flag_help as collector_flag_help  # noqa: E402
 from gpumon.agent.config import COLLECTORS, DEFAULT_PORT  # noqa: E402
 
 app = typer.Typer(
@@ -66,7 +67,7 @@ def agent(
     simulate: Annotated[int | None, typer.Option(metavar="N", help="Simulate N GPUs instead of using NVML [env GPUMON_SIMULATE].")] = None,
     record: Annotated[str | None, typer.Option(metavar="PATH", help="Append every step and GPU sample to this JSONL file [env GPUMON_RECORD].")] = None,
     config: Annotated[str | None, typer.Option(metavar="PATH", help="TOML config file ([agent] and [thresholds] tables) [env GPUMON_CONFIG].")] = None,
-    collector: Annotated[list[Collector] | None, typer.Option(metavar="|".join(COLLECTORS), help="Collect only from these (repeatable): nvml (GPUs), host (CPU and memory), ingest (training steps), owners (whose each rank and GPU is: cgroups, uids, the kubelet) [env GPUMON_COLLECTORS].")] = None,
+    collector: Annotated[list[Collector] | None, typer.Option(metavar="|".join(COLLECTORS), help=collector_flag_help())] = None,
     log_level: Annotated[LogLevel | None, typer.Option(help="How much to log [default: info; env GPUMON_LOG_LEVEL].")] = None,
     web_config: Annotated[str | None, typer.Option(metavar="PATH", help="TLS and basic-auth file in the Prometheus exporters' web config format [env GPUMON_WEB_CONFIG].")] = None,
 ) -> None:

@@ -70,9 +70,9 @@ LAYERS: dict[str, Allowed] = {
     "collectors.nvml": allow("wire", libraries="pynvml"),
     # The kubelet's PodResources API: gRPC and the code protoc generated from its proto.
     "collectors.podresources": allow("wire", libraries="grpc google"),
-    "analysis": allow("wire collectors.samples", pure=True),
+    "analysis": allow("wire collectors.samples collectors.gpu_fields", pure=True),
     "state": allow("wire collectors.samples collectors.sender_shares analysis"),
-    "sim": allow("client collectors.samples"),
+    "sim": allow("client collectors.samples collectors.gpu_fields"),
     "export": allow("gpumon wire collectors analysis state",
                     libraries="prometheus_client bcrypt yaml"),
     "agent": allow("gpumon wire collectors collectors.nvml collectors.podresources analysis state "

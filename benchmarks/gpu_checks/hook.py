@@ -108,7 +108,7 @@ def section_training(report: Report, result: dict[str, Any], torch: Any, agent: 
         text = agent.scrape(10.0)
         samples = parse_metrics(text)
         got = first(samples, "gpumon_steps_total", run=RUN) or 0
-        verdicts = series(samples, "gpumon_step_bottleneck", run=RUN)
+        verdicts = series(samples, "gpumon_step_bottleneck_current", run=RUN)
         if got >= steps and verdicts and now() > deadline - 12:  # >= 3 s after the last step
             break
         time.sleep(0.5)
@@ -126,7 +126,7 @@ def section_training(report: Report, result: dict[str, Any], torch: Any, agent: 
                   "client_dropped": stats.dropped,
                   "agent_dropped": {lab.get("reason"): v for lab, v in
                                     series(samples, "gpumon_ingest_dropped_total") if v}})
-    current = {lab["bottleneck"]: v for lab, v in series(samples, "gpumon_step_bottleneck", run=RUN)}
+    current = {lab["bottleneck"]: v for lab, v in series(samples, "gpumon_step_bottleneck_current", run=RUN)}
     totals = {lab["bottleneck"]: v for lab, v in
               series(samples, "gpumon_step_bottleneck_total", run=RUN)}
     confidence = first(samples, "gpumon_step_bottleneck_confidence", run=RUN)

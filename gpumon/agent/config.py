@@ -12,12 +12,13 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from gpumon.agent.collectors import DEFAULTS, NAMES
 from gpumon.analysis.thresholds import Thresholds
 
 DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
-COLLECTORS = ("nvml", "host", "ingest", "owners")
+COLLECTORS = NAMES  # the names of agent/collectors.py's table
 
 
 class ConfigError(ValueError):
@@ -36,7 +37,7 @@ class AgentConfig:
     interval: float = 1.0
     simulate: int = 0
     record: str | None = None
-    collectors: tuple[str, ...] = COLLECTORS
+    collectors: tuple[str, ...] = DEFAULTS
     allowed_uids: tuple[int, ...] = ()
     rank_ttl_seconds: float = 300.0
     max_ranks: int = 1024

@@ -29,6 +29,7 @@ from prometheus_client.process_collector import ProcessCollector
 
 from gpumon import __version__
 from gpumon.agent.analyzer import SharedAnalyzer
+from gpumon.agent.collectors import COLLECTORS
 from gpumon.agent.config import AgentConfig
 from gpumon.agent.owners import OwnerCollector
 from gpumon.agent.recorder import Recorder
@@ -74,14 +75,15 @@ class Agent:
         self._threads: list[Periodic] = []
         self._xid: EventWatcher | None = None
         self._server: MetricsServer | None = None
-        self._host = HostSource() if config.enabled("host") else None
+        self._host: HostSource | None = None
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self.owners = OwnerState(config.node_name or socket.gethostname())
         self._owner_collector = OwnerCollector(self.owners, config.pod_resources_socket)
         self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
                                          self.recording_status, self.ingest_status, self.owners)
-        self.registry = CollectorRegistry(auto_describe=False)
+        # Every collector's families are named at registration, so a clash is refused there.
+        self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self._collector)
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
         self._ingest: IngestServer | None = None
@@ -118,19 +120,11 @@ class Agent:
             log.warning("no GPU metrics: %s; serving host and step metrics only", status.message)
         source = self._gpu_source
         self.state.set_nvml(status, source.statics() if source else [])
-        if source is not None:
-            self._threads.append(Periodic(source.name, self.config.interval,
-                                          self._collect_gpus, self.state))
-            self._xid = source.xid_watcher(self.state.add_xid)
-        if self._host is not None:
-            self._threads.append(Periodic("host", max(self.config.interval, HOST_INTERVAL_S),
-                                          self._collect_host, self.state))
-        if self.config.enabled("ingest"):
-            self._start_ingest()
-        if self.config.enabled("owners"):
-            self._threads.append(Periodic("owners", OWNERS_INTERVAL_S, self._collect_owners,
-                                          self.state))
-            self._start_kubelet()
+        # A simulated or handed-in GPU source stands in for NVML, whatever --collector says.
+        wanted = set(self.config.collectors) | ({"nvml"} if source is not None else set())
+        for collector in COLLECTORS:
+            if collector.name in wanted:
+                collector.start(self)
         self._threads.append(Periodic("housekeeping", HOUSEKEEPING_INTERVAL_S,
                                       self._housekeeping, self.state))
         for thread in self._threads:
@@ -147,6 +141,19 @@ class Agent:
         gc.collect()
         gc.freeze()
 
+    def _start_gpus(self) -> None:
+        source = self._gpu_source
+        if source is None:
+            return
+        self._threads.append(Periodic(source.name, self.config.interval,
+                                      self._collect_gpus, self.state))
+        self._xid = source.xid_watcher(self.state.add_xid)
+
+    def _start_host(self) -> None:
+        self._host = HostSource()
+        self._threads.append(Periodic("host", max(self.config.interval, HOST_INTERVAL_S),
+                                      self._collect_host, self.state))
+
     def _start_ingest(self) -> None:
         try:
             self._ingest = IngestServer(Path(self.config.socket), self._on_records,
@@ -159,6 +166,11 @@ class Agent:
             return
         self._ingest.start()
         log.info("receiving training steps on %s", self.config.socket)
+
+    def _start_owners(self) -> None:
+        self._threads.append(Periodic("owners", OWNERS_INTERVAL_S, self._collect_owners,
+                                      self.state))
+        self._start_kubelet()
 
     def _start_kubelet(self) -> None:
         """Ask the kubelet's PodResources API on a node that runs one and lets the agent in."""

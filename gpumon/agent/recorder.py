@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from gpumon.collectors.gpu_fields import GPU_FIELDS
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.state.recording import RecorderStatus
 from gpumon.wire import StepRecord, to_wire
@@ -36,21 +37,7 @@ FILE_MODE = 0o640  # steps name runs and hosts' processes: not for every local u
 MAX_BACKLOG_BYTES = 16 * 1024 * 1024
 
 # GpuSample field -> recording key.
-_GPU_KEYS = (
-    ("utilization_ratio", "utilization"),
-    ("memory_utilization_ratio", "memory_utilization"),
-    ("memory_used_bytes", "memory_used_bytes"),
-    ("memory_total_bytes", "memory_total_bytes"),
-    ("sm_active_ratio", "sm_active"),
-    ("sm_occupancy_ratio", "sm_occupancy"),
-    ("tensor_active_ratio", "tensor_active"),
-    ("dram_active_ratio", "dram_active"),
-    ("nvlink_tx_bytes_per_second", "nvlink_tx_bytes_per_second"),
-    ("nvlink_rx_bytes_per_second", "nvlink_rx_bytes_per_second"),
-    ("pcie_tx_bytes_per_second", "pcie_tx_bytes_per_second"),
-    ("pcie_rx_bytes_per_second", "pcie_rx_bytes_per_second"),
-    ("power_watts", "power_watts"),
-)
+_GPU_KEYS = tuple((f.name, f.record) for f in GPU_FIELDS if f.record is not None)
 
 
 def gpu_line(sample: GpuSample, static: GpuStatic | None = None) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from prometheus_client.core import Metric
@@ -20,7 +20,7 @@ from gpumon.analysis.stall import RankCondition, waits_on_label
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.ingest import IngestStatus
 from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
-from gpumon.collectors.samples import GpuSample
+from gpumon.collectors.samples import GpuSample, HostSample
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.health_metrics import eviction_families, ingest_families, recording_families
 from gpumon.export.memory_metrics import MemoryFamilies
@@ -76,8 +76,16 @@ class AgentCollector:
         yield from recording_families(self._recording())
 
     def describe(self) -> list[Metric]:
-        """Nothing up front: registering must not do I/O."""
-        return []
+        """Every family ``collect`` can yield, so the registry can check their names against
+        the other collectors'. Families that exist only with their feature (the host, the
+        recording, the ingest socket) are described from stand-in readings; no I/O."""
+        snap = replace(self._node.snapshot(time.time()), host=HostSample(0.0, 0.0, 0, 0))
+        steps = StepFamilies()
+        return [*node_families(snap), *steps.steps([], {}, {}, {}, {}),
+                *owner_families(Ownership(), [], {}, {}), *steps.analyses([]),
+                *MemoryFamilies().families([], []), *rank_state_families({}),
+                *eviction_families({}), *ingest_families(IngestStatus("", True, 0o660, "")),
+                *recording_families(RecorderStatus("", 0, 0, 0, 0, None))]
 
 
 def readiness(snap: NodeSnapshot, ingest_problem: str | None, now_monotonic: float,

@@ -14,26 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpumon.analysis.device_timing import window_phases
+from gpumon.collectors.gpu_fields import GPU_FIELDS
 from gpumon.collectors.samples import GpuSample
 from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 
-# Fields averaged over a window. Memory used is summarised by its maximum instead: the
-# highest point in a step is what matters for pressure, not the mean.
-MEAN_FIELDS = (
-    "utilization_ratio",
-    "memory_utilization_ratio",
-    "sm_active_ratio",
-    "sm_occupancy_ratio",
-    "tensor_active_ratio",
-    "dram_active_ratio",
-    "power_watts",
-    "temperature_celsius",
-    "sm_clock_hz",
-    "nvlink_tx_bytes_per_second",
-    "nvlink_rx_bytes_per_second",
-    "pcie_tx_bytes_per_second",
-    "pcie_rx_bytes_per_second",
-)
+# Fields averaged over a window (the table's ``window`` rows). Memory used is summarised by
+# its maximum instead: the highest point in a step is what matters for pressure, not the mean.
+MEAN_FIELDS = tuple(f.name for f in GPU_FIELDS if f.window)
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,19 +109,7 @@ def summarize_gpu_window(samples: Sequence[GpuSample], t0: float, t1: float) -> 
         memory_used_bytes_max=max(used) if used else None,
         memory_total_bytes=totals[-1] if totals else None,
         clock_event_fractions=fractions,
-        utilization_ratio=means.get("utilization_ratio"),
-        memory_utilization_ratio=means.get("memory_utilization_ratio"),
-        sm_active_ratio=means.get("sm_active_ratio"),
-        sm_occupancy_ratio=means.get("sm_occupancy_ratio"),
-        tensor_active_ratio=means.get("tensor_active_ratio"),
-        dram_active_ratio=means.get("dram_active_ratio"),
-        power_watts=means.get("power_watts"),
-        temperature_celsius=means.get("temperature_celsius"),
-        sm_clock_hz=means.get("sm_clock_hz"),
-        nvlink_tx_bytes_per_second=means.get("nvlink_tx_bytes_per_second"),
-        nvlink_rx_bytes_per_second=means.get("nvlink_rx_bytes_per_second"),
-        pcie_tx_bytes_per_second=means.get("pcie_tx_bytes_per_second"),
-        pcie_rx_bytes_per_second=means.get("pcie_rx_bytes_per_second"),
+        **{name: means.get(name) for name in MEAN_FIELDS},
     )
 
 

@@ -46,6 +46,7 @@ class GpuSample:
     dram_active_ratio: float | None = None
     power_watts: float | None = None
     temperature_celsius: float | None = None
+    memory_temperature_celsius: float | None = None
     sm_clock_hz: float | None = None
     clock_event_reasons: dict[str, bool] | None = None
     ecc_errors_total: dict[str, int] | None = None

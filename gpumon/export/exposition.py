@@ -1,5 +1,5 @@
 """The text exposition format (0.0.4), rendered fast: the same bytes as prometheus_client's
-``generate_latest`` at about a seventh of its cost.
+``generate_latest`` at about a seventh of its cost; and OpenMetrics from the same series.
 
 At 8 GPUs × 64 ranks a scrape holds ~3,900 series. prometheus_client spends ~1.5 µs building
 each (a ``Sample`` and a label dict) and ~4 µs formatting it (label names re-validated on every
@@ -11,6 +11,11 @@ e.g. the process collector's) are rendered sample by sample by the same rules.
 A ``RenderCache`` goes further for families fed by many sources that mostly stand still
 between scrapes (the ranks of training runs): it keeps each source's rendered lines with a
 version of the source, and renders again only the sources whose version moved.
+
+The two formats differ only in their family headers (OpenMetrics names a counter's family
+without ``_total``, and calls untyped ``unknown``), in ``_created`` samples and in the closing
+``# EOF``; a series line reads the same in both. So the rows and the cached blocks serve both,
+and only the headers are written per format.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from typing import Generic, TypeVar
 
 from prometheus_client.core import Metric
 from prometheus_client.openmetrics.exposition import escape_label_name, escape_metric_name
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.samples import Sample
 
 Row = tuple[str, tuple[str, ...], tuple[str, ...], float]
@@ -196,6 +202,36 @@ def render(metrics: Iterable[Metric]) -> bytes:
             append(f"# HELP {gauge} {doc}\n# TYPE {gauge} gauge\n")
             out.extend(lines)
     return "".join(out).encode("utf-8")
+
+
+def render_openmetrics(metrics: Iterable[Metric]) -> bytes:
+    """The OpenMetrics 1.0 exposition of ``metrics``, ``# EOF`` included."""
+    out: list[str] = []
+    append = out.append
+    for metric in metrics:
+        if not isinstance(metric, (TextFamily, RowFamily)):
+            # prometheus_client's families (info, the process collector's): its own writer
+            written: bytes = openmetrics_latest(_Single(metric))  # type: ignore[no-untyped-call]
+            text = written.decode("utf-8")
+            append(text.removesuffix("# EOF\n"))
+            continue
+        name = _metric_name(metric.name)
+        doc = (metric.documentation.replace("\\", r"\\").replace("\n", r"\n")
+               .replace('"', r'\"'))
+        append(f"# HELP {name} {doc}\n# TYPE {name} {metric.type}\n")
+        append(metric.text if isinstance(metric, TextFamily) else _render_rows(metric.rows))
+    append("# EOF\n")
+    return "".join(out).encode("utf-8")
+
+
+class _Single:
+    """One family in the shape prometheus_client's writers read (``collect()``)."""
+
+    def __init__(self, metric: Metric) -> None:
+        self._metric = metric
+
+    def collect(self) -> list[Metric]:
+        return [self._metric]
 
 
 def _render_rows(rows: Iterable[Row]) -> str:

@@ -7,41 +7,23 @@ from collections.abc import Iterator
 from prometheus_client.core import InfoMetricFamily, Metric
 
 from gpumon import __version__
+from gpumon.collectors.gpu_fields import GPU_FIELDS
 from gpumon.export.exposition import CounterFamily, GaugeFamily
 from gpumon.state.node import NodeSnapshot
 
 GPU_LABELS = ["gpu", "uuid", "model"]
 
-# (GpuSample field, metric name, help). Absent fields produce no series.
-GPU_GAUGES = (
-    ("utilization_ratio", "gpumon_gpu_utilization_ratio",
-     "Fraction of time over the last sample period during which a kernel was running."),
-    ("memory_utilization_ratio", "gpumon_gpu_memory_utilization_ratio",
-     "Fraction of time over the last sample period during which device memory was read or written."),
-    ("memory_used_bytes", "gpumon_gpu_memory_used_bytes", "Device memory in use."),
-    ("memory_total_bytes", "gpumon_gpu_memory_total_bytes", "Device memory in total."),
-    ("sm_active_ratio", "gpumon_gpu_sm_active_ratio",
-     "Fraction of SMs busy (GPM, Hopper and newer)."),
-    ("sm_occupancy_ratio", "gpumon_gpu_sm_occupancy_ratio",
-     "Resident warps over the theoretical maximum (GPM)."),
-    ("tensor_active_ratio", "gpumon_gpu_tensor_active_ratio",
-     "Fraction of time the SMs ran any tensor-core instruction (GPM)."),
-    ("dram_active_ratio", "gpumon_gpu_dram_active_ratio",
-     "Device memory bandwidth used over its peak (GPM)."),
-    ("power_watts", "gpumon_gpu_power_watts", "Power draw."),
-    ("temperature_celsius", "gpumon_gpu_temperature_celsius", "GPU core temperature."),
-    ("sm_clock_hz", "gpumon_gpu_sm_clock_hertz", "Current SM clock."),
-)
 
-# Cumulative counters since driver load (name without the _total suffix).
-GPU_COUNTERS = (
-    ("pcie_tx_bytes_total", "gpumon_gpu_pcie_transmit_bytes", "PCIe bytes sent by the GPU."),
-    ("pcie_rx_bytes_total", "gpumon_gpu_pcie_receive_bytes", "PCIe bytes received by the GPU."),
-    ("nvlink_tx_bytes_total", "gpumon_gpu_nvlink_transmit_bytes",
-     "NVLink data bytes sent, all links."),
-    ("nvlink_rx_bytes_total", "gpumon_gpu_nvlink_receive_bytes",
-     "NVLink data bytes received, all links."),
-)
+
+def _exported(kind: str) -> tuple[tuple[str, str, str], ...]:
+    """(GpuSample field, metric name, help) of the exported fields of one kind."""
+    return tuple((f.name, f.metric, f.help) for f in GPU_FIELDS
+                 if f.metric is not None and f.kind == kind)
+
+
+# Absent fields produce no series. Counters are named without the _total suffix.
+GPU_GAUGES = _exported("gauge")
+GPU_COUNTERS = _exported("counter")
 
 
 def node_families(snap: NodeSnapshot) -> Iterator[Metric]:

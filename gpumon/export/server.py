@@ -5,11 +5,9 @@ bound on what failed logins cost), IPv4 or IPv6, ``HEAD`` as ``GET`` without the
 gzip for clients that accept it (Prometheus does: 481 KB of text at 64 simulated GPUs × 64
 ranks is 31 KB gzipped).
 
-The exposition is always the Prometheus text format, also for a scraper that asks for
-OpenMetrics. The metric contract has a counter and a gauge sharing a name
-(``gpumon_step_bottleneck_total``, whose family OpenMetrics names ``gpumon_step_bottleneck``,
-beside the gauge ``gpumon_step_bottleneck``): one OpenMetrics exposition cannot hold both
-families, and the text format can.
+/metrics answers in OpenMetrics 1.0 to a scraper whose ``Accept`` prefers it (Prometheus
+asks for it first), and in the Prometheus text format (0.0.4) otherwise; the same families
+and cached series serve both (``exposition``).
 """
 
 from __future__ import annotations
@@ -28,9 +26,12 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.openmetrics.exposition import (
+    CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE,
+)
 
 from gpumon.export.connections import Connection, ConnectionGate
-from gpumon.export.exposition import CounterFamily, render
+from gpumon.export.exposition import CounterFamily, render, render_openmetrics
 from gpumon.export.webconfig import WebConfig
 
 log = logging.getLogger(__name__)
@@ -134,7 +135,8 @@ class _ServerCollector:
         yield throttled
 
     def describe(self) -> list[Metric]:
-        return []  # registering must not do I/O
+        """The families, so the registry knows their names (counting them is no I/O)."""
+        return list(self.collect())
 
 
 class MetricsServer:
@@ -229,6 +231,8 @@ def _make_handler(registry: CollectorRegistry,
 
         def _view(self, path: str) -> tuple[int, str, bytes]:
             if path == "/metrics":
+                if wants_openmetrics(self.headers.get("Accept", "")):
+                    return 200, OPENMETRICS_CONTENT_TYPE, render_openmetrics(registry.collect())
                 return 200, CONTENT_TYPE_LATEST, render(registry.collect())
             if path == "/healthz":
                 return 200, "text/plain; charset=utf-8", b"ok\n"
@@ -261,6 +265,26 @@ def _make_handler(registry: CollectorRegistry,
             log.debug("%s " + format, self.address_string(), *args)
 
     return Handler
+
+
+def wants_openmetrics(accept: str) -> bool:
+    """Whether an Accept header prefers OpenMetrics 1.0 to the text format (ties go to
+    OpenMetrics; no header, or one naming neither, gets the text format)."""
+    openmetrics = text = 0.0
+    for item in accept.split(","):
+        media, *params = (part.strip().lower() for part in item.split(";"))
+        quality, version = 1.0, None
+        for param in params:
+            key, _, val = param.partition("=")
+            if key.strip() == "q":
+                quality = _q(val.strip())
+            elif key.strip() == "version":
+                version = val.strip()
+        if media == "application/openmetrics-text" and version in (None, "1.0.0"):
+            openmetrics = max(openmetrics, quality)
+        elif media in ("text/plain", "text/*", "*/*"):
+            text = max(text, quality)
+    return openmetrics > 0 and openmetrics >= text
 
 
 def _accepts_gzip(accept_encoding: str) -> bool:

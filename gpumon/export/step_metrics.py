@@ -164,38 +164,36 @@ def _add_steps(families: _StepFamilySet, ranks: list[RankSource]) -> None:
         _add_rank_steps(families, state, process, gpu, owner)
 
 
-def _add_rank_steps(families: _StepFamilySet, state: RankTotals, process: ProcessSample | None,
+def _add_rank_steps(f: _StepFamilySet, state: RankTotals, process: ProcessSample | None,
                     gpu: str, owner: Owner) -> None:
-    (info, steps, duration, phases, samples, tokens, flops, last,
-     allocated, reserved, peak, retries, ooms, cpu, rss, framework) = families
     labels = [state.run, str(state.rank)]
-    info.add_metric([*labels, _text(state.world), _text(state.local_rank),
-                     _text(state.pid), gpu, *owner.labels()], 1.0)
-    steps.add_metric(labels, float(state.steps_total))
+    f.info.add_metric([*labels, _text(state.world), _text(state.local_rank),
+                       _text(state.pid), gpu, *owner.labels()], 1.0)
+    f.steps.add_metric(labels, float(state.steps_total))
     buckets, cumulative = [], 0
     for bound, count in zip(_BUCKET_BOUNDS, state.duration_bucket_counts, strict=True):
         cumulative += count
         buckets.append((bound, float(cumulative)))
-    duration.add_metric(labels, buckets, state.duration_sum_s)
+    f.duration.add_metric(labels, buckets, state.duration_sum_s)
     for phase, seconds in sorted(state.phase_seconds_total.items()):
-        phases.add_metric([*labels, phase], seconds)
-    samples.add_metric(labels, float(state.samples_total))
-    tokens.add_metric(labels, float(state.tokens_total))
-    flops.add_metric(labels, state.flops_total)
+        f.phases.add_metric([*labels, phase], seconds)
+    f.samples.add_metric(labels, float(state.samples_total))
+    f.tokens.add_metric(labels, float(state.tokens_total))
+    f.flops.add_metric(labels, state.flops_total)
     if state.last_step_end_t is not None:
-        last.add_metric(labels, state.last_step_end_t)
-    for family, value in ((allocated, state.memory_allocated_bytes),
-                          (reserved, state.memory_reserved_bytes),
-                          (peak, state.memory_peak_bytes),
-                          (retries, state.alloc_retries_total)):
+        f.last.add_metric(labels, state.last_step_end_t)
+    for family, value in ((f.allocated, state.memory_allocated_bytes),
+                          (f.reserved, state.memory_reserved_bytes),
+                          (f.peak, state.memory_peak_bytes),
+                          (f.retries, state.alloc_retries_total)):
         if value is not None:
             family.add_metric(labels, float(value))
-    ooms.add_metric(labels, float(state.ooms_total))
+    f.ooms.add_metric(labels, float(state.ooms_total))
     if state.framework is not None:
-        framework.add_metric([*labels, state.framework, _text(state.zero_stage)], 1.0)
+        f.framework.add_metric([*labels, state.framework, _text(state.zero_stage)], 1.0)
     if process is not None:
-        cpu.add_metric(labels, process.cpu_seconds_total)
-        rss.add_metric(labels, float(process.resident_memory_bytes))
+        f.cpu.add_metric(labels, process.cpu_seconds_total)
+        f.rss.add_metric(labels, float(process.resident_memory_bytes))
 
 
 def _text(value: object) -> str:
@@ -218,7 +216,7 @@ def _analysis_families() -> _AnalysisFamilySet:
     return _AnalysisFamilySet(
         CounterFamily("gpumon_step_bottleneck", "Steps classified under each bottleneck.",
                       labels=[*RANK_LABELS, "bottleneck"]),
-        GaugeFamily("gpumon_step_bottleneck",
+        GaugeFamily("gpumon_step_bottleneck_current",
                     "1 for the latest verdict's bottleneck, 0 for the others.",
                     labels=[*RANK_LABELS, "bottleneck"]),
         GaugeFamily("gpumon_step_bottleneck_confidence",
@@ -248,29 +246,28 @@ def _add_analyses(families: _AnalysisFamilySet, analyses: list[RankAnalysis]) ->
         _add_rank_analysis(families, analysis)
 
 
-def _add_rank_analysis(families: _AnalysisFamilySet, analysis: RankAnalysis) -> None:
-    total, current, confidence, flags, mfu, straggler, risk, predicted, headroom = families
+def _add_rank_analysis(f: _AnalysisFamilySet, analysis: RankAnalysis) -> None:
     labels = [analysis.run, str(analysis.rank)]
     for _, name in _BOTTLENECKS:
-        total.add_metric([*labels, name], float(analysis.bottleneck_steps.get(name, 0)))
+        f.total.add_metric([*labels, name], float(analysis.bottleneck_steps.get(name, 0)))
     verdict = analysis.verdict
     if verdict is not None:
         for bottleneck, name in _BOTTLENECKS:
-            current.add_metric([*labels, name], 1.0 if verdict.primary is bottleneck else 0.0)
-        confidence.add_metric(labels, verdict.confidence)
+            f.current.add_metric([*labels, name], 1.0 if verdict.primary is bottleneck else 0.0)
+        f.confidence.add_metric(labels, verdict.confidence)
         for flag, name in _FLAGS:
-            flags.add_metric([*labels, name], 1.0 if flag in verdict.flags else 0.0)
+            f.flags.add_metric([*labels, name], 1.0 if flag in verdict.flags else 0.0)
         if verdict.mfu is not None:
-            mfu.add_metric(labels, verdict.mfu)
+            f.mfu.add_metric(labels, verdict.mfu)
     if analysis.straggler_score is not None:
-        straggler.add_metric(labels, analysis.straggler_score)
+        f.straggler.add_metric(labels, analysis.straggler_score)
     oom = analysis.oom
     if oom is not None:
-        risk.add_metric(labels, oom.risk_ratio)
+        f.risk.add_metric(labels, oom.risk_ratio)
         if oom.predicted_seconds is not None:
-            predicted.add_metric(labels, oom.predicted_seconds)
+            f.predicted.add_metric(labels, oom.predicted_seconds)
         if oom.headroom_bytes is not None:
-            headroom.add_metric(labels, float(oom.headroom_bytes))
+            f.headroom.add_metric(labels, float(oom.headroom_bytes))
 
 
 # --- communication, per rank (from RankTotals.comm) -----------------------------------------
@@ -310,24 +307,23 @@ def _comm_families() -> _CommFamilySet:
     )
 
 
-def _add_comm(families: _CommFamilySet, ranks: list[RankSource]) -> None:
-    exposed, overlapped, operations, size, seconds, bus = families
+def _add_comm(f: _CommFamilySet, ranks: list[RankSource]) -> None:
     for state, _, _, _ in ranks:
         comm = state.comm
         if comm is None:
             continue
         labels = [state.run, str(state.rank)]
-        exposed.add_metric(labels, comm.exposed_seconds)
+        f.exposed.add_metric(labels, comm.exposed_seconds)
         if not comm.measured:
             continue
-        overlapped.add_metric(labels, comm.overlapped_seconds)
+        f.overlapped.add_metric(labels, comm.overlapped_seconds)
         for op, figures in sorted(comm.ops.items()):
             op_labels = [*labels, op]
-            operations.add_metric(op_labels, float(figures.count))
-            size.add_metric(op_labels, float(figures.bytes))
-            seconds.add_metric(op_labels, figures.seconds)
+            f.operations.add_metric(op_labels, float(figures.count))
+            f.bytes.add_metric(op_labels, float(figures.bytes))
+            f.seconds.add_metric(op_labels, figures.seconds)
             if figures.bus_bytes_per_second is not None:
-                bus.add_metric(op_labels, figures.bus_bytes_per_second)
+                f.bus.add_metric(op_labels, figures.bus_bytes_per_second)
 
 
 # --- the straggler comparison, per rank (from RankAnalysis) ---------------------------------
@@ -350,12 +346,11 @@ def _straggler_families() -> _StragglerFamilySet:
     )
 
 
-def _add_stragglers(families: _StragglerFamilySet, analyses: list[RankAnalysis]) -> None:
-    cause, world_changes = families
+def _add_stragglers(f: _StragglerFamilySet, analyses: list[RankAnalysis]) -> None:
     for analysis in analyses:
         labels = [analysis.run, str(analysis.rank)]
         if analysis.straggler_score is not None:
             for member, name in _CAUSES:
-                cause.add_metric([*labels, name],
-                                 1.0 if analysis.straggler_cause is member else 0.0)
-        world_changes.add_metric(labels, float(analysis.world_changes))
+                f.cause.add_metric([*labels, name],
+                                   1.0 if analysis.straggler_cause is member else 0.0)
+        f.world_changes.add_metric(labels, float(analysis.world_changes))

@@ -11,7 +11,9 @@ import math
 import random
 import threading
 from dataclasses import dataclass
+from typing import Any
 
+from gpumon.collectors.gpu_fields import GPU_FIELDS
 from gpumon.collectors.samples import GpuSample, GpuStatic
 
 
@@ -126,7 +128,7 @@ class SimulatedSource:
             for i in range(count)
         ]
         self._activity: dict[int, Activity] = {}
-        self._counters = {i: [0.0, 0.0, 0.0, 0.0] for i in range(count)}  # nvlink tx/rx, pcie tx/rx
+        self._counters = {i: dict.fromkeys(_COUNTERS, 0.0) for i in range(count)}
         self._last_t: float | None = None
 
     def statics(self) -> list[GpuStatic]:
@@ -157,13 +159,16 @@ class SimulatedSource:
         a = self.activity(gpu.index, now)
         jitter = self._rng.uniform(-0.02, 0.02)
         m = self.model
-        rates = [
-            a.nvlink_ratio * m.nvlink_bytes_per_second, a.nvlink_ratio * m.nvlink_bytes_per_second,
-            a.pcie_ratio * m.pcie_bytes_per_second, a.pcie_ratio * m.pcie_bytes_per_second * 0.5,
-        ]
+        link = a.nvlink_ratio * m.nvlink_bytes_per_second
+        pcie = a.pcie_ratio * m.pcie_bytes_per_second
+        rates = {"nvlink_tx": link, "nvlink_rx": link, "pcie_tx": pcie, "pcie_rx": pcie * 0.5}
         counters = self._counters[gpu.index]
-        for k, rate in enumerate(rates):
-            counters[k] += rate * dt
+        counted: dict[str, Any] = {}
+        for name in _COUNTERS:
+            counters[name] += rates[name] * dt
+            counted[f"{name}_bytes_total"] = int(counters[name])
+            if dt:
+                counted[f"{name}_bytes_per_second"] = rates[name]
         power = 90.0 + (m.power_limit_watts - 90.0) * _clip(0.15 + 0.85 * a.sm_active + jitter)
         temperature = 34.0 + 40.0 * _clip(power / m.power_limit_watts)
         clock = m.max_sm_clock_hz * (0.93 if a.sm_active > 0.9 else 1.0)
@@ -174,10 +179,6 @@ class SimulatedSource:
             memory_utilization_ratio=round(_clip(a.dram_active * 0.9 + jitter), 2),
             memory_used_bytes=a.memory_used_bytes,
             memory_total_bytes=m.memory_total_bytes,
-            pcie_tx_bytes_total=int(counters[2]),
-            pcie_rx_bytes_total=int(counters[3]),
-            nvlink_tx_bytes_total=int(counters[0]),
-            nvlink_rx_bytes_total=int(counters[1]),
             sm_active_ratio=_clip(a.sm_active + jitter),
             sm_occupancy_ratio=_clip(a.sm_occupancy + jitter / 2),
             tensor_active_ratio=_clip(a.tensor_active + jitter),
@@ -189,10 +190,7 @@ class SimulatedSource:
                                  "hw_slowdown": False, "sw_thermal_slowdown": False,
                                  "hw_thermal_slowdown": False},
             ecc_errors_total={"corrected": 0, "uncorrected": 0},
-            nvlink_tx_bytes_per_second=rates[0] if dt else None,
-            nvlink_rx_bytes_per_second=rates[1] if dt else None,
-            pcie_tx_bytes_per_second=rates[2] if dt else None,
-            pcie_rx_bytes_per_second=rates[3] if dt else None,
+            **counted,
         )
 
     def discover(self) -> list[GpuStatic]:
@@ -205,6 +203,10 @@ class SimulatedSource:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+_COUNTERS = tuple(f.name.removesuffix("_bytes_total") for f in GPU_FIELDS if f.kind == "counter")
+"""The table's byte counters (``nvlink_tx``, ...); each has a ``_bytes_per_second`` rate."""
 
 
 def _clip(x: float) -> float:

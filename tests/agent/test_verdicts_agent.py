@@ -51,8 +51,8 @@ def test_input_bound_steps_get_an_input_verdict(agent: Agent) -> None:
                           and value(m, "gpumon_step_bottleneck_total", bottleneck="input") >= 8
                           and m)(parse_metrics(scrape(agent))),
                  what="input verdicts")
-    assert value(m, "gpumon_step_bottleneck", run="job", rank="0", bottleneck="input") == 1
-    assert value(m, "gpumon_step_bottleneck", run="job", rank="0", bottleneck="compute") == 0
+    assert value(m, "gpumon_step_bottleneck_current", run="job", rank="0", bottleneck="input") == 1
+    assert value(m, "gpumon_step_bottleneck_current", run="job", rank="0", bottleneck="compute") == 0
     assert value(m, "gpumon_step_bottleneck_total", bottleneck="compute") == 0
     assert 0 < value(m, "gpumon_step_bottleneck_confidence", run="job", rank="0") <= 1
 

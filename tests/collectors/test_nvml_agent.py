@@ -106,6 +106,7 @@ def test_golden_h100_node_value_by_value(h100: AgentProcess) -> None:
             "gpumon_gpu_memory_total_bytes": gpu.as_int("memory_total"),
             "gpumon_gpu_power_watts": gpu.as_int("power_mw") / 1000,            # mW -> W
             "gpumon_gpu_temperature_celsius": gpu.as_float("temperature_c"),
+            "gpumon_gpu_memory_temperature_celsius": gpu.as_float("memory_temperature_c"),
             "gpumon_gpu_sm_clock_hertz": gpu.as_int("sm_clock_mhz") * 1e6,       # MHz -> Hz
             "gpumon_gpu_nvlink_transmit_bytes_total": gpu.as_int("nvlink_tx_kib") * 1024,  # KiB
             "gpumon_gpu_nvlink_receive_bytes_total": gpu.as_int("nvlink_rx_kib") * 1024,
@@ -169,7 +170,7 @@ def test_not_supported_metrics_are_absent(tmp_path: Path, fake_nvml_lib: Path) -
         assert value(m, "gpumon_gpu_clock_event_active", gpu="0", reason="sw_power_cap") == 1
         for absent in ("gpumon_gpu_nvlink_transmit_bytes_total", "gpumon_gpu_sm_active_ratio",
                        "gpumon_gpu_tensor_active_ratio", "gpumon_gpu_dram_active_ratio",
-                       "gpumon_gpu_ecc_errors_total"):
+                       "gpumon_gpu_ecc_errors_total", "gpumon_gpu_memory_temperature_celsius"):
             assert values(m, absent) == [], absent
         assert "NaN" not in agent.scrape()
     finally:

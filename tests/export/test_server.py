@@ -17,6 +17,12 @@ import bcrypt
 import pytest
 from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.openmetrics.exposition import (
+    CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE,
+)
+from prometheus_client.openmetrics.parser import (
+    text_string_to_metric_families as openmetrics_families,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpumon.export.connections import ConnectionGate
@@ -172,13 +178,16 @@ def test_ipv6_addresses(serve: Serve) -> None:
         assert request(host, everywhere.port, path="/healthz")[0] == 200
 
 
-def test_an_openmetrics_scraper_gets_the_text_format(serve: Serve) -> None:
+def test_an_openmetrics_scraper_gets_openmetrics(serve: Serve) -> None:
     server = serve()
     status, headers, body = request("127.0.0.1", server.port, headers={
         "Accept": "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5"})
     assert status == 200
-    assert headers["content-type"] == CONTENT_TYPE_LATEST and \
-        headers["content-type"].startswith("text/plain")
+    assert headers["content-type"] == OPENMETRICS_CONTENT_TYPE
+    assert body.endswith(b"# EOF\n")
+    assert {f.name for f in openmetrics_families(body.decode())} >= {"demo_value"}
+    status, headers, body = request("127.0.0.1", server.port, headers={"Accept": "text/plain"})
+    assert headers["content-type"] == CONTENT_TYPE_LATEST and b"# EOF" not in body
     assert {f.name for f in text_string_to_metric_families(body.decode())} >= {"demo_value"}
 
 

@@ -59,7 +59,7 @@ def observe(metrics_text: str, t: float) -> Observation:
         if tags.get("run") != "sim":
             continue
         rank = int(tags["rank"])
-        if name == "gpumon_step_bottleneck" and value == 1:
+        if name == "gpumon_step_bottleneck_current" and value == 1:
             seen.verdicts[rank] = tags["bottleneck"]
         elif name == "gpumon_step_flag" and value == 1:
             seen.flags.setdefault(rank, set()).add(tags["flag"])

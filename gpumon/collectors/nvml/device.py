@@ -17,6 +17,7 @@ from typing import Any
 
 import pynvml
 
+from gpumon.collectors.gpu_fields import FIELDS_BY_NAME, GPU_FIELDS
 from gpumon.collectors.nvml import versions
 from gpumon.collectors.nvml.batch import FieldBatch, GpmMetrics
 from gpumon.collectors.samples import GpuSample, GpuStatic
@@ -33,6 +34,10 @@ _FI_NVLINK_RX_KIB = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
 _FI_PCIE_TX_BYTES = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
 _FI_PCIE_RX_BYTES = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
 _FI_NVLINK_LINK_COUNT = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
+
+# The table's plain field values, read together: (row, field id).
+_FIELD_VALUES = tuple((f, getattr(pynvml, f.nvml)) for f in GPU_FIELDS if f.field_value)
+_CONVERT = {f.name: f.convert for f in GPU_FIELDS}
 
 # GPM metric id -> GpuSample field; all are percentages converted to ratios.
 _GPM_METRICS = {
@@ -263,22 +268,23 @@ class NvmlDevice:
             values["memory_total_bytes"] = int(memory.total)
         util = self._optional("utilization", pynvml.nvmlDeviceGetUtilizationRates)
         if util is not None:
-            values["utilization_ratio"] = util.gpu / 100.0
-            values["memory_utilization_ratio"] = util.memory / 100.0
+            values["utilization_ratio"] = _CONVERT["utilization_ratio"](util.gpu)
+            values["memory_utilization_ratio"] = _CONVERT["memory_utilization_ratio"](util.memory)
         power_mw = self._optional("power", pynvml.nvmlDeviceGetPowerUsage)
         if power_mw is not None:
-            values["power_watts"] = power_mw / 1000.0
+            values["power_watts"] = _CONVERT["power_watts"](power_mw)
         temp = self._optional("temperature", versions.TEMPERATURE)
         if temp is not None:
-            values["temperature_celsius"] = float(temp)
+            values["temperature_celsius"] = _CONVERT["temperature_celsius"](temp)
         clock = self._optional("clock", pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM)
         if clock is not None:
-            values["sm_clock_hz"] = clock * 1e6
+            values["sm_clock_hz"] = _CONVERT["sm_clock_hz"](clock)
         reasons = self._optional("clock_events", versions.CLOCK_EVENT_REASONS_CALL)
         if reasons is not None:
             values["clock_event_reasons"] = {
                 name: bool(reasons & bit) for name, bit in CLOCK_EVENT_REASONS.items()
             }
+        values.update(self._plain_field_values())
         values.update(self._counter_values(monotonic))
         values.update(self._gpm(monotonic))
         if monotonic - self._slow_t >= SLOW_INTERVAL_S:
@@ -304,8 +310,8 @@ class NvmlDevice:
         counters: dict[str, int] = {}
         for (field_id, _scope), (ret, value) in zip(ids, answers, strict=True):
             if ret == pynvml.NVML_SUCCESS:
-                name, scale = _COUNTER_NAMES[field_id]
-                counters[name] = value * scale
+                name, convert = _COUNTER_NAMES[field_id]
+                counters[name] = int(convert(value))
             elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
                 raise GpuLost(f"GPU {self.index} is lost")
         if not any(k.startswith("nvlink") for k in counters):
@@ -320,6 +326,24 @@ class NvmlDevice:
                 before = previous.values.get(name)
                 if before is not None and value >= before:
                     out[f"{name}_bytes_per_second"] = (value - before) / dt
+        return out
+
+    def _plain_field_values(self) -> dict[str, float]:
+        """The table's field values in one call; one a GPU does not support is not asked again."""
+        wanted = [(f, field_id) for f, field_id in _FIELD_VALUES if f.name not in self._unsupported]
+        if not wanted:
+            return {}
+        entries = self._optional("field_values", pynvml.nvmlDeviceGetFieldValues,
+                                 [field_id for _, field_id in wanted])
+        out: dict[str, float] = {}
+        for (row, _), entry in zip(wanted, entries or (), strict=False):
+            if entry.nvmlReturn == pynvml.NVML_SUCCESS:
+                out[row.name] = row.convert(_field_value(entry))
+            elif entry.nvmlReturn == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise GpuLost(f"GPU {self.index} is lost")
+            elif entry.nvmlReturn in (pynvml.NVML_ERROR_NOT_SUPPORTED,
+                                      pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                self._unsupported.add(row.name)
         return out
 
     def _gpm(self, monotonic: float) -> dict[str, float]:
@@ -339,7 +363,7 @@ class NvmlDevice:
         readings = self._optional("gpm", _read_gpm, self._gpm_metrics, current == 1)
         if readings is None:
             return {}
-        values = {name: min(max(reading / 100.0, 0.0), 1.0)
+        values = {name: min(max(_CONVERT[name](reading), 0.0), 1.0)
                   for name, reading in zip(_GPM_METRICS.values(), readings, strict=True)
                   if reading is not None}
         self._gpm_values = values
@@ -377,10 +401,12 @@ class NvmlDevice:
         self._gpm_samples = None
 
 
-_COUNTER_NAMES = {
-    _FI_NVLINK_TX_KIB: ("nvlink_tx", 1024), _FI_NVLINK_RX_KIB: ("nvlink_rx", 1024),
-    _FI_PCIE_TX_BYTES: ("pcie_tx", 1), _FI_PCIE_RX_BYTES: ("pcie_rx", 1),
-}
+# Field id -> (counter, its conversion to bytes); the sample's field is <counter>_bytes_total.
+_COUNTER_NAMES = {field_id: (name, FIELDS_BY_NAME[f"{name}_bytes_total"].convert)
+                  for field_id, name in ((_FI_NVLINK_TX_KIB, "nvlink_tx"),
+                                         (_FI_NVLINK_RX_KIB, "nvlink_rx"),
+                                         (_FI_PCIE_TX_BYTES, "pcie_tx"),
+                                         (_FI_PCIE_RX_BYTES, "pcie_rx"))}
 
 
 def _read_batch(_handle: Any, batch: FieldBatch) -> list[tuple[int, int]]:

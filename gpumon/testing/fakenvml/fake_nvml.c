@@ -86,6 +86,7 @@ typedef int nvmlReturn_t;
 #define NVML_GPU_UTILIZATION_SAMPLES 1
 #define NVML_MEMORY_UTILIZATION_SAMPLES 2
 
+#define NVML_FI_DEV_MEMORY_TEMP 82
 #define NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION 83
 #define NVML_FI_DEV_NVLINK_LINK_COUNT 91
 #define NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX 138
@@ -364,7 +365,7 @@ struct gpu_cfg {
     unsigned long long mem_total, mem_used, mem_reserved;
     unsigned int util_gpu, util_mem;
     unsigned int power_mw, power_limit_mw;
-    unsigned int temp_c;
+    unsigned int temp_c, mem_temp_c;
     unsigned int clk[4], max_clk[4]; /* graphics, sm, mem, video */
     unsigned long long reasons, supported_reasons;
     unsigned long long ecc[2][2]; /* [corrected/uncorrected][volatile/aggregate] */
@@ -573,6 +574,7 @@ static void gpu_defaults(struct gpu_cfg *g, int index)
     g->power_mw = 70000;
     g->power_limit_mw = 700000;
     g->temp_c = 35;
+    g->mem_temp_c = UNSET_U32; /* no memory sensor unless the scenario gives one */
     g->clk[0] = UNSET_U32;
     g->clk[1] = 1980;
     g->clk[2] = 2619;
@@ -717,6 +719,7 @@ static const struct {
     {"power_mw", K_U32, offsetof(struct gpu_cfg, power_mw), 0},
     {"power_limit_mw", K_U32, offsetof(struct gpu_cfg, power_limit_mw), 0},
     {"temperature_c", K_U32, offsetof(struct gpu_cfg, temp_c), 0},
+    {"memory_temperature_c", K_U32, offsetof(struct gpu_cfg, mem_temp_c), 0},
     {"graphics_clock_mhz", K_U32, offsetof(struct gpu_cfg, clk[0]), 0},
     {"sm_clock_mhz", K_U32, offsetof(struct gpu_cfg, clk[1]), 0},
     {"mem_clock_mhz", K_U32, offsetof(struct gpu_cfg, clk[2]), 0},
@@ -1624,6 +1627,12 @@ API nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount,
                 r = NVML_ERROR_NOT_SUPPORTED;
             else
                 val = ctr_u64(I_, CT_ENERGY, t);
+            break;
+        case NVML_FI_DEV_MEMORY_TEMP:
+            if ((G->unsupported & G_TEMPERATURE) || G->mem_temp_c == UNSET_U32)
+                r = NVML_ERROR_NOT_SUPPORTED;
+            else
+                val = G->mem_temp_c;
             break;
         case NVML_FI_DEV_NVLINK_LINK_COUNT:
             if (G->unsupported & G_NVLINK)

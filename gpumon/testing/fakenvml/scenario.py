@@ -122,7 +122,7 @@ _DERIVED = {
 
 GPU_SINGLE_KEYS = (
     frozenset(gpu_defaults(0)) | frozenset(_DERIVED) | frozenset(GPM_METRICS)
-    | {"lost_after_s"}
+    | {"lost_after_s", "memory_temperature_c"}
 )
 
 
