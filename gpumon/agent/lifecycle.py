@@ -69,7 +69,9 @@ class Agent:
         self._xid: EventWatcher | None = None
         self._server: MetricsServer | None = None
         self._host = HostSource() if config.enabled("host") else None
-        self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
+        self._liveness = ProcessLiveness()
+        self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks,
+                                    alive=self._liveness.alive)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
                                          self.recording_status, self.ingest_status)
@@ -80,7 +82,6 @@ class Agent:
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
         self._discovered_at = time.monotonic()
-        self._liveness = ProcessLiveness()
         self._liveness_at = 0.0
         self.started_at = time.time()
 

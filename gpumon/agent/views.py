@@ -22,7 +22,12 @@ from gpumon.collectors.ingest import IngestStatus
 from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
 from gpumon.collectors.samples import GpuSample
 from gpumon.export.gpu_metrics import node_families
-from gpumon.export.health_metrics import eviction_families, ingest_families, recording_families
+from gpumon.export.health_metrics import (
+    conflict_families,
+    eviction_families,
+    ingest_families,
+    recording_families,
+)
 from gpumon.export.memory_metrics import MemoryFamilies
 from gpumon.export.rank_state_metrics import rank_state_families
 from gpumon.export.step_metrics import StepFamilies
@@ -62,6 +67,7 @@ class AgentCollector:
         yield from self._memory_families.families(ranks, analyses)
         yield from rank_state_families(rank_conditions(ranks, time.monotonic()))
         yield from eviction_families(self._rank_store.evictions())
+        yield from conflict_families(self._rank_store.conflicts())
         yield from ingest_families(self._ingest())
         yield from recording_families(self._recording())
 
