@@ -74,7 +74,7 @@ LAYERS: dict[str, Allowed] = {
     "agent": allow("gpumon wire collectors collectors.nvml analysis state sim export",
                    libraries="prometheus_client"),
     "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent "
-                      "client.autowatch client.identity",
+                      "client.autowatch client.identity client.run_name",
                       libraries="rich"),
     "cli": allow("gpumon commands agent analysis sim", libraries="typer"),
     "testing": allow("gpumon agent", libraries="prometheus_client psutil"),

@@ -44,8 +44,8 @@ def resolve_identity(
     stays unknown when only a rank is known). Local rank comes from ``LOCAL_RANK``, else
     ``SLURM_LOCALID``, else 0 for a single process (unknown otherwise). The run comes from
     ``GPUMON_RUN``, else the job the process runs in, else its script (``run_name``; the
-    script from ``argv``, by default ``sys.argv`` when ``env`` is the process's own). Raises ``ValueError`` for an invalid run name or
-    inconsistent ranks, naming where they came from.
+    script from ``argv``, by default ``sys.argv`` when ``env`` is the process's own). Raises
+    ``ValueError`` for an invalid run name or inconsistent ranks, naming where they came from.
     """
     if argv is None:
         argv = sys.argv[:1] if env is None else ()

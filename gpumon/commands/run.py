@@ -7,8 +7,8 @@ directly. What changes is its environment: ``PYTHONPATH`` is led by the folder w
 ``sitecustomize`` loads the hooks into every Python process the job starts (``gpumon.client.
 autowatch``; the user's ``PYTHONPATH`` and ``sitecustomize`` still follow), ``GPUMON_RUN``
 names the run (its job's name where a scheduler gives one: ``gpumon.client.run_name``) and,
-with ``--socket``, ``GPUMON_SOCKET`` says where the agent is. One line on stderr says so. With ``GPUMON_RUN_DISABLE=1`` the command is started untouched and nothing is
-printed.
+with ``--socket``, ``GPUMON_SOCKET`` says where the agent is. One line on stderr says so.
+With ``GPUMON_RUN_DISABLE=1`` the command is started untouched and nothing is printed.
 """
 
 from __future__ import annotations
