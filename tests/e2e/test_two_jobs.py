@@ -22,7 +22,7 @@ JOB = Path(__file__).resolve().parent / "jobs" / "paced_train.py"
 RUN = "paced_train"  # the script's name: nothing else names these jobs
 TIMEOUT_S = 120
 
-pytestmark = [pytest.mark.agent("--interval", "0.5")]
+pytestmark = [pytest.mark.slow, pytest.mark.agent("--interval", "0.5")]
 
 
 def watched(agent: AgentProcess, steps: int, period_s: float,
