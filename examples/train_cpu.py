@@ -124,7 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=5, help="steps not counted in the throughput")
-    parser.add_argument("--run", default=None, help="run name (default $GPUMON_RUN)")
+    parser.add_argument("--run", default=None,
+                        help="run name (default $GPUMON_RUN, else the job's, else the script's)")
     parser.add_argument("--socket", default=None, help="agent socket (default $GPUMON_SOCKET)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=512)

@@ -252,7 +252,7 @@ def stacks(
 @app.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 def run(
     command: Annotated[list[str] | None, typer.Argument(metavar="COMMAND", help="The training command, unchanged: python train.py, torchrun ..., deepspeed ..., accelerate launch ...")] = None,
-    run_name: Annotated[str | None, typer.Option("--run", metavar="NAME", help="The run's name [default: $GPUMON_RUN, else the script's name].")] = None,
+    run_name: Annotated[str | None, typer.Option("--run", metavar="NAME", help="The run's name [default: $GPUMON_RUN, else its job's (Slurm, Kubernetes, torchrun --rdzv-id), else the script's name].")] = None,
     socket: Annotated[str | None, typer.Option(metavar="PATH", help="The agent's socket [default: $GPUMON_SOCKET, else /run/gpumon/ingest.sock].")] = None,
 ) -> None:
     """Run an unmodified training command, its steps watched: gpumon run -- python train.py."""

@@ -79,7 +79,7 @@ LAYERS: dict[str, Allowed] = {
                    "sim export",
                    libraries="prometheus_client"),
     "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent "
-                      "client.autowatch client.core.identity",
+                      "client.autowatch client.core.identity client.core.run_name",
                       libraries="rich"),
     "cli": allow("gpumon commands agent analysis sim", libraries="typer"),
     "testing": allow("gpumon agent", libraries="prometheus_client psutil"),

@@ -76,7 +76,9 @@ class Agent:
         self._xid: EventWatcher | None = None
         self._server: MetricsServer | None = None
         self._host: HostSource | None = None
-        self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks)
+        self._liveness = ProcessLiveness()
+        self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks,
+                                    alive=self._liveness.alive)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self.owners = OwnerState(config.node_name or socket.gethostname())
         self._owner_collector = OwnerCollector(self.owners, config.pod_resources_socket)
@@ -90,7 +92,6 @@ class Agent:
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
         self._discovered_at = time.monotonic()
-        self._liveness = ProcessLiveness()
         self._liveness_at = 0.0
         self.started_at = time.time()
 

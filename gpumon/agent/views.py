@@ -22,7 +22,12 @@ from gpumon.collectors.ingest import IngestStatus
 from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
 from gpumon.collectors.samples import GpuSample, HostSample
 from gpumon.export.gpu_metrics import node_families
-from gpumon.export.health_metrics import eviction_families, ingest_families, recording_families
+from gpumon.export.health_metrics import (
+    conflict_families,
+    eviction_families,
+    ingest_families,
+    recording_families,
+)
 from gpumon.export.memory_metrics import MemoryFamilies
 from gpumon.export.owner_metrics import owner_families
 from gpumon.export.rank_state_metrics import rank_state_families
@@ -72,6 +77,7 @@ class AgentCollector:
         yield from self._memory_families.families(ranks, analyses)
         yield from rank_state_families(rank_conditions(ranks, time.monotonic()))
         yield from eviction_families(self._rank_store.evictions())
+        yield from conflict_families(self._rank_store.conflicts())
         yield from ingest_families(self._ingest())
         yield from recording_families(self._recording())
 

@@ -96,7 +96,8 @@ class StepMonitor:
 
     Args:
         run: the run's name (1-128 of ``[A-Za-z0-9_.:/-]``); default ``$GPUMON_RUN``, else
-            ``"default"``.
+            the job's (Slurm, Kubernetes, torchrun's ``--rdzv-id``), else the script's
+            (``gpumon.client.core.run_name``).
         socket_path: the agent's Unix datagram socket; default ``$GPUMON_SOCKET``, else
             ``/run/gpumon/ingest.sock``.
         transport: send through this object instead of the socket (tests, custom sinks).

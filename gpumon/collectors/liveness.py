@@ -4,7 +4,8 @@ in ``/proc``.
 A process is taken to have ended when its ``/proc/PID`` is gone, when it is a zombie (dead,
 not yet reaped by its launcher), or when the pid now belongs to another process (its start
 time differs from the one first seen: pids are reused). A pid the kernel gave as 0 (the
-sender lives in a pid namespace the agent cannot see) never reaches here.
+sender lives in a pid namespace the agent cannot see) never reaches here. ``alive`` asks the
+same of one pid at once, when a second process claims a rank.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ class ProcessLiveness:
     def __init__(self, proc: Path = PROC) -> None:
         self._proc = proc
         self._started: dict[int, int] = {}
+
+    def alive(self, pid: int) -> bool:
+        """Whether ``pid``'s process still runs (and is the one first seen under it, where it
+        was): one read of its ``/proc/PID/stat``. Safe beside ``ended`` on another thread."""
+        try:
+            stat = parse_stat((self._proc / str(pid) / "stat").read_text())
+        except OSError:
+            return False
+        if stat is None:
+            return False
+        state, started = stat
+        return state not in ("Z", "X") and started == self._started.get(pid, started)
 
     def ended(self, pids: set[int]) -> set[int]:
         """The pids among ``pids`` whose process has ended (forgetting pids no longer asked about)."""

@@ -6,22 +6,22 @@ that process id and the exit status are the job's own, exactly as if it had been
 directly. What changes is its environment: ``PYTHONPATH`` is led by the folder whose
 ``sitecustomize`` loads the hooks into every Python process the job starts (``gpumon.client.
 autowatch``; the user's ``PYTHONPATH`` and ``sitecustomize`` still follow), ``GPUMON_RUN``
-names the run and, with ``--socket``, ``GPUMON_SOCKET`` says where the agent is. One line on
-stderr says so. With ``GPUMON_RUN_DISABLE=1`` the command is started untouched and nothing is
-printed.
+names the run (its job's name where a scheduler gives one: ``gpumon.client.core.run_name``) and,
+with ``--socket``, ``GPUMON_SOCKET`` says where the agent is. One line on stderr says so.
+With ``GPUMON_RUN_DISABLE=1`` the command is started untouched and nothing is printed.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from gpumon.client.autowatch import DISABLE_ENV, SHIM_DIR
 from gpumon.client.core.identity import resolve_socket_path
-from gpumon.wire import MAX_LABEL_CHARS, is_label
+from gpumon.client.core.run_name import resolve_run_name
+from gpumon.wire import MAX_RUN_CHARS, is_label
 
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
@@ -36,26 +36,13 @@ class RunError(Exception):
         self.exit_code = exit_code
 
 
-def run_name(command: Sequence[str]) -> str:
-    """The run's name from the command: its script's name (``train.py`` → ``train``), else the
-    module it runs (``-m pkg.train``), else the program's name; made a valid label."""
-    name = Path(command[0]).name
-    module = next((command[i + 1] for i in range(len(command) - 1) if command[i] == "-m"), None)
-    script = next((arg for arg in command[1:] if arg.endswith(".py") and not arg.startswith("-")), None)
-    if script is not None:
-        name = Path(script).stem
-    elif module is not None:
-        name = module
-    name = re.sub(r"[^A-Za-z0-9_.:/-]", "_", name)[:MAX_LABEL_CHARS]
-    return name or "default"
-
-
 def job_environment(env: Mapping[str, str], run: str | None, socket: str | None,
                     command: Sequence[str]) -> tuple[dict[str, str], str, str]:
-    """The job's environment, its run name and the socket it reports to."""
-    name = run or env.get("GPUMON_RUN") or run_name(command)
-    if not is_label(name, MAX_LABEL_CHARS):
-        raise RunError(f"run name {name!r}: use 1-{MAX_LABEL_CHARS} of letters, digits, _ . : / -", 2)
+    """The job's environment, its run name (``run_name``'s order: the job's own name before
+    the script's) and the socket it reports to."""
+    name, _ = resolve_run_name(env, command, run)
+    if not is_label(name, MAX_RUN_CHARS):
+        raise RunError(f"run name {name!r}: use 1-{MAX_RUN_CHARS} of letters, digits, _ . : / -", 2)
     job = dict(env)
     job["GPUMON_RUN"] = name
     if socket is not None:

@@ -1,5 +1,6 @@
 """Prometheus families for what can lose data without stopping the agent, so must be seen:
-the recording file, the ingest socket, and (run, rank) pairs evicted under the cap."""
+the recording file, the ingest socket, (run, rank) pairs evicted under the cap, and ranks two
+live processes claimed."""
 
 from __future__ import annotations
 
@@ -45,6 +46,18 @@ def eviction_families(evicted: dict[str, int]) -> Iterator[Metric]:
         "user's pair that had been silent longest).", labels=["reason"])
     for reason, count in sorted(evicted.items()):
         family.add_metric([reason], float(count))
+    yield family
+
+
+def conflict_families(conflicts: dict[tuple[str, int], int]) -> Iterator[Metric]:
+    """Live (run, rank) pairs a second live process claimed (``state.rank_conflicts``)."""
+    family = CounterFamily(
+        "gpumon_rank_conflicts",
+        "Times a second process claimed this (run, rank) while its own process was alive: "
+        "another job under the same run name. The rank's series stay its own process's; the "
+        "other is watched as run <run>:clash-<pid>.", labels=["run", "rank"])
+    for (run, rank), count in sorted(conflicts.items()):
+        family.add_metric([run, str(rank)], float(count))
     yield family
 
 

@@ -13,7 +13,8 @@ A (run, rank) belongs to the uid that first reported it until it expires: record
 from another uid are dropped (``not_owner``), so a member of the socket's group cannot
 forge another user's OOMs, steps or process. Values that would break a counter or a
 timestamp for good (a step ending far from the agent's clock, absurd FLOP or token counts)
-are dropped with their own reasons.
+are dropped with their own reasons. A second live process claiming a pair of the same uid is
+another job under the same name, watched apart (``rank_conflicts``).
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ import itertools
 import threading
 from bisect import bisect_left
 from collections import Counter, OrderedDict, defaultdict
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from gpumon.analysis.comm import wait_s
 from gpumon.analysis.stream import RankKey
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.collectors.sender_shares import SenderShares
 from gpumon.state.collectives import CommTotals
+from gpumon.state.rank_conflicts import RankClaims, sender_process
 from gpumon.wire import (
     KNOWN_PHASES,
     EventRecord,
@@ -105,6 +108,8 @@ class RankTotals:
     last_step_monotonic: float | None = None
     exited_monotonic: float | None = None
     """When the agent saw the process end (``None``: alive, or not seen)."""
+    earlier_pids: tuple[int, ...] = ()
+    """Reported pids this rank's process replaced where the kernel gave none (``rank_conflicts``)."""
     framework: str | None = None
     """What drives the rank's loop, as its hello said (``deepspeed``)."""
     zero_stage: int | None = None
@@ -152,9 +157,13 @@ class RankTotals:
 
 
 class RankStore:
-    """Thread-safe map of (run, rank) to RankTotals with TTL expiry and a fair cap."""
+    """Thread-safe map of (run, rank) to RankTotals with TTL expiry and a fair cap.
 
-    def __init__(self, ttl_s: float = 300.0, max_ranks: int = 1024) -> None:
+    ``alive(pid)`` says whether a process the agent sees still runs, to tell a second job's
+    claim on a pair from a restart; without it every new process is a restart."""
+
+    def __init__(self, ttl_s: float = 300.0, max_ranks: int = 1024,
+                 alive: Callable[[int], bool] | None = None) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[RankKey, RankTotals] = {}
         # Least recently reporting first: all pairs (each sender's own: in the shares).
@@ -166,6 +175,7 @@ class RankStore:
         self.records_total: Counter[str] = Counter()  # by kind
         self.dropped_total: Counter[str] = Counter()  # by reason
         self.evicted_total: Counter[str] = Counter()  # pairs evicted to make room, by reason
+        self._claims = RankClaims(max_ranks, alive)
 
     def ingest(self, records: list[Record], sender: SenderCredentials, monotonic: float,
                now_t: float) -> list[StepRecord]:
@@ -182,6 +192,16 @@ class RankStore:
                 if reason is not None:
                     self.dropped_total[reason] += 1
                     continue
+                if state is not None:
+                    clash, state.earlier_pids = self._claims.route(
+                        key, state.kernel_pid, state.pid, state.exited_monotonic is not None,
+                        state.earlier_pids, sender_process(sender, record))
+                    if clash is not None:  # another job's process: watched under its own run
+                        record, key, state = replace(record, run=clash[0]), clash, \
+                            self._ranks.get(clash)
+                        if state is not None and state.uid != sender.uid:
+                            self.dropped_total["not_owner"] += 1
+                            continue
                 if state is None:
                     state = self._admit(key, sender, monotonic)
                     if state is None:
@@ -253,6 +273,7 @@ class RankStore:
         del self._ranks[key]
         del self._recent[key]
         self._shares.remove(key)
+        self._claims.forget(key)
 
     def expire(self, monotonic: float) -> list[RankKey]:
         """Forget ranks silent for longer than the TTL; returns which went (also those
@@ -285,6 +306,11 @@ class RankStore:
         """Pairs evicted to make room under the cap, by reason."""
         with self._lock:
             return dict(self.evicted_total)
+
+    def conflicts(self) -> dict[RankKey, int]:
+        """Live pairs a second live process claimed, and how often (``rank_conflicts``)."""
+        with self._lock:
+            return dict(self._claims.conflicts_total)
 
     def watched_pids(self) -> dict[int, list[RankKey]]:
         """pid (as the kernel gave it) -> the ranks it sends for, of every rank not seen to

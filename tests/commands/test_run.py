@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 
 from gpumon.client.autowatch import SHIM_DIR
-from gpumon.commands.run import RunError, job_environment, run_name
+from gpumon.client.core.run_name import script_name as run_name
+from gpumon.commands.run import RunError, job_environment
 from tests.helpers import ROOT
 
 JOB = Path(__file__).resolve().parent / "jobs" / "plain_loop.py"
@@ -43,6 +44,8 @@ def test_the_environment_leads_the_users_pythonpath_and_names_the_run() -> None:
     assert (name, env["GPUMON_RUN"], path, env["GPUMON_SOCKET"]) == ("set", "set", "/s.sock", "/s.sock")
     env, name, _ = job_environment({}, "given", None, ["python", "train.py"])
     assert name == "given" and env["PYTHONPATH"] == str(SHIM_DIR)
+    env, name, _ = job_environment({"SLURM_JOB_ID": "88"}, None, None, ["python", "train.py"])
+    assert name == env["GPUMON_RUN"] == "slurm-88"  # the job's name before the script's
     with pytest.raises(RunError) as bad:
         job_environment({}, "no spaces", None, ["python", "train.py"])
     assert bad.value.exit_code == 2

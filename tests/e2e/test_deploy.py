@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
+from gpumon.client.core.run_name import K8S_VARIABLES, resolve_run_name
 from tests.helpers import ROOT, require_tool
 
 DEPLOY = ROOT / "deploy"
@@ -190,6 +191,21 @@ def test_sidecar_example_shares_the_socket() -> None:
     assert _agent_job_regex().fullmatch(f"{namespace}/{name}")
 
 
+def test_sidecar_example_names_the_run_after_its_job() -> None:
+    """The Downward API variables, resolved as the kubelet would for this Job's pod (the
+    labels the Job controller adds; a label the pod lacks gives an empty value), name the run
+    ``namespace/job`` through the same code the hook runs."""
+    job = _one("Job")
+    (train,) = job["spec"]["template"]["spec"]["containers"]
+    assert "GPUMON_RUN" not in _env(train)
+    meta = {"metadata.namespace": job["metadata"]["namespace"], "metadata.name": "llama-sft-x7k2p",
+            "metadata.labels['batch.kubernetes.io/job-name']": job["metadata"]["name"]}
+    env = {e["name"]: meta.get(e["valueFrom"]["fieldRef"]["fieldPath"], "")
+           for e in train["env"] if "valueFrom" in e}
+    assert set(env) == {"GPUMON_K8S_NAMESPACE", *K8S_VARIABLES} - {"GPUMON_K8S_WORKLOAD"}
+    assert resolve_run_name(env, ["torchrun", "train.py"]) == ("training/llama-sft", "GPUMON_K8S_JOB")
+
+
 def test_prometheusrule_is_in_sync_with_alerts() -> None:
     generator = _load_generator()
     assert (KUBE / "prometheusrule.yaml").read_text() == generator.render(), (
@@ -303,7 +319,7 @@ def test_image_runs_the_agent_unprivileged() -> None:
 
 def test_slurm_and_scaling_notes() -> None:
     slurm = (DEPLOY / "slurm" / "README.md").read_text()
-    assert "GPUMON_RUN=slurm-${SLURM_JOB_ID}" in slurm and SOCKET_DIR in slurm
+    assert "`SLURM_JOB_ID` (run `slurm-1234`)" in slurm and SOCKET_DIR in slurm
     assert "Prolog" in slurm and "Epilog" in slurm
     scaling = (ROOT / "docs" / "scaling.md").read_text()
     for word in ("federat", "remote-write", "Thanos", "Mimir", "VictoriaMetrics"):

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from gpumon.client.core.run_name import resolve_run_name
 from gpumon.wire import MAX_RUN_CHARS, is_label
 
-DEFAULT_RUN = "default"
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"
 
 # Launchers' variables, in order of preference: torchrun/torch.distributed, then Slurm.
@@ -35,6 +35,7 @@ def resolve_identity(
     world: int | None = None,
     local_rank: int | None = None,
     env: Mapping[str, str] | None = None,
+    argv: Sequence[str] | None = None,
 ) -> Identity:
     """Fill what the caller did not give from torch.distributed, the environment, or defaults.
 
@@ -42,13 +43,14 @@ def resolve_identity(
     ``RANK``/``WORLD_SIZE``, else ``SLURM_PROCID``/``SLURM_NTASKS``, else 0 and 1 (a world
     stays unknown when only a rank is known). Local rank comes from ``LOCAL_RANK``, else
     ``SLURM_LOCALID``, else 0 for a single process (unknown otherwise). The run comes from
-    ``GPUMON_RUN``, else ``"default"``. Raises ``ValueError`` for an invalid run name or
-    inconsistent ranks, naming where they came from.
+    ``GPUMON_RUN``, else the job the process runs in, else its script (``run_name``; the
+    script from ``argv``, by default ``sys.argv`` when ``env`` is the process's own). Raises
+    ``ValueError`` for an invalid run name or inconsistent ranks, naming where they came from.
     """
+    if argv is None:
+        argv = sys.argv[:1] if env is None else ()
     env = os.environ if env is None else env
-    run_source = "run"
-    if run is None:
-        run, run_source = env.get("GPUMON_RUN") or DEFAULT_RUN, "GPUMON_RUN"
+    run, run_source = resolve_run_name(env, argv, run)
     if not is_label(run, MAX_RUN_CHARS):
         raise ValueError(
             f"{run_source}={run!r}: a run name is 1-{MAX_RUN_CHARS} characters of "
