@@ -15,10 +15,16 @@ evaluation grows with the ranks of one run.
    scraping every ``--scrape-s`` s and remote-writing to one VictoriaMetrics, vmalert
    evaluating alerts/gpumon.rules.yml every ``--eval-s`` s: the store's ingest rate, series,
    memory and bytes per sample; vmalert's time per group; the agents' CPU.
-3. **Ranks per run**: for runs of ``--run-ranks`` ranks, the four counters per rank that the
-   run-level straggler and step-time rules read, imported into a fresh VictoriaMetrics (three
-   points in the last five minutes); each recording rule of that chain timed as an instant
-   query (median of three) and its result written back, as vmalert does, for the next one.
+3. **Ranks per run**: for runs of ``--run-ranks`` ranks (8 a node), the four counters per rank
+   that the run-level straggler and step-time rules read, imported into a fresh
+   VictoriaMetrics (three points in the last five minutes); each rule of that chain timed as
+   an instant query (median of three) and its result written back, as vmalert does, for the
+   next one: first the shard's per-rank rules and per-node reductions (here one shard holds
+   the whole run: an upper bound for any shard), then the centre's run-level rules over them.
+   Then **all central rules** at ``--central-nodes`` nodes: one real agent's scrape (8
+   simulated GPUs, 8 ranks) copied to that many nodes of one run, the shard's group
+   evaluated over it, then every central group, recording rules and alerts alike, as
+   vmalert would: the time of one evaluation of each.
 4. **Disk**: one node (8 GPUs, 8 ranks) scraped by VictoriaMetrics itself every second for
    ``--disk-s`` s, its buffers flushed and its parts merged: bytes a sample and index bytes
    a series.
@@ -31,10 +37,12 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 import statistics
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
@@ -58,14 +66,27 @@ from gpumon.testing.pipeline import (  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 FLEET = ROOT / "deploy" / "fleet"
 RULE_FILE = ROOT / "alerts" / "gpumon.rules.yml"
-NODE_RULES = FLEET / "rules" / "gpumon-node.rules.yml"
+SHARD_RULES = FLEET / "rules" / "gpumon-shard.rules.yml"
+CENTRAL_RULES = FLEET / "rules" / "gpumon-central.rules.yml"
 GPUS, RANKS = 8, 8
-CHAIN = ("run_rank:gpumon_step_own_seconds:mean5m",
+SHARD_CHAIN = ("run_rank:gpumon_steps:rate5m",
+               "run_rank:gpumon_step_own_seconds:mean5m",
+               "run_node:gpumon_step_own_seconds:sum5m",
+               "run_node:gpumon_step_own_seconds:count5m",
+               "run_node:gpumon_step_own_seconds:max5m",
+               "run_node:gpumon_step_seconds:slowest_mean5m",
+               "run_node:gpumon_step_duration_seconds_sum:rate5m",
+               "run_node:gpumon_step_duration_seconds_count:rate5m",
+               "run_node:gpumon_steps:max_rate5m")
+"""The shard's rules that the run-level straggler and step-time rules read: per rank, then
+reduced per node and run."""
+CHAIN = ("run:gpumon_step_own_seconds:sum5m",
+         "run:gpumon_step_own_seconds:count5m",
          "run_rank:gpumon_step_own_seconds:peers_mean5m",
          "run_rank:gpumon_rank_straggler_score:ratio5m",
          "run_rank:gpumon_step_straggler_extra_share:ratio5m",
          "run:gpumon_step_duration_seconds:mean5m", "run:gpumon_steps:rate5m")
-"""The run-level rules whose cost grows with a run's ranks, and the per-rank rule they read."""
+"""The centre's run-level straggler and step-time rules, over the shard's reductions."""
 
 
 def _metrics(service_url: str) -> dict[str, float]:
@@ -160,13 +181,17 @@ def load_run(tmp: Path, nodes: int, interval: float, scrape_s: int, eval_s: int,
         targets = [f"127.0.0.1:{a.port}" for a in agents]
         services.append(start_prometheus_shard(
             tmp / "shard-a", "shard-a", yaml.safe_load((FLEET / "compose" / "shard-a.yml").read_text()),
-            targets[:half], store, [NODE_RULES], alertmanager, scrape))
+            targets[:half], store, [SHARD_RULES], alertmanager, scrape))
         services.append(start_vmagent_shard(
             tmp / "shard-b", "shard-b", yaml.safe_load((FLEET / "compose" / "shard-b.yml").read_text()),
             targets[half:], store, scrape))
         compose = yaml.safe_load((FLEET / "compose" / "docker-compose.yml").read_text())
+        shard_b_rules = start_vmalert(tmp / "shard-b-rules", compose["services"]["shard-b-rules"]["command"],
+                                      [SHARD_RULES], store, alertmanager, f"{eval_s}s",
+                                      name="shard-b-rules")
+        services.append(shard_b_rules)
         vmalert = start_vmalert(tmp / "vmalert", compose["services"]["vmalert"]["command"],
-                                [RULE_FILE], store, alertmanager, f"{eval_s}s")
+                                [CENTRAL_RULES], store, alertmanager, f"{eval_s}s")
         services.append(vmalert)
         straggler = nodes * RANKS - 3
         run = FleetRun("fleet", nodes=nodes, ranks_per_node=RANKS, straggler=straggler)
@@ -193,13 +218,14 @@ def load_run(tmp: Path, nodes: int, interval: float, scrape_s: int, eval_s: int,
         raw = float(store.query('count({__name__=~"gpumon_.*|up|scrape_.*"})')[0]["value"][1])
         score = {int(r["metric"]["rank"]): float(r["value"][1]) for r in store.query(
             'run_rank:gpumon_rank_straggler_score:ratio5m{run="fleet"}')}
-        vm_metrics = _metrics(vmalert.url)
         groups = {}
-        for key, value in vm_metrics.items():
-            if key.startswith("vmalert_iteration_duration_seconds_sum{"):
-                group = key.split('group="')[1].split('"')[0]
-                count = vm_metrics[key.replace("_sum{", "_count{")]
-                groups[group] = value / count if count else float("nan")
+        for ruler, where in ((vmalert, "centre"), (shard_b_rules, "shard B")):
+            vm_metrics = _metrics(ruler.url)
+            for key, value in vm_metrics.items():
+                if key.startswith("vmalert_iteration_duration_seconds_sum{"):
+                    group = key.split('group="')[1].split('"')[0]
+                    count = vm_metrics[key.replace("_sum{", "_count{")]
+                    groups[f"{group} ({where})"] = value / count if count else float("nan")
         result = {
             "nodes": nodes, "ranks": run.world, "interval_s": interval, "scrape_s": scrape_s,
             "eval_s": eval_s, "seconds": t2 - t0,
@@ -307,10 +333,7 @@ def _import_counters(store: Service, run: str, ranks: int, now_ms: int) -> None:
     chunk: list[str] = []
 
     def flush() -> None:
-        request = urllib.request.Request(store.url + "/api/v1/import/prometheus",
-                                         data="".join(chunk).encode(), method="POST")
-        with urllib.request.urlopen(request, timeout=600):
-            pass
+        _import(store, "".join(chunk))
         chunk.clear()
 
     for rank in range(ranks):
@@ -330,10 +353,32 @@ def _import_counters(store: Service, run: str, ranks: int, now_ms: int) -> None:
         flush()
 
 
+def _timed_chain(store: Service, rules: dict[str, str], chain: tuple[str, ...],
+                 run: str) -> dict[str, float]:
+    """Each rule of ``chain`` as an instant query limited to ``run`` (median of three), its
+    result written back for the next, as vmalert does."""
+    times = {}
+    for name in chain:
+        expr = _only_run(rules[name], run)
+        samples = []
+        for _ in range(3):
+            t = time.perf_counter()
+            result = store.query(expr, timeout=600)
+            samples.append(time.perf_counter() - t)
+        times[name] = statistics.median(samples)
+        _write_back(store, name, result)
+    return times
+
+
+def _recording_rules() -> dict[str, str]:
+    return {r["record"]: r["expr"] for g in yaml.safe_load(RULE_FILE.read_text())["groups"]
+            for r in g["rules"] if "record" in r}
+
+
 def ranks_per_run(tmp: Path, sizes: list[int]) -> list[dict[str, Any]]:
-    """Instant-query time of each chained run-level rule, by ranks in the run."""
-    rules = {r["record"]: r["expr"] for g in yaml.safe_load(RULE_FILE.read_text())["groups"]
-             for r in g["rules"] if "record" in r}
+    """Instant-query time of the shard's reductions and the centre's run-level chain, by ranks
+    in the run."""
+    rules = _recording_rules()
     rows = []
     store = start_victoria_metrics(tmp / "synthetic")
     try:
@@ -345,30 +390,109 @@ def ranks_per_run(tmp: Path, sizes: list[int]) -> list[dict[str, Any]]:
             wait_for(lambda run=run, size=size: _count(store, f'gpumon_steps_total{{run="{run}"}}') == size,
                      timeout=300, interval=1, what=f"{size} ranks imported")
             imported_s = time.monotonic() - started
-            times = {}
-            for name in CHAIN:
-                expr = _only_run(rules[name], run)
-                samples = []
-                for _ in range(3):
-                    t = time.perf_counter()
-                    result = store.query(expr, timeout=600)
-                    samples.append(time.perf_counter() - t)
-                times[name] = statistics.median(samples)
-                _write_back(store, name, result)
+            shard = _timed_chain(store, rules, SHARD_CHAIN, run)
+            central = _timed_chain(store, rules, CHAIN, run)
             check = store.query('run_rank:gpumon_rank_straggler_score:ratio5m'
                                 f'{{run="{run}",rank="{size - 1}"}}')
-            rows.append({"ranks": size, "import_s": imported_s, "rule_s": times,
-                         "chain_s": sum(times.values()),
+            rows.append({"ranks": size, "nodes": -(-size // RANKS), "import_s": imported_s,
+                         "shard_rule_s": shard, "shard_s": sum(shard.values()),
+                         "rule_s": central, "chain_s": sum(central.values()),
                          "straggler_score": float(check[0]["value"][1]) if check else None})
-            print(f"{size} ranks: imported in {imported_s:.0f} s, chain "
-                  f"{sum(times.values()) * 1e3:.0f} ms", flush=True)
+            print(f"{size} ranks: imported in {imported_s:.0f} s, shard {sum(shard.values()) * 1e3:.0f} ms, "
+                  f"central chain {sum(central.values()) * 1e3:.0f} ms", flush=True)
     finally:
         store.stop()
-    print_table(["ranks in the run", *[n.split(":")[1] + ":" + n.split(":")[2] for n in CHAIN],
-                 "chain", "straggler score"],
+    print_table(["ranks in the run", *[n.split(":", 1)[1] for n in CHAIN], "central chain",
+                 "shard (one shard, the whole run)", "straggler score"],
                 [[f"{r['ranks']:,}", *[f"{r['rule_s'][n] * 1e3:.0f} ms" for n in CHAIN],
-                  f"{r['chain_s'] * 1e3:.0f} ms", f"{r['straggler_score']:.2f}"] for r in rows])
+                  f"{r['chain_s'] * 1e3:.0f} ms", f"{r['shard_s'] * 1e3:.0f} ms",
+                  f"{r['straggler_score']:.2f}"] for r in rows])
     return rows
+
+
+def _copies(body: str, nodes: int, run: str, now_ms: int) -> Iterator[str]:
+    """One node's scrape as ``nodes`` nodes of one run, three points in five minutes: counters
+    growing (a third of their value a point), gauges as they are."""
+    times = [now_ms - 240_000, now_ms - 120_000, now_ms - 5_000]
+    samples = []
+    for line in body.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, text = line.rpartition(" ")
+        name, _, labels = series.partition("{")
+        counter = name.endswith(("_total", "_sum", "_count", "_bucket"))
+        samples.append((name, labels.rstrip("}"), float(text), counter))
+    for node in range(nodes):
+        chunk = []
+        offset = node * RANKS
+        for name, labels, value, counter in samples:
+            relabelled = re.sub(r'rank="(\d+)"', lambda m, o=offset: f'rank="{int(m[1]) + o}"', labels)
+            relabelled = re.sub(r'run="[^"]*"', f'run="{run}"', relabelled)
+            extra = f",{relabelled}" if relabelled else ""
+            full = f'{name}{{job="gpumon",instance="node-{node}:9403"{extra}}}'
+            for i, t in enumerate(times):
+                v = value * (i + 1) / 3 if counter else value
+                chunk.append(f"{full} {v} {t}\n")
+        yield "".join(chunk)
+
+
+def central_rules(tmp: Path, nodes: int) -> dict[str, Any]:
+    """One evaluation of every central group at ``nodes`` nodes of one run (8 ranks each),
+    after the shard's group over the same nodes."""
+    (agent,) = _start_agents(tmp / "central-node", 1, 1.0)
+    node_run = FleetRun("node", nodes=1, ranks_per_node=RANKS, compute_s=0.2, allreduce_s=0.05)
+    sender = FleetSender(node_run, [str(agent.socket_path)], [_gpus(agent)])
+    try:
+        sender.start()
+        time.sleep(max(3.0, 12 * node_run.step_s))
+        body = agent.scrape()
+    finally:
+        sender.stop()
+        agent.stop()
+    store = start_victoria_metrics(tmp / "central")
+    run = "fleet"
+    try:
+        started = time.monotonic()
+        batch: list[str] = []
+        for text in _copies(body, nodes, run, int(time.time() * 1000)):
+            batch.append(text)
+            if len(batch) >= 20:
+                _import(store, "".join(batch))
+                batch.clear()
+        if batch:
+            _import(store, "".join(batch))
+        wait_for(lambda: _count(store, f'gpumon_steps_total{{run="{run}"}}') == nodes * RANKS,
+                 timeout=600, interval=1, what=f"{nodes} nodes imported")
+        series = _count(store, '{__name__=~"gpumon_.*"}')
+        imported_s = time.monotonic() - started
+        groups: dict[str, float] = {}
+        for path, where in ((SHARD_RULES, "shard"), (CENTRAL_RULES, "centre")):
+            for group in yaml.safe_load(path.read_text())["groups"]:
+                spent = 0.0
+                for rule in group["rules"]:
+                    t = time.perf_counter()
+                    answer = store.query(rule["expr"], timeout=600)
+                    spent += time.perf_counter() - t
+                    if "record" in rule and answer:
+                        _write_back(store, rule["record"], answer)
+                groups[f"{group['name']} ({where})"] = spent
+    finally:
+        store.stop()
+    central = sum(v for k, v in groups.items() if k.endswith("(centre)"))
+    result = {"nodes": nodes, "ranks": nodes * RANKS, "series": series, "import_s": imported_s,
+              "group_s": groups, "central_s": central}
+    print_table([f"{nodes:,} nodes, {nodes * RANKS:,} ranks of one run ({series:,.0f} series)",
+                 "one evaluation"],
+                [*[[g, f"{s * 1e3:.0f} ms"] for g, s in groups.items()],
+                 ["every central group", f"{central * 1e3:.0f} ms"]])
+    return result
+
+
+def _import(store: Service, text: str) -> None:
+    request = urllib.request.Request(store.url + "/api/v1/import/prometheus", data=text.encode(),
+                                     method="POST")
+    with urllib.request.urlopen(request, timeout=600):
+        pass
 
 
 def _count(store: Service, selector: str) -> float:
@@ -379,14 +503,14 @@ def _count(store: Service, selector: str) -> float:
 def _only_run(expr: str, run: str) -> str:
     """``expr`` with every selector of a gpumon or recorded series limited to ``run`` (the
     other runs in the store would otherwise count too)."""
-    import re
 
     def limit(match: re.Match[str]) -> str:
         name, labels = match[1], match[2]
         inner = labels[1:-1] if labels else ""
         return f'{name}{{run="{run}"{"," + inner if inner else ""}}}'
 
-    return re.sub(r"\b((?:run_rank|run):gpumon_[a-z_:0-9]+|gpumon_[a-z_0-9]+)(\{[^}]*\})?", limit, expr)
+    return re.sub(r"\b((?:run_rank|run_node|run):gpumon_[a-z_:0-9]+|gpumon_[a-z_0-9]+)(\{[^}]*\})?",
+                  limit, expr)
 
 
 def _write_back(store: Service, name: str, result: list[dict[str, Any]]) -> None:
@@ -413,15 +537,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=150.0, help="load run's measured span")
     parser.add_argument("--run-ranks", default="512,8000,80000",
                         help="ranks per run for the rule timing, comma-separated")
+    parser.add_argument("--central-nodes", type=int, default=1000,
+                        help="nodes for the timing of every central rule")
     parser.add_argument("--disk-s", type=float, default=600.0,
                         help="disk part: seconds of one node scraped every second")
-    parser.add_argument("--parts", default="node,load,rules,disk",
-                        help="which parts to run, comma-separated (node, load, rules, disk)")
+    parser.add_argument("--parts", default="node,load,rules,central,disk",
+                        help="which parts to run, comma-separated (node, load, rules, central, disk)")
     parser.add_argument("--quick", action="store_true", help="a tiny run of every part")
     args = parser.parse_args()
     if args.quick:
         args.nodes, args.scrape_s, args.eval_s, args.seconds, args.run_ranks = 4, 2, 2, 12.0, "64"
-        args.disk_s = 10.0
+        args.disk_s, args.central_nodes = 10.0, 4
     with TemporaryDirectory(prefix="bench-fleet-") as tmp:
         parts = set(args.parts.split(","))
         node = one_node(Path(tmp)) if "node" in parts else None
@@ -429,8 +555,10 @@ def main() -> None:
                          args.seconds) if "load" in parts else None)
         rules = (ranks_per_run(Path(tmp), [int(x) for x in args.run_ranks.split(",")])
                  if "rules" in parts else None)
+        central = central_rules(Path(tmp), args.central_nodes) if "central" in parts else None
         stored = disk(Path(tmp), args.disk_s, 1) if "disk" in parts else None
-    print(json.dumps({"node": node, "load": load, "ranks_per_run": rules, "disk": stored}))
+    print(json.dumps({"node": node, "load": load, "ranks_per_run": rules, "central": central,
+                      "disk": stored}))
 
 
 if __name__ == "__main__":

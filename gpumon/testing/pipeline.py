@@ -115,19 +115,24 @@ def start_vmagent_shard(state: Path, name: str, config: dict[str, Any], targets:
 
 
 def start_vmalert(state: Path, flags: Sequence[str], rule_files: Sequence[Path], store: Service,
-                  alertmanager: Service, interval: str) -> Service:
-    """The central vmalert with deploy/fleet's ``flags``: its rules, store, Alertmanager and
-    evaluation interval replaced by these."""
+                  alertmanager: Service, interval: str, name: str = "vmalert") -> Service:
+    """A vmalert with deploy/fleet's ``flags`` (the central one, or a shard's): its rules, store,
+    Alertmanager and evaluation interval replaced by these. The query string of its
+    ``-datasource.url`` (a shard's ``extra_label`` filter) is kept, and it reads alert state back
+    from the store only where its flags do."""
     port = free_port()
     local = {"rule", "datasource.url", "remoteWrite.url", "remoteRead.url", "notifier.url",
              "evaluationInterval", "httpListenAddr"}
+    given = dict(f.lstrip("-").split("=", 1) for f in flags if "=" in f)
     kept = [f for f in flags if f.lstrip("-").split("=", 1)[0] not in local]
+    query = urllib.parse.urlsplit(given.get("datasource.url", "")).query
+    reads = [f"-remoteRead.url={store.url}"] if "remoteRead.url" in given else []
     argv = [require_tool("vmalert"), *kept, *(f"-rule={p}" for p in rule_files),
-            f"-datasource.url={store.url}", f"-remoteWrite.url={store.url}",
-            f"-remoteRead.url={store.url}", "-remoteWrite.flushInterval=1s",
+            f"-datasource.url={store.url}/" + (f"?{query}" if query else ""),
+            f"-remoteWrite.url={store.url}", *reads, "-remoteWrite.flushInterval=1s",
             f"-evaluationInterval={interval}", f"-httpListenAddr=127.0.0.1:{port}",
             f"-notifier.url={alertmanager.url}", "-loggerLevel=WARN"]
-    return _start("vmalert", argv, state, port, "/health")
+    return _start(name, argv, state, port, "/health")
 
 
 def start_alertmanager(state: Path) -> Service:

@@ -21,8 +21,10 @@ from tests.helpers import ROOT, require_tool
 FLEET = ROOT / "deploy" / "fleet"
 COMPOSE = FLEET / "compose"
 KUBE = FLEET / "kubernetes"
-NODE_RULES = FLEET / "rules" / "gpumon-node.rules.yml"
+SHARD_RULES = FLEET / "rules" / "gpumon-shard.rules.yml"
+CENTRAL_RULES = FLEET / "rules" / "gpumon-central.rules.yml"
 RULE_FILE = ROOT / "alerts" / "gpumon.rules.yml"
+RECORDED = re.compile(r"\b([a-z_]+):gpumon_[a-z_]+(?::[a-z_0-9]+)?")
 
 
 def _load_generator() -> ModuleType:
@@ -59,20 +61,41 @@ def test_generated_files_are_current() -> None:
             f"{path.relative_to(ROOT)} is stale: run python deploy/fleet/generate.py")
 
 
-def test_shards_evaluate_only_node_level_rules() -> None:
+def test_shards_evaluate_what_reads_their_own_nodes() -> None:
     shipped = {g["name"]: g for g in _yaml(RULE_FILE)["groups"]}
-    node = _yaml(NODE_RULES)["groups"]
-    assert node and all(group == shipped[group["name"]] for group in node)
-    rules = [rule for group in node for rule in group["rules"]]
-    # No recording rule (partial run-level series would reach the store beside the centre's),
-    # and no expression reading a recorded series.
-    assert all("alert" in rule for rule in rules)
-    assert not [rule["alert"] for rule in rules if re.search(r"\b\w+:\w+:\w+", rule["expr"])]
-    assert {"GpumonAgentDown", "GpumonGpuLost", "GpumonXidError"} <= {r["alert"] for r in rules}
-    # Everything else (the straggler score, the run-level alerts) is left to the centre.
-    central = {r.get("alert") or r["record"] for g in shipped.values() for r in g["rules"]}
-    assert {"GpumonRankStraggler", "GpumonCommunicationBound",
-            "run_rank:gpumon_step_own_seconds:peers_mean5m"} <= central - {r["alert"] for r in rules}
+    shard = _yaml(SHARD_RULES)["groups"]
+    assert shard and all(group == shipped[group["name"]] for group in shard)
+    # Recording rules: per rank, or reduced per node and run (every output keeps job and
+    # instance, so two shards never write the same series); never a run-level `run:` series.
+    records = [rule for group in shard for rule in group["rules"] if "record" in rule]
+    assert records and all(r["record"].startswith(("run_rank:", "run_rank_phase:", "run_node:",
+                                                    "run_node_bottleneck:")) for r in records)
+    for rule in records:
+        for by in re.findall(r"\b(?:sum|count|max|min|topk) by \(([^)]*)\)", rule["expr"]):
+            assert {"job", "instance"} <= {x.strip() for x in by.split(",")}, rule["record"]
+    alerts = [rule for group in shard for rule in group["rules"] if "alert" in rule]
+    assert not [rule["alert"] for rule in alerts if RECORDED.search(rule["expr"])]
+    assert {"GpumonAgentDown", "GpumonGpuLost", "GpumonXidError"} <= {r["alert"] for r in alerts}
+
+
+def test_the_centre_reads_one_series_per_node_not_per_rank() -> None:
+    """The central run-level rules read only the shards' per-node reductions and each other, so
+    their work grows with nodes, not ranks; every alert is central too."""
+    shipped = {g["name"]: g for g in _yaml(RULE_FILE)["groups"]}
+    central = _yaml(CENTRAL_RULES)["groups"]
+    assert central and all(group == shipped[group["name"]] for group in central)
+    names = {g["name"] for g in central} | {g["name"] for g in _yaml(SHARD_RULES)["groups"]}
+    assert names == set(shipped)
+    records = [rule for group in central for rule in group["rules"] if "record" in rule]
+    outputs = {r["record"] for r in records}
+    for rule in records:
+        assert not re.search(r"\bgpumon_[a-z_]+", re.sub(RECORDED, "", rule["expr"])), rule["record"]
+        for series in (m[0] for m in RECORDED.finditer(rule["expr"])):
+            assert series.startswith(("run_node:", "run_node_bottleneck:")) or series in outputs, \
+                (rule["record"], series)
+    alerts = {r["alert"] for g in central for r in g["rules"] if "alert" in r}
+    assert {"GpumonRankStraggler", "GpumonCommunicationBound", "GpumonXidError"} <= alerts
+    assert "run_rank:gpumon_step_own_seconds:peers_mean5m" in outputs
 
 
 def test_compose_references_hold() -> None:
@@ -96,16 +119,27 @@ def test_compose_references_hold() -> None:
         assert len(central) == 1, (profile, central)
         assert all(profile in s["profiles"] for n, s in services.items()
                    if n.startswith(("gpumon-", "shard-", "vmalert", "alertmanager", "grafana")))
-    # vmalert: every rule file of alerts/, against the store, to Alertmanager.
+    # vmalert: the central rules, against the store, to Alertmanager.
     vmalert = services["vmalert"]
     flags = _flags(vmalert["command"])
     mounts = dict(v.split(":")[:2] for v in vmalert["volumes"])
-    assert (COMPOSE / "../../../alerts").resolve() == RULE_FILE.parent
-    assert flags["rule"] == mounts["../../../alerts"] + "/*.rules.yml"
+    assert (COMPOSE / "../rules").resolve() == CENTRAL_RULES.parent
+    assert flags["rule"] == f"{mounts['../rules']}/{CENTRAL_RULES.name}"
     for key in ("datasource.url", "remoteWrite.url", "remoteRead.url"):
         assert urlparse(flags[key]).hostname == "central", key
     assert urlparse(flags["notifier.url"]).hostname == "alertmanager"
     assert "disableAlertgroupLabel" in flags
+    # Shard B's ruler: the shard's rules over shard B's series only, labelled as shard B.
+    rules_b = services["shard-b-rules"]
+    flags_b = _flags(rules_b["command"])
+    mounts_b = dict(v.split(":")[:2] for v in rules_b["volumes"])
+    assert flags_b["rule"] == f"{mounts_b['../rules']}/{SHARD_RULES.name}"
+    labels_b = _yaml(COMPOSE / "shard-b.yml")["global"]["external_labels"]
+    source = urlparse(flags_b["datasource.url"])
+    assert source.hostname == "central" and source.query == f"extra_label=shard={labels_b['shard']}"
+    given = [a.split("=", 1)[1] for a in rules_b["command"] if a.startswith("-external.label=")]
+    assert sorted(given) == sorted(f"{k}={v}" for k, v in labels_b.items())
+    assert "disableAlertgroupLabel" in flags_b
     # Shard B's vmagent writes to the store; Grafana reads it.
     assert urlparse(_flags(services["shard-b"]["command"])["remoteWrite.url"]).hostname == "central"
     (datasource,) = _yaml(COMPOSE / "grafana" / "datasources.yml")["datasources"]
@@ -117,11 +151,11 @@ def test_compose_shards() -> None:
     a, b = _yaml(COMPOSE / "shard-a.yml"), _yaml(COMPOSE / "shard-b.yml")
     labels = [a["global"]["external_labels"], b["global"]["external_labels"]]
     assert all({"cluster", "shard"} <= set(x) for x in labels) and labels[0] != labels[1]
-    # Shard A keeps the node-level alerts (the generated file, mounted) and sends to the
+    # Shard A evaluates the shard's rules (the generated file, mounted) and sends to the
     # same Alertmanager as the centre; both write to the store.
     mounts = dict(v.split(":")[:2] for v in services["shard-a"]["volumes"])
-    assert (COMPOSE / "../rules").resolve() == NODE_RULES.parent
-    assert a["rule_files"] == [f"{mounts['../rules']}/{NODE_RULES.name}"]
+    assert (COMPOSE / "../rules").resolve() == SHARD_RULES.parent
+    assert a["rule_files"] == [f"{mounts['../rules']}/{SHARD_RULES.name}"]
     (remote,) = a["remote_write"]
     assert urlparse(remote["url"]).hostname == "central"
     (manager,) = a["alerting"]["alertmanagers"]
@@ -137,12 +171,12 @@ def test_compose_shards() -> None:
 def test_shard_a_passes_promtool(tmp_path: Path) -> None:
     promtool = require_tool("promtool")
     config = _yaml(COMPOSE / "shard-a.yml")
-    config["rule_files"] = [str(NODE_RULES)]  # the file the container path mounts
+    config["rule_files"] = [str(SHARD_RULES)]  # the file the container path mounts
     path = tmp_path / "shard-a.yml"
     path.write_text(yaml.safe_dump(config))
     result = _run(promtool, "check", "config", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
-    rules = sum(len(group["rules"]) for group in _yaml(NODE_RULES)["groups"])
+    rules = sum(len(group["rules"]) for group in _yaml(SHARD_RULES)["groups"])
     assert f"SUCCESS: {rules} rules found" in result.stdout, result.stdout
 
 
@@ -152,15 +186,16 @@ def test_shard_b_passes_vmagent() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("path", [RULE_FILE, NODE_RULES], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [RULE_FILE, SHARD_RULES, CENTRAL_RULES], ids=lambda p: p.name)
 def test_rules_pass_vmalert(path: Path) -> None:
     """vmalert parses every expression (MetricsQL) and template of the rules it loads."""
     result = _run(require_tool("vmalert"), f"-rule={path}", "-dryRun", "-loggerLevel=ERROR")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_node_rules_pass_promtool() -> None:
-    result = _run(require_tool("promtool"), "check", "rules", str(NODE_RULES))
+@pytest.mark.parametrize("path", [SHARD_RULES, CENTRAL_RULES], ids=lambda p: p.name)
+def test_generated_rules_pass_promtool(path: Path) -> None:
+    result = _run(require_tool("promtool"), "check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -212,12 +247,12 @@ def test_shard_prometheus() -> None:
     base = [doc for p in sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
             for doc in yaml.safe_load_all(p.read_text()) if doc]
     prometheus = _find(objects, "Prometheus", "gpumon-shard")["spec"]
-    # It scrapes the agents' ServiceMonitor and loads the node-level rules, not the full set
+    # It scrapes the agents' ServiceMonitor and loads the shard's rules, not the full set
     # (which the shard's kustomization deletes from the base).
     monitor = _find(base, "ServiceMonitor", "gpumon")
     assert prometheus["serviceMonitorSelector"]["matchLabels"].items() <= \
         monitor["metadata"]["labels"].items()
-    node = _find(objects, "PrometheusRule", "gpumon-node")
+    node = _find(objects, "PrometheusRule", "gpumon-shard")
     assert prometheus["ruleSelector"]["matchLabels"].items() <= node["metadata"]["labels"].items()
     full = _find(base, "PrometheusRule", "gpumon")
     assert not prometheus["ruleSelector"]["matchLabels"].items() <= full["metadata"]["labels"].items()
@@ -226,7 +261,7 @@ def test_shard_prometheus() -> None:
     assert deleted["$patch"] == "delete" and deleted["kind"] == "PrometheusRule"
     assert deleted["metadata"] == {"name": full["metadata"]["name"],
                                    "namespace": full["metadata"]["namespace"]}
-    assert node["spec"]["groups"] == _yaml(NODE_RULES)["groups"]
+    assert node["spec"]["groups"] == _yaml(SHARD_RULES)["groups"]
     assert prometheus["externalLabels"]["cluster"]
     assert prometheus["replicaExternalLabelName"] == ""  # HA copies deduplicated centrally
     assert prometheus["serviceAccountName"] == _find(objects, "ServiceAccount",
@@ -269,8 +304,8 @@ def test_central_services() -> None:
         assert url.port in {p["port"] for p in services[str(url.hostname)]["spec"]["ports"]}, key
     assert "disableAlertgroupLabel" in flags
     (mount,) = vmalert["containers"][0]["volumeMounts"]
-    assert flags["rule"] == mount["mountPath"] + "/*.rules.yml"
+    assert flags["rule"] == f"{mount['mountPath']}/{CENTRAL_RULES.name}"
     rules = _find(objects, "ConfigMap", "gpumon-rules")["data"]
-    assert rules == {RULE_FILE.name: RULE_FILE.read_text()}
+    assert rules == {CENTRAL_RULES.name: CENTRAL_RULES.read_text()}
     config = _find(objects, "ConfigMap", "alertmanager-config")["data"]["alertmanager.yml"]
     assert config == (ROOT / "deploy" / "alertmanager" / "alertmanager.yml").read_text()

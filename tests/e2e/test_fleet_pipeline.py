@@ -1,7 +1,9 @@
 """The sharded pipeline of deploy/fleet/ for real: four agents (four "nodes"), two shards — a
-Prometheus server keeping the node-level alerts, and a vmagent — remote-writing to one
-VictoriaMetrics, the central vmalert evaluating alerts/gpumon.rules.yml as shipped, one
-Alertmanager behind both; all Debian's binaries, on 127.0.0.1.
+Prometheus server, and a vmagent with a vmalert beside it — each evaluating the shard's rules
+(per-rank recording rules, their per-node reductions, the node-level alerts) and
+remote-writing to one VictoriaMetrics, the central vmalert evaluating the run-level rules over
+those reductions and every alert, one Alertmanager behind both; all Debian's binaries, on
+127.0.0.1. The rule files are deploy/fleet/rules/, generated from alerts/ as shipped.
 
 A real 4-rank gloo DDP job (``torch.distributed.run --nproc-per-node 4``) sends each rank to a
 different agent — ranks 0 and 1 through shard A, 2 and 3 through shard B — and rank 3 sleeps in
@@ -45,8 +47,8 @@ from tests.helpers import ROOT
 from tests.testing.fakenvml_fixtures import SCENARIOS, Scenario, fake_nvml_lib  # noqa: F401
 
 FLEET = ROOT / "deploy" / "fleet"
-RULE_FILE = ROOT / "alerts" / "gpumon.rules.yml"
-NODE_RULES = FLEET / "rules" / "gpumon-node.rules.yml"
+SHARD_RULES = FLEET / "rules" / "gpumon-shard.rules.yml"
+CENTRAL_RULES = FLEET / "rules" / "gpumon-central.rules.yml"
 FLEET_BOARD = ROOT / "dashboards" / "gpumon-fleet.json"
 RUN = "fleet-ddp"
 SLOW_RANK = 3
@@ -69,6 +71,7 @@ class Pipeline:
     store: Service
     shard_a: Service
     shard_b: Service
+    shard_b_rules: Service
     vmalert: Service
     alertmanager: Service
     summaries: dict[int, dict[str, Any]]
@@ -133,20 +136,24 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, fake_nvml_lib: Path  # no
         services.append(alertmanager)
         shard_a = start_prometheus_shard(
             tmp, "shard-a", yaml.safe_load((FLEET / "compose" / "shard-a.yml").read_text()),
-            [f"127.0.0.1:{a.port}" for a in agents[:2]], store, [NODE_RULES], alertmanager,
+            [f"127.0.0.1:{a.port}" for a in agents[:2]], store, [SHARD_RULES], alertmanager,
             INTERVAL)
         services.append(shard_a)
         shard_b = start_vmagent_shard(
             tmp, "shard-b", yaml.safe_load((FLEET / "compose" / "shard-b.yml").read_text()),
             [f"127.0.0.1:{a.port}" for a in agents[2:]], store, INTERVAL)
         services.append(shard_b)
-        vmalert = start_vmalert(tmp, _compose_flags("vmalert"), [RULE_FILE], store,
+        shard_b_rules = start_vmalert(tmp, _compose_flags("shard-b-rules"), [SHARD_RULES], store,
+                                      alertmanager, INTERVAL, name="shard-b-rules")
+        services.append(shard_b_rules)
+        vmalert = start_vmalert(tmp, _compose_flags("vmalert"), [CENTRAL_RULES], store,
                                 alertmanager, INTERVAL)
         services.append(vmalert)
         out = tmp / "job"
         _run_job(agents, out)
         summaries = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
-        yield Pipeline(agents, store, shard_a, shard_b, vmalert, alertmanager, summaries)
+        yield Pipeline(agents, store, shard_a, shard_b, shard_b_rules, vmalert, alertmanager,
+                       summaries)
     finally:
         for service in reversed(services):
             service.stop()
@@ -164,8 +171,14 @@ def test_the_central_straggler_score_sees_the_run_whole(pipeline: Pipeline) -> N
     wait_for(lambda: len(pipeline.query(query)) == 4, timeout=60, what="a score for every rank")
     scores = pipeline.by_rank(query)
     print({rank: round(value, 2) for rank, (value, _) in scores.items()})
-    # Every rank, each through the shard that scraped its agent.
+    # Every rank (each the only one of its node), each through the shard that scraped its agent
+    # and reduced its node's ranks; the centre counted all four.
     assert {rank: labels["shard"] for rank, (_, labels) in scores.items()} == SHARD_OF_RANK
+    counted = pipeline.query(f'run:gpumon_step_own_seconds:count5m{{run="{RUN}"}}')
+    assert [float(r["value"][1]) for r in counted] == [4.0]
+    for shard in ("a", "b"):
+        reduced = pipeline.query(f'run_node:gpumon_step_own_seconds:sum5m{{run="{RUN}",shard="{shard}"}}')
+        assert len(reduced) == 2, (shard, reduced)
     assert scores[SLOW_RANK][0] < 0.75 < min(v for r, (v, _) in scores.items() if r != SLOW_RANK)
     # Its extra own work per step is the sleep the job added, as a share of the step the job
     # timed itself.
