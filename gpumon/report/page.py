@@ -46,7 +46,7 @@ def _unit(model: RunModel) -> tuple[str, float]:
 
 def _x(model: RunModel) -> list[float]:
     _, per = _unit(model)
-    return [round(t / per, 4) for t in model.times()]
+    return [round(t / per, 6) for t in model.times()]
 
 
 def _layout(fig: go.Figure, title: str, y: str, height: int = 360, *,
@@ -248,7 +248,8 @@ h2{margin-top:1.5em;font-size:1.2em}"""
 
 
 def render(model: RunModel) -> str:
-    """The whole page as one string; ``#gpumon-report`` lists the figures drawn."""
+    """The whole page as one string; ``#gpumon-report`` lists the figures drawn and the time
+    bins (the run's start in unix seconds, their width), for whoever reads the figures' data."""
     sections, missing, drawn = [], [], []
     for div_id, heading, build in FIGURES:
         fig = build(model)
@@ -262,7 +263,8 @@ def render(model: RunModel) -> str:
     if missing:
         notes.append("Not in this run's data, so not drawn: " + ", ".join(missing) + ".")
     note_html = "".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)
-    meta = json.dumps({"run": model.run, "figures": drawn})
+    meta = json.dumps({"run": model.run, "figures": drawn, "start": model.start,
+                       "bin_s": model.width_s, "bins": model.bins})
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
             f"<title>gpumon report: {html.escape(model.run)}</title><style>{STYLE}</style>"
             f"<script>{get_plotlyjs()}</script></head><body>"
