@@ -77,7 +77,7 @@ LAYERS: dict[str, Allowed] = {
                       "client.autowatch client.identity",
                       libraries="rich"),
     # The page of a run: above the commands, for the verdict replay gpumon classify does.
-    "report": allow("wire analysis commands.classify", libraries="plotly"),
+    "report": allow("wire collectors.samples analysis commands.classify", libraries="plotly"),
     "cli": allow("gpumon commands agent analysis sim report", libraries="typer"),
     "testing": allow("gpumon agent", libraries="prometheus_client psutil"),
     "testing.fakenvml": allow(),

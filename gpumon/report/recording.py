@@ -1,16 +1,20 @@
 """A run from a recording: its steps replayed through the verdict engine ``gpumon classify``
-uses, then put into time bins with the GPU samples recorded beside them."""
+uses (``replay.py``), put into time bins as they come with the GPU samples recorded beside
+them. Memory does not grow with the recording's length."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from gpumon.analysis.bottleneck import Flag
 from gpumon.analysis.comm import attributed_phases, bus_bandwidth_factor, overlapped_s, wait_s
-from gpumon.analysis.oom import theil_sen
-from gpumon.commands.classify import Recording, classify_recording, load_recording
+from gpumon.analysis.stream import RankAnalysis, StepVerdict
+from gpumon.collectors.samples import GpuSample
 from gpumon.report.model import (
     GPU_METRICS,
     LINK_METRICS,
@@ -22,6 +26,7 @@ from gpumon.report.model import (
     RunModel,
     bin_count,
 )
+from gpumon.report.replay import Scan, replay, scan
 from gpumon.wire import StepRecord
 
 STALL_STEPS = 10
@@ -30,15 +35,10 @@ a stall, as the straggler rule leaves out a rank that far behind (docs/architect
 STALL_MIN_S = 5.0
 BIN_STEPS = 3
 """Steps (of the slowest tenth) a time bin spans at the finest."""
-SKIPPED_SHOWN = 10
-"""Skipped lines named by number; the rest are counted."""
-TREND_STEPS = 200
-"""The latest per-step peaks the OOM prediction fits its trend to."""
-
-
-def runs_in(recording: Recording) -> Counter[str]:
-    """Steps per run in a recording."""
-    return Counter(step.run for step in recording.steps)
+WINDOWS_PER_BIN = 4
+"""The engine's windows per time bin at the coarsest (replay.py: a long run's resolution)."""
+_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio",
+           "tensor_active": "tensor_active_ratio", "dram_active": "dram_active_ratio"}
 
 
 def choose_run(runs: Counter[str], run: str | None, where: str) -> str:
@@ -55,186 +55,173 @@ def choose_run(runs: Counter[str], run: str | None, where: str) -> str:
     return run
 
 
-def load_file(path: Path, run: str | None = None) -> RunModel:
-    """The model of ``run`` (or the recording's only run) from a recording file."""
+@contextmanager
+def _lines(path: Path) -> Iterator[Iterator[str]]:
     try:
         with open(path, encoding="utf-8", errors="replace") as lines:
-            recording = load_recording(lines)
+            yield lines
     except OSError as exc:
         raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    name = choose_run(runs_in(recording), run, str(path))
-    return from_recording(recording, name, f"recording {path.name}")
 
 
-def _span(steps: list[StepRecord]) -> tuple[float, float]:
-    ends = [s.t_end for s in steps if s.t_end is not None]
-    if not ends:
-        raise ReportError("the run's steps carry no times (t_start): nothing to draw over time")
-    starts = [s.t_start for s in steps if s.t_start is not None]
-    return min(starts), max(ends)
-
-
-def from_recording(recording: Recording, run: str, source: str) -> RunModel:
-    """Bin the run's steps, their replayed verdicts and the recorded GPU samples."""
-    steps = [s for s in recording.steps if s.run == run and s.t_start is not None]
-    start, end = _span(steps)
-    durations = sorted(s.duration_s for s in steps)
-    typical = statistics.median(durations)
-    # A bin holds a few of the longer steps of every rank: none is left empty between two.
+def load_file(path: Path, run: str | None = None) -> RunModel:
+    """The model of ``run`` (or the recording's only run) from a recording file."""
+    with _lines(path) as lines:
+        found = scan(lines)
+    name = choose_run(found.runs, run, str(path))
+    durations = sorted(found.durations[name])
     slow = durations[int(0.9 * (len(durations) - 1))]
-    model = RunModel(run=run, source=source, start=start, end=end,
+    start, end = found.start[name], found.end[name]
+    model = RunModel(run=name, source=f"recording {path.name}", start=start, end=end,
                      bins=bin_count(start, end, BIN_STEPS * slow))
-    model.skipped = Counter(recording.skipped)
-    if recording.skipped:
-        model.notes.append(f"{sum(recording.skipped.values())} unreadable lines were skipped "
-                           f"({', '.join(f'{k}: {v}' for k, v in recording.skipped.most_common())}"
-                           f", first at lines "
-                           f"{', '.join(str(n) for n, _ in recording.skipped_at[:SKIPPED_SHOWN])})"
-                           f"; the report covers the rest")
-    model.ranks = sorted({s.rank for s in steps})
-    _steps(model, steps, typical)
-    subset = Recording(samples=recording.samples, statics=recording.statics, steps=steps)
-    _verdicts(model, steps, classify_recording(subset))
-    _gpus(model, recording, steps)
+    _skipped(model, found)
+    filler = _Filler(model, found, typical=statistics.median(durations))
+    with _lines(path) as lines:
+        analyses = replay(lines, name, found, filler.step, filler.sample, filler.verdict,
+                          min_window_s=model.width_s / WINDOWS_PER_BIN)
+    filler.finish(analyses)
     return model
 
 
-def _steps(model: RunModel, steps: list[StepRecord], typical: float) -> None:
-    summary = model.summary
-    summary.steps, summary.ranks = len(steps), len(model.ranks)
-    summary.seconds = model.end - model.start
-    samples = sum(s.samples or 0 for s in steps)
-    tokens = sum(s.tokens or 0 for s in steps)
-    summary.samples_per_s = samples / summary.seconds if samples and summary.seconds else None
-    summary.tokens_per_s = tokens / summary.seconds if tokens and summary.seconds else None
-    by_rank: dict[int, list[StepRecord]] = defaultdict(list)
-    for step in steps:
-        by_rank[step.rank].append(step)
-    exposed, overlapped = Mean(model.bins), Mean(model.bins)
-    for rank, own in by_rank.items():
-        own.sort(key=lambda s: s.t_start or 0.0)
-        times = model.mean(model.step_time, rank)
-        peaks = model.memory_peak.setdefault(rank, Peak(model.bins))
-        ooms: list[int] = []
-        previous_end: float | None = None
-        for step in own:
-            i = model.index(step.t_end or 0.0)
-            times.add(i, step.duration_s)
-            phases = attributed_phases(step)
-            for name in PHASES[:-1]:
-                model.mean(model.phases, name).add(i, phases.get(name, 0.0))
-            known = sum(v for k, v in phases.items() if k != "other")
-            model.mean(model.phases, "other").add(i, max(0.0, step.duration_s - known))
-            exposed.add(i, wait_s(step))
-            overlapped.add(i, overlapped_s(step))
-            if step.comm is not None:
-                for op in step.comm.ops:
-                    factor = bus_bandwidth_factor(op.name, step.world)
-                    if factor and op.seconds > 0:
-                        model.mean(model.bus_bandwidth, op.name).add(
-                            i, op.bytes / op.seconds * factor)
-            if step.mem is not None:
-                peaks.add(i, step.mem.peak_bytes or step.mem.reserved_bytes)
-                if step.mem.ooms is not None:
-                    ooms.append(step.mem.ooms)
-            if previous_end is not None and step.t_start is not None:
-                gap = step.t_start - previous_end
-                if gap > max(STALL_MIN_S, STALL_STEPS * typical):
-                    summary.stalls[rank] = max(gap, summary.stalls.get(rank, 0.0))
-            previous_end = step.t_end
-        if ooms:
-            summary.oom_events += max(ooms) - min(ooms) + (1 if min(ooms) > 0 else 0)
-    if any(exposed.counts):
-        model.comm_exposed, model.comm_overlapped = exposed, overlapped
-    _memory(model, by_rank)
+def _skipped(model: RunModel, found: Scan) -> None:
+    model.skipped = Counter(found.skipped)
+    if found.skipped:
+        reasons = ", ".join(f"{k}: {v}" for k, v in found.skipped.most_common())
+        lines = ", ".join(str(n) for n in found.skipped_at)
+        model.notes.append(f"{sum(found.skipped.values())} unreadable lines were skipped "
+                           f"({reasons}, first at lines {lines}); the report covers the rest")
 
 
-def _memory(model: RunModel, by_rank: dict[int, list[StepRecord]]) -> None:
-    """The breakdown of the rank with the highest peak, and each rank's time to capacity."""
-    highest = {rank: max((p for p in peak.peaks if p is not None), default=0.0)
-               for rank, peak in model.memory_peak.items()}
-    if not highest or not max(highest.values()):
-        model.memory_peak.clear()
-        return
-    model.memory_rank = max(highest, key=lambda r: highest[r])
-    for step in by_rank[model.memory_rank]:
+class _Filler:
+    """Puts each step, sample and verdict into the model's bins as the replay yields it."""
+
+    def __init__(self, model: RunModel, found: Scan, typical: float) -> None:
+        self.model = model
+        self.typical = typical
+        self.statics = found.statics
+        self.samples = self.tokens = 0
+        self.gpus: set[int | str] = set()
+        self.previous_end: dict[int, float] = {}
+        self.ooms: dict[int, tuple[int, int]] = {}
+        self.components: dict[int, dict[str, Mean]] = defaultdict(dict)
+        self.gpu_samples: dict[int, dict[str, Mean]] = defaultdict(dict)
+        self.walls: Counter[str] = Counter()
+        self.hints: dict[str, Counter[str]] = defaultdict(Counter)
+        self.causes: dict[int, Counter[str]] = defaultdict(Counter)
+        self.mfu = Mean(1)
+        model.comm_exposed, model.comm_overlapped = Mean(model.bins), Mean(model.bins)
+
+    def step(self, step: StepRecord) -> None:
+        model, summary = self.model, self.model.summary
+        end = step.t_end or model.end
+        i = model.index(end)
+        summary.steps += 1
+        self.samples += step.samples or 0
+        self.tokens += step.tokens or 0
+        if step.gpu is not None:
+            self.gpus.add(step.gpu)
+        model.mean(model.step_time, step.rank).add(i, step.duration_s)
+        phases = attributed_phases(step)
+        for name in PHASES[:-1]:
+            model.mean(model.phases, name).add(i, phases.get(name, 0.0))
+        known = sum(v for k, v in phases.items() if k != "other")
+        model.mean(model.phases, "other").add(i, max(0.0, step.duration_s - known))
+        assert model.comm_exposed is not None and model.comm_overlapped is not None
+        model.comm_exposed.add(i, wait_s(step))
+        model.comm_overlapped.add(i, overlapped_s(step))
+        if step.comm is not None:
+            for op in step.comm.ops:
+                factor = bus_bandwidth_factor(op.name, step.world)
+                if factor and op.seconds > 0:
+                    model.mean(model.bus_bandwidth, op.name).add(i, op.bytes / op.seconds * factor)
+        if step.mem is not None:
+            model.memory_peak.setdefault(step.rank, Peak(model.bins)).add(
+                i, step.mem.peak_bytes or step.mem.reserved_bytes)
+            if step.mem.ooms is not None:
+                low, high = self.ooms.get(step.rank, (step.mem.ooms, step.mem.ooms))
+                self.ooms[step.rank] = (min(low, step.mem.ooms), max(high, step.mem.ooms))
         if step.memory_breakdown is not None:
-            i = model.index(step.t_end or 0.0)
             for name in MEMORY_COMPONENTS:
-                model.mean(model.memory_components, name).add(
+                model.mean(self.components[step.rank], name).add(
                     i, getattr(step.memory_breakdown, name))
+        previous = self.previous_end.get(step.rank)
+        if previous is not None and step.t_start is not None:
+            gap = step.t_start - previous
+            if gap > max(STALL_MIN_S, STALL_STEPS * self.typical):
+                summary.stalls[step.rank] = max(gap, summary.stalls.get(step.rank, 0.0))
+        self.previous_end[step.rank] = max(end, previous or end)
 
+    def sample(self, sample: GpuSample) -> None:
+        if not self.model.start <= sample.t <= self.model.end:
+            return
+        i = self.model.index(sample.t)
+        held = self.gpu_samples[sample.index]
+        for key, _ in (*GPU_METRICS, *LINK_METRICS):
+            value = getattr(sample, _FIELDS.get(key, key), None)
+            if value is not None:
+                self.model.mean(held, key).add(i, value)
 
-def _oom_predictions(model: RunModel, by_rank: dict[int, list[StepRecord]]) -> None:
-    capacity = model.capacity_bytes
-    if capacity is None:
-        return
-    for rank, own in by_rank.items():
-        points = [(s.t_end or 0.0, float(s.mem.peak_bytes)) for s in own[-TREND_STEPS:]
-                  if s.mem is not None and s.mem.peak_bytes is not None]
-        line = theil_sen(points)
-        if line is None or line[0] <= 0:
-            continue
-        slope, _ = line
-        left = (capacity - points[-1][1]) / slope
-        model.summary.oom_prediction[rank] = (
-            f"peak grows {slope / 2**20:.1f} MiB/s; reaches the device's "
-            f"{capacity / 2**30:.0f} GiB in {max(left, 0.0) / 60:.1f} min at the run's end")
-
-
-def _verdicts(model: RunModel, steps: list[StepRecord], verdicts: list) -> None:  # type: ignore[type-arg]
-    ends = {(s.rank, s.step): s.t_end or 0.0 for s in steps}
-    walls: Counter[str] = Counter()
-    hints: dict[str, Counter[str]] = defaultdict(Counter)
-    causes: dict[int, Counter[str]] = defaultdict(Counter)
-    mfu = Mean(1)
-    for v in verdicts:
+    def verdict(self, v: StepVerdict, end: float) -> None:
         primary = v.verdict.primary.value
-        strip = model.rank_verdicts(v.rank)
-        for number in v.steps:
-            strip[model.index(ends.get((v.rank, number), model.end))][primary] += 1
-        walls[primary] += len(v.steps)
-        hints[primary][v.verdict.hint] += len(v.steps)
-        mfu.add(0, v.verdict.mfu)
+        self.model.rank_verdicts(v.rank)[self.model.index(end)][primary] += len(v.steps)
+        self.walls[primary] += len(v.steps)
+        self.hints[primary][v.verdict.hint] += len(v.steps)
+        self.mfu.add(0, v.verdict.mfu)
         if Flag.STRAGGLER in v.verdict.flags:
             cause = v.verdict.straggler_cause
-            causes[v.rank][cause.value if cause is not None else "unknown"] += len(v.steps)
-    total = sum(walls.values())
-    model.summary.walls = {k: n / total for k, n in walls.most_common()} if total else {}
-    if walls:
-        top = walls.most_common(1)[0][0]
-        model.summary.top_hint = hints[top].most_common(1)[0][0]
-    model.summary.mfu = mfu.values()[0]
-    model.summary.stragglers = {rank: c.most_common(1)[0][0] for rank, c in sorted(causes.items())}
+            self.causes[v.rank][cause.value if cause is not None else "unknown"] += len(v.steps)
 
+    def finish(self, analyses: list[RankAnalysis]) -> None:
+        model, summary = self.model, self.model.summary
+        model.ranks = sorted(model.step_time)
+        summary.ranks = len(model.ranks)
+        summary.seconds = model.end - model.start
+        if summary.seconds > 0:
+            summary.samples_per_s = self.samples / summary.seconds if self.samples else None
+            summary.tokens_per_s = self.tokens / summary.seconds if self.tokens else None
+        summary.oom_events = sum(high - low + (low > 0) for low, high in self.ooms.values())
+        assert model.comm_exposed is not None
+        if not any(model.comm_exposed.counts):
+            model.comm_exposed = model.comm_overlapped = None
+        total = sum(self.walls.values())
+        if total:
+            summary.walls = {k: n / total for k, n in self.walls.most_common()}
+            summary.top_hint = self.hints[self.walls.most_common(1)[0][0]].most_common(1)[0][0]
+        summary.mfu = self.mfu.values()[0]
+        summary.stragglers = {r: c.most_common(1)[0][0] for r, c in sorted(self.causes.items())}
+        self._gpus()
+        self._memory(analyses)
 
-def _gpus(model: RunModel, recording: Recording, steps: list[StepRecord]) -> None:
-    """The GPUs the run's ranks named (all the recording's where none can be told)."""
-    named = {s.gpu for s in steps if s.gpu is not None}
-    by_uuid = {static.uuid: index for index, static in recording.statics.items()}
-    indices = {i for i in (by_uuid.get(g) if isinstance(g, str) else g for g in named)
-               if i is not None and i in recording.samples}
-    chosen = sorted(indices or recording.samples)
-    capacities = [total for i in chosen if i in recording.statics
-                  for total in [recording.statics[i].memory_total_bytes] if total]
-    model.capacity_bytes = float(min(capacities)) if capacities else None
-    keys = [k for k, _ in GPU_METRICS] + [k for k, _ in LINK_METRICS]
-    for index in chosen:
-        for sample in recording.samples[index]:
-            if not model.start <= sample.t <= model.end:
+    def _gpus(self) -> None:
+        """The GPUs the run's ranks named (all the recording's where none can be told)."""
+        by_uuid = {static.uuid: index for index, static in self.statics.items()}
+        named = {by_uuid.get(g) if isinstance(g, str) else g for g in self.gpus}
+        chosen = sorted({i for i in named if i is not None and i in self.gpu_samples}
+                        or self.gpu_samples)
+        for index in chosen:
+            for key, mean in self.gpu_samples[index].items():
+                self.model.gpu[key][index] = mean
+        capacities = [total for i in chosen if i in self.statics
+                      for total in [self.statics[i].memory_total_bytes] if total]
+        self.model.capacity_bytes = float(min(capacities)) if capacities else None
+
+    def _memory(self, analyses: list[RankAnalysis]) -> None:
+        """The breakdown of the rank with the highest peak, and the engine's OOM prediction."""
+        model = self.model
+        highest = {rank: max((p for p in peak.peaks if p is not None), default=0.0)
+                   for rank, peak in model.memory_peak.items()}
+        if not highest or not max(highest.values()):
+            model.memory_peak.clear()
+            return
+        model.memory_rank = max(highest, key=lambda r: highest[r])
+        model.memory_components = self.components.get(model.memory_rank, {})
+        for analysis in analyses:
+            oom = analysis.oom
+            if analysis.run != model.run or oom is None or oom.predicted_seconds is None \
+                    or not math.isfinite(oom.predicted_seconds):
                 continue
-            i = model.index(sample.t)
-            for key in keys:
-                value = getattr(sample, _FIELDS.get(key, key), None)
-                if value is not None:
-                    model.mean(model.gpu[key], index).add(i, value)
-    by_rank: dict[int, list[StepRecord]] = defaultdict(list)
-    for step in steps:
-        by_rank[step.rank].append(step)
-    for own in by_rank.values():
-        own.sort(key=lambda s: s.t_start or 0.0)
-    _oom_predictions(model, by_rank)
-
-
-_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio",
-           "tensor_active": "tensor_active_ratio", "dram_active": "dram_active_ratio"}
+            trend = oom.peak_trend_bytes_per_second or 0.0
+            model.summary.oom_prediction[analysis.rank] = (
+                f"peak grows {trend / 2**20:.1f} MiB/s; capacity reached in "
+                f"{oom.predicted_seconds / 60:.1f} min after the run's last step "
+                f"(risk {oom.risk_ratio:.0%})")

@@ -1,6 +1,7 @@
-"""`gpumon report --prometheus`: a real Prometheus scrapes a real agent (simulated GPUs) that a
-run of three ranks reports to, rank 2 doing more work than its peers; the page made from
-Prometheus' range queries shows that run, its straggler and every figure, in Chromium."""
+"""`gpumon report --prometheus`: a real Prometheus and a real VictoriaMetrics scrape a real agent
+(simulated GPUs) that a run of three ranks reports to, rank 2 doing more work than its peers;
+the page made from either's range queries shows that run, its straggler and every figure, in
+Chromium."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.report.prometheus import load_prometheus
+from gpumon.report.prometheus import PrometheusSource, load_prometheus
+from gpumon.testing.pipeline import start_victoria_metrics
 from gpumon.testing.recordings import Run, step_line
 from tests.helpers import (
     ROOT,
@@ -49,34 +51,45 @@ def _feed(agent: AgentProcess, stop: threading.Event) -> None:
 
 
 @pytest.fixture(scope="module")
-def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusProcess]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Prometheus and VictoriaMetrics, both scraping the agent every second, by name → URL."""
     tmp = tmp_path_factory.mktemp("report-prometheus")
     agent = start_agent(tmp, "--simulate", "3", "--interval", "0.25")
     stop = threading.Event()
     feeder = threading.Thread(target=_feed, args=(agent, stop), daemon=True)
     feeder.start()
     server: PrometheusProcess | None = None
+    victoria = None
     try:
         server = start_prometheus(tmp, [f"127.0.0.1:{agent.port}"], scrape_interval="1s")
+        scrape = tmp / "vm-scrape.yml"
+        scrape.write_text(json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [
+            {"job_name": "gpumon", "static_configs": [{"targets": [f"127.0.0.1:{agent.port}"]}]}]}))
+        victoria = start_victoria_metrics(tmp, f"-promscrape.config={scrape}")
         # Flagged once its slowness has persisted over 24 steps; then a few more scrapes.
         wait_for(lambda: server.query('gpumon_step_flag{run="llm",flag="straggler"} == 1'),
                  timeout=60, what="the straggler in Prometheus")
+        wait_for(lambda: victoria.query('gpumon_step_flag{run="llm",flag="straggler"} == 1'),
+                 timeout=30, what="the straggler in VictoriaMetrics")
         time.sleep(4)
-        yield server
+        yield {"prometheus": server.url, "victoria-metrics": victoria.url}
     finally:
         stop.set()
         feeder.join(5)
-        if server is not None:
-            server.stop()
+        for service in (server, victoria):
+            if service is not None:
+                service.stop()
         agent.stop()
 
 
 @pytest.mark.slow
-def test_a_report_from_prometheus_shows_the_run(prometheus: PrometheusProcess,
+@pytest.mark.parametrize("name", ["prometheus", "victoria-metrics"])
+def test_a_report_from_prometheus_shows_the_run(servers: dict[str, str], name: str,
                                                 tmp_path: Path) -> None:
-    model = load_prometheus(prometheus.url, "llm", "2m", timeout_s=10)
+    url = servers[name]
+    model = load_prometheus(url, "llm", "2m", timeout_s=10)
     agent_steps = sum(float(r["value"][1]) for r in
-                      prometheus.query('gpumon_steps_total{run="llm"}'))
+                      PrometheusSource(url, 10).instant('gpumon_steps_total{run="llm"}'))
     assert model.ranks == [0, 1, 2]
     assert model.summary.stragglers == {2: "compute"}
     assert 0 < model.summary.steps <= agent_steps
@@ -89,7 +102,7 @@ def test_a_report_from_prometheus_shows_the_run(prometheus: PrometheusProcess,
 
     page = tmp_path / "llm.html"
     result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", "--prometheus",
-                             prometheus.url, "--run", "llm", "--since", "2m", "-o", str(page)],
+                             url, "--run", "llm", "--since", "2m", "-o", str(page)],
                             capture_output=True, text=True, env=agent_env(), cwd=ROOT,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -103,11 +116,12 @@ def test_a_report_from_prometheus_shows_the_run(prometheus: PrometheusProcess,
 
 
 @pytest.mark.slow
-def test_an_unknown_run_in_prometheus_lists_the_runs(prometheus: PrometheusProcess) -> None:
+def test_an_unknown_run_in_prometheus_lists_the_runs(servers: dict[str, str]) -> None:
+    url = servers["prometheus"]
     result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", "--prometheus",
-                             prometheus.url, "--run", "nope", "--since", "5m"],
+                             url, "--run", "nope", "--since", "5m"],
                             capture_output=True, text=True, env=agent_env(), cwd=ROOT,
                             timeout=120)
     assert result.returncode == 1
-    assert f"no run 'nope' in {prometheus.url} over the last 5m; the runs there are: 'llm'" \
+    assert f"no run 'nope' in {url} over the last 5m; the runs there are: 'llm'" \
         in result.stderr
