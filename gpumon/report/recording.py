@@ -68,6 +68,8 @@ def load_file(path: Path, run: str | None = None) -> RunModel:
     """The model of ``run`` (or the recording's only run) from a recording file."""
     with _lines(path) as lines:
         found = scan(lines)
+    if not found.runs and found.skipped:
+        raise ReportError(f"{path} holds no readable step: {_skipped_text(found)}")
     name = choose_run(found.runs, run, str(path))
     durations = sorted(found.durations[name])
     slow = durations[int(0.9 * (len(durations) - 1))]
@@ -86,10 +88,14 @@ def load_file(path: Path, run: str | None = None) -> RunModel:
 def _skipped(model: RunModel, found: Scan) -> None:
     model.skipped = Counter(found.skipped)
     if found.skipped:
-        reasons = ", ".join(f"{k}: {v}" for k, v in found.skipped.most_common())
-        lines = ", ".join(str(n) for n in found.skipped_at)
-        model.notes.append(f"{sum(found.skipped.values())} unreadable lines were skipped "
-                           f"({reasons}, first at lines {lines}); the report covers the rest")
+        model.notes.append(f"{_skipped_text(found)}; the report covers the rest")
+
+
+def _skipped_text(found: Scan) -> str:
+    reasons = ", ".join(f"{k}: {v}" for k, v in found.skipped.most_common())
+    lines = ", ".join(str(n) for n in found.skipped_at)
+    return (f"{sum(found.skipped.values())} unreadable lines were skipped ({reasons}, "
+            f"first at lines {lines})")
 
 
 class _Filler:

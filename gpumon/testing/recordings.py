@@ -40,7 +40,7 @@ def step_line(run: Run, rank: int, step: int, rng: random.Random) -> dict[str, o
     forward, backward = 0.3 * compute * d, 0.7 * compute * d
     data, optimizer, other = 0.1 * d, 0.1 * d, 0.05 * d
     wait = d - data - forward - backward - optimizer - other
-    peak = 40 * GIB + step * run.peak_growth
+    peak = int(40 * GIB + step * run.peak_growth)
     line: dict[str, object] = {
         "v": 1, "kind": "step", "run": run.run, "rank": rank, "world": run.ranks,
         "local_rank": rank % 8, "step": step, "t_start": run.t0 + step * run.step_s,

@@ -99,3 +99,11 @@ def test_an_empty_recording_says_so(tmp_path: Path, text: str) -> None:
     (tmp_path / "empty.jsonl").write_text(text)
     result = report(str(tmp_path / "empty.jsonl"), "-o", str(tmp_path / "x.html"))
     assert result.returncode == 1 and "holds no steps of any run" in result.stderr
+
+
+def test_a_recording_with_no_readable_step_says_why(tmp_path: Path) -> None:
+    (tmp_path / "bad.jsonl").write_text('{"kind": "step", "run": "x"}\nnot json\n')
+    result = report(str(tmp_path / "bad.jsonl"), "-o", str(tmp_path / "x.html"))
+    assert result.returncode == 1
+    assert "holds no readable step: 2 unreadable lines were skipped (" in result.stderr
+    assert "first at lines 1, 2)" in result.stderr
