@@ -89,8 +89,8 @@ class Summary:
     stalls: dict[int, float] = field(default_factory=dict)
     """Rank → the longest time it made no progress (seconds), for ranks that stalled."""
     oom_events: int = 0
-    oom_prediction: dict[int, str] = field(default_factory=dict)
-    """Rank → what the OOM risk says (time to capacity, the component that grows)."""
+    oom_prediction: dict[int, tuple[float, str]] = field(default_factory=dict)
+    """Rank → seconds until its peaks reach capacity, and what the OOM risk says."""
 
 
 @dataclass

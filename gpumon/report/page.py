@@ -21,6 +21,8 @@ from gpumon.report.model import (
     LINK_METRICS,
     MEMORY_COMPONENTS,
     PHASES,
+    Mean,
+    Peak,
     RunModel,
     dominant,
 )
@@ -46,7 +48,13 @@ def _unit(model: RunModel) -> tuple[str, float]:
 
 def _x(model: RunModel) -> list[float]:
     _, per = _unit(model)
-    return [round(t / per, 6) for t in model.times()]
+    return [float(f"{t / per:.6g}") for t in model.times()]
+
+
+def _y(series: Mean | Peak, scale: float = 1.0) -> list[float | None]:
+    """A series' values in the figure's unit, to 5 significant digits: the page carries the
+    figures, not the float noise of their sums (a third of its weight otherwise)."""
+    return [float(f"{v * scale:.5g}") if v is not None else None for v in series.values()]
 
 
 def _layout(fig: go.Figure, title: str, y: str, height: int = 360, *,
@@ -68,7 +76,7 @@ def phases_figure(model: RunModel) -> go.Figure | None:
         return None
     fig = go.Figure()
     for name in PHASES:
-        values = model.phases[name].values() if name in model.phases else []
+        values = _y(model.phases[name]) if name in model.phases else []
         if not any(values):
             continue
         fig.add_trace(go.Scatter(x=_x(model), y=values, name=PHASE_NAMES.get(name, name),
@@ -114,12 +122,17 @@ def step_heatmap(model: RunModel) -> go.Figure | None:
     labels = [f"rank {r} ⚠ straggler ({stragglers[r]})" if r in stragglers else f"rank {r}"
               for r in ranks]
     fig = go.Figure(go.Heatmap(
-        x=_x(model), y=labels, z=[model.step_time[r].values() for r in ranks],
+        x=_x(model), y=labels, z=[_y(model.step_time[r]) for r in ranks],
         colorscale="Viridis", colorbar={"title": {"text": "s / step"}},
         hovertemplate="%{y} · %{x}: %{z:.4f} s<extra></extra>"))
     _layout(fig, "Step time per rank (stragglers named with their cause)", "rank",
             _strip_height(len(ranks)), model=model)
     fig.update_yaxes(autorange="reversed", title_text="")
+    for rank, label in zip(ranks, labels, strict=True):
+        if rank in stragglers:  # named beside the map too: among 512 rows its tick may be hidden
+            fig.add_annotation(x=1.0, xref="paper", y=label, xanchor="right", showarrow=False,
+                               text=f"◀ rank {rank}: straggler ({stragglers[rank]})",
+                               bgcolor="rgba(255,255,255,0.8)", font={"color": "#d62728"})
     return fig
 
 
@@ -132,14 +145,12 @@ def memory_figure(model: RunModel) -> go.Figure | None:
         mean = model.memory_components.get(name)
         if mean is None or not any(mean.counts):
             continue
-        fig.add_trace(go.Scatter(x=x, y=[v / GIB if v is not None else None
-                                         for v in mean.values()],
+        fig.add_trace(go.Scatter(x=x, y=_y(mean, 1 / GIB),
                                  name=f"rank {model.memory_rank}: {name}", stackgroup="memory",
                                  mode="lines", line={"width": 0.5}, connectgaps=True))
     many = len(model.memory_peak) > 16
     for rank, peak in sorted(model.memory_peak.items()):
-        fig.add_trace(go.Scatter(x=x, y=[v / GIB if v is not None else None
-                                         for v in peak.values()],
+        fig.add_trace(go.Scatter(x=x, y=_y(peak, 1 / GIB),
                                  name=f"rank {rank} peak", mode="lines", showlegend=not many,
                                  line={"width": 1}, connectgaps=True))
     if model.capacity_bytes:
@@ -159,8 +170,7 @@ def gpu_figure(model: RunModel) -> go.Figure | None:
                         shared_yaxes=True)
     for col, (key, _title) in enumerate(present, start=1):
         for gpu, mean in sorted(model.gpu[key].items()):
-            fig.add_trace(go.Scatter(x=_x(model), y=[v * 100 if v is not None else None
-                                                     for v in mean.values()],
+            fig.add_trace(go.Scatter(x=_x(model), y=_y(mean, 100),
                                      name=f"GPU {gpu}", legendgroup=f"gpu{gpu}",
                                      showlegend=col == 1, mode="lines", line={"width": 1}),
                           row=1, col=col)
@@ -176,8 +186,7 @@ def links_figure(model: RunModel) -> go.Figure | None:
     fig = go.Figure()
     for key, title in present:
         for gpu, mean in sorted(model.gpu[key].items()):
-            fig.add_trace(go.Scatter(x=_x(model), y=[v / 1e9 if v is not None else None
-                                                     for v in mean.values()],
+            fig.add_trace(go.Scatter(x=_x(model), y=_y(mean, 1 / 1e9),
                                      name=f"GPU {gpu} {title}", mode="lines",
                                      line={"width": 1}))
     return _layout(fig, "NVLink and PCIe traffic per GPU", "GB/s", 340, model=model)
@@ -188,14 +197,13 @@ def comm_figure(model: RunModel) -> go.Figure | None:
         return None
     fig = make_subplots(specs=[[{"secondary_y": True}]])
     x = _x(model)
-    fig.add_trace(go.Scatter(x=x, y=model.comm_exposed.values(), name="exposed (held the step)",
+    fig.add_trace(go.Scatter(x=x, y=_y(model.comm_exposed), name="exposed (held the step)",
                              stackgroup="comm", mode="lines", line_color="#9467bd"))
-    fig.add_trace(go.Scatter(x=x, y=model.comm_overlapped.values(),
+    fig.add_trace(go.Scatter(x=x, y=_y(model.comm_overlapped),
                              name="overlapped (under compute)", stackgroup="comm",
                              mode="lines", line_color="#c5b0d5"))
     for op, mean in sorted(model.bus_bandwidth.items()):
-        fig.add_trace(go.Scatter(x=x, y=[v / 1e9 if v is not None else None
-                                         for v in mean.values()],
+        fig.add_trace(go.Scatter(x=x, y=_y(mean, 1 / 1e9),
                                  name=f"{op} bus bandwidth", mode="lines",
                                  line={"dash": "dot"}), secondary_y=True)
     _layout(fig, "Communication per step: exposed against overlapped, and bus bandwidth",
@@ -216,6 +224,19 @@ FIGURES: tuple[tuple[str, str, Callable[[RunModel], go.Figure | None]], ...] = (
 )
 
 
+LISTED = 8
+"""Ranks a summary line names one by one; the rest are counted (a run may have 512)."""
+
+
+def _listed(items: list[str], limit: int = LISTED) -> str:
+    more = len(items) - limit
+    return "; ".join(items[:limit]) + (f"; and {more} more" if more > 0 else "") or "none"
+
+
+def _share(value: float) -> str:
+    return "<1%" if 0 < value < 0.005 else f"{value:.0%}"
+
+
 def _summary(model: RunModel) -> str:
     s = model.summary
     rows: list[tuple[str, str]] = [
@@ -226,23 +247,23 @@ def _summary(model: RunModel) -> str:
         rows.append(("throughput", f"{s.samples_per_s:,.1f} samples/s"
                      + (f", {s.tokens_per_s:,.0f} tokens/s" if s.tokens_per_s else "")))
     rows.append(("MFU", f"{s.mfu:.1%}" if s.mfu is not None else "not reported (no flops)"))
-    rows.append(("steps per wall", ", ".join(f"{k} {v:.0%}" for k, v in s.walls.items())
+    rows.append(("steps per wall", ", ".join(f"{k} {_share(v)}" for k, v in s.walls.items())
                  or "no verdicts"))
     rows.append(("top hint", s.top_hint or "none"))
-    rows.append(("stragglers", ", ".join(f"rank {r} ({c})" for r, c in s.stragglers.items())
-                 or "none"))
-    rows.append(("stalls", ", ".join(f"rank {r} ({t:.0f} s without a step)"
-                                     for r, t in sorted(s.stalls.items())) or "none"))
+    rows.append(("stragglers", _listed([f"rank {r} ({c})" for r, c in s.stragglers.items()])))
+    rows.append(("stalls", _listed([f"rank {r} ({t:.0f} s without a step)" for r, t in
+                                    sorted(s.stalls.items(), key=lambda kv: -kv[1])])))
     rows.append(("OOM events", str(s.oom_events)))
-    rows.append(("OOM prediction", "; ".join(f"rank {r}: {t}" for r, t in
-                                             sorted(s.oom_prediction.items())) or "none"))
+    soonest = sorted(s.oom_prediction.items(), key=lambda kv: kv[1][0])
+    rows.append(("OOM prediction", _listed([f"rank {r}: {text}" for r, (_, text) in soonest],
+                                           limit=3)))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                    for k, v in rows)
     return f'<table id="summary">{body}</table>'
 
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1400px;color:#222}
-table{border-collapse:collapse}th{text-align:left;padding:2px 1em 2px 0;color:#555;
+table{border-collapse:collapse}th{text-align:left;padding:2px 1em 2px 0;color:#555;white-space:nowrap;
 font-weight:normal}td{padding:2px 0}.note{background:#fff3cd;padding:.5em 1em}
 h2{margin-top:1.5em;font-size:1.2em}"""
 

@@ -289,8 +289,8 @@ class _Query:
             left = float(r["value"][1])
             if math.isfinite(left) and left > 0:
                 summary.oom_prediction[int(r["metric"].get("rank", "0"))] = (
-                    f"reaches the device's memory in {left / 60:.1f} min at the trend of its "
-                    f"peaks (last reading)")
+                    left, f"reaches the device's memory in {left / 60:.1f} min at the trend "
+                          f"of its peaks (last reading)")
 
 
 __all__ = ["PrometheusSource", "load_prometheus", "parse_duration"]

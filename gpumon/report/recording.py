@@ -228,6 +228,6 @@ class _Filler:
                 continue
             trend = oom.peak_trend_bytes_per_second or 0.0
             model.summary.oom_prediction[analysis.rank] = (
-                f"peak grows {trend / 2**20:.1f} MiB/s; capacity reached in "
+                oom.predicted_seconds, f"peak grows {trend / 2**20:.1f} MiB/s; capacity reached in "
                 f"{oom.predicted_seconds / 60:.1f} min after the run's last step "
                 f"(risk {oom.risk_ratio:.0%})")

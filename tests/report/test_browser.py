@@ -59,12 +59,13 @@ def test_the_stacked_phases_are_the_recordings_per_step_means(
         data[i].append(s["phases"]["data"])
         wait[i].append(s["comm"]["exposed"])
     assert len(duration) >= 0.9 * len(x)
+    # The page carries 5 significant digits of each figure.
     for i, values in duration.items():
         stacked = sum(t["y"][i] or 0.0 for t in traces.values())
-        assert stacked == pytest.approx(sum(values) / len(values), rel=1e-6), i
-        assert traces["data"]["y"][i] == pytest.approx(sum(data[i]) / len(data[i]), rel=1e-6)
+        assert stacked == pytest.approx(sum(values) / len(values), rel=1e-4), i
+        assert traces["data"]["y"][i] == pytest.approx(sum(data[i]) / len(data[i]), rel=1e-4)
         assert traces["exposed comm"]["y"][i] == pytest.approx(sum(wait[i]) / len(wait[i]),
-                                                               rel=1e-6)
+                                                               rel=1e-4)
 
 
 def test_the_straggler_is_marked_with_its_cause(
@@ -84,7 +85,7 @@ def test_memory_is_drawn_against_the_device(
     page, steps = drawn
     traces = {t["name"]: t for t in page["figures"]["memory"]["data"]}
     last_peak = max(s["mem"]["peak"] for s in steps if s["rank"] == 2) / GIB
-    assert max(v for v in traces["rank 2 peak"]["y"] if v is not None) == pytest.approx(last_peak)
+    assert max(v for v in traces["rank 2 peak"]["y"] if v is not None) == pytest.approx(last_peak, rel=1e-4)
     # The breakdown of one rank (every peak here is the same), stacked by component.
     parts = [n.split(": ") for n in traces if ": " in n]
     assert len({rank for rank, _ in parts}) == 1
