@@ -15,7 +15,7 @@ nothing grows with its length:
 The engine merges steps shorter than its resolution into one window. Over a long run a time
 bin of the page spans many sampling intervals, so the resolution is raised to a fraction of a
 bin (``min_window_s``): the verdicts come per window of that length, which the page could not
-show finer, and the replay's time stays bounded by the page's bins rather than the run's steps.
+show finer, and the engine's calls follow the page's bins rather than the run's steps.
 """
 
 from __future__ import annotations
