@@ -118,7 +118,6 @@ class RunModel:
     comm_exposed: Mean | None = None
     comm_overlapped: Mean | None = None
     bus_bandwidth: dict[str, Mean] = field(default_factory=dict)
-    skipped: Counter[str] = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
     """What the page must say about its own limits (lines skipped, series missing)."""
 

@@ -166,12 +166,13 @@ class _Query:
         phases: dict[str, Mean] = {}
         self.by(f"sum by (rank, phase) (rate(gpumon_step_phase_seconds_total{{{sel}}}[{window}]))"
                 f" / on (rank) group_left {per_step}", "phase", phases)
+        # Every rank's series into one mean (keyed "": no label splits them).
         exposed: dict[str, Mean] = {}
         self.by(f"sum by (rank) (rate(gpumon_comm_exposed_seconds_total{{{sel}}}[{window}])) / "
-                f"{per_step}", "run", exposed)
+                f"{per_step}", "", exposed)
         overlapped: dict[str, Mean] = {}
         self.by(f"sum by (rank) (rate(gpumon_comm_overlapped_seconds_total{{{sel}}}[{window}]))"
-                f" / {per_step}", "run", overlapped)
+                f" / {per_step}", "", overlapped)
         self._phases(phases, exposed.get(""), overlapped.get(""))
         self.by(f"avg by (op) (gpumon_collective_bus_bandwidth_bytes_per_second{{{sel}}})", "op",
                 model.bus_bandwidth)

@@ -86,7 +86,6 @@ def load_file(path: Path, run: str | None = None) -> RunModel:
 
 
 def _skipped(model: RunModel, found: Scan) -> None:
-    model.skipped = Counter(found.skipped)
     if found.skipped:
         model.notes.append(f"{_skipped_text(found)}; the report covers the rest")
 

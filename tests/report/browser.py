@@ -58,11 +58,3 @@ def open_page(page: Path, tmp: Path) -> dict[str, Any]:
     found["meta"] = json.loads(meta.split("</script>", 1)[0])
     return found
 
-
-def screenshot(page: Path, out: Path, tmp: Path, width: int = 1400, height: int = 2000) -> None:
-    """A PNG of the page's top ``height`` pixels."""
-    chromium = require_tool("chromium")
-    subprocess.run([chromium, *FLAGS, f"--user-data-dir={tmp / 'chromium-shot'}",
-                    "--hide-scrollbars", f"--window-size={width},{height}",
-                    "--virtual-time-budget=20000", f"--screenshot={out}", page.as_uri()],
-                   capture_output=True, timeout=120, check=True)
