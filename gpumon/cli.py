@@ -182,6 +182,29 @@ def classify(
 
 
 @app.command()
+def report(
+    recording: Annotated[Path | None, typer.Argument(metavar="[RECORDING]", help="A JSONL recording made with `gpumon agent --record` (or by `gpumon demo`).")] = None,
+    prometheus: Annotated[str | None, typer.Option(metavar="URL", help="Read the run from this Prometheus-compatible server (Prometheus, VictoriaMetrics) instead.")] = None,
+    run_name: Annotated[str | None, typer.Option("--run", metavar="RUN", help="The run to report [default: a recording's only run].")] = None,
+    since: Annotated[str, typer.Option(metavar="DURATION", help="With --prometheus: how far back, e.g. 30m, 6h, 2d.")] = "6h",
+    timeout: Annotated[float, typer.Option(min=0.1, metavar="SECONDS", help="With --prometheus: give up on a query after this long.")] = 30.0,
+    output: Annotated[Path, typer.Option("--output", "-o", metavar="PATH", help="The HTML file to write.")] = Path("report.html"),
+) -> None:
+    """Write one self-contained HTML page of a run in pictures, from a recording or Prometheus."""
+    from gpumon.report.make import ReportError, make_report
+
+    if (recording is None) == (prometheus is None):
+        _fail("give a RECORDING or --prometheus URL --run RUN (one of them)", 2)
+    try:
+        message = make_report(output, recording=recording, prometheus=prometheus, run=run_name,
+                              since=since, timeout_s=timeout,
+                              warn=lambda line: typer.echo(line, err=True))
+    except ReportError as exc:
+        _fail(str(exc), exc.exit_code)
+    typer.echo(message)
+
+
+@app.command()
 def demo(
     gpus: Annotated[int, typer.Option(min=1, max=64, metavar="N", help="Simulated GPUs.")] = 8,
     ranks: Annotated[int, typer.Option(min=1, max=64, metavar="N", help="Ranks of the simulated data-parallel job, one per GPU.")] = 8,
@@ -195,12 +218,13 @@ def demo(
 ) -> None:
     """Run an agent, a simulated GPU node and a synthetic multi-rank training job, with a live view."""
     from gpumon.commands.demo import DemoError, DemoOptions, run_demo
+    from gpumon.report.make import demo_report
     from gpumon.sim.schedule import load_schedule
 
     try:
         options = DemoOptions(schedule=load_schedule(schedule), gpus=gpus, ranks=ranks, port=port,
                               socket=socket, duration_s=duration, ui=ui, interval_s=interval,
-                              model=gpu_model)
+                              model=gpu_model, report=demo_report)
     except ValueError as exc:  # ScheduleError too
         _fail(str(exc), 2)
     try:

@@ -81,7 +81,9 @@ LAYERS: dict[str, Allowed] = {
     "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent "
                       "client.autowatch client.core.identity client.core.run_name",
                       libraries="rich"),
-    "cli": allow("gpumon commands agent analysis sim", libraries="typer"),
+    # The page of a run: above the commands, for the verdict replay gpumon classify does.
+    "report": allow("wire collectors.samples analysis commands.classify", libraries="plotly"),
+    "cli": allow("gpumon commands agent analysis sim report", libraries="typer"),
     "testing": allow("gpumon agent", libraries="prometheus_client psutil"),
     "testing.fakenvml": allow(),
 }

@@ -13,7 +13,7 @@ import os
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -49,6 +49,9 @@ class DemoOptions:
     ui: bool = True
     interval_s: float = 1.0
     model: str = "h100-sxm"
+    report: Callable[[Path], Path] | None = None
+    """Makes the page of the demo's run from its recording (beside the socket) once it stops,
+    and returns where it went; ``None``: no recording, no page."""
 
     def __post_init__(self) -> None:
         gpu_model(self.model)
@@ -78,8 +81,10 @@ def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
     except OSError as exc:
         raise DemoError(f"cannot create {socket_path.parent}: {exc.strerror or exc}") from exc
     source = SimulatedSource(options.gpus, model)
+    recording = socket_path.with_suffix(".jsonl")
     config = AgentConfig(address=ADDRESS, port=options.port, socket=str(socket_path),
-                         simulate=options.gpus, interval=options.interval_s)
+                         simulate=options.gpus, interval=options.interval_s,
+                         record=str(recording) if options.report else None)
     job = SimulatedJob(source, options.schedule, ranks=options.ranks,
                        socket_path=str(socket_path), run=RUN)
     console = Console(file=out) if out is not None else Console()
@@ -102,9 +107,20 @@ def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
         finally:
             job.stop()
             agent.stop()
-    console.print(f"gpumon demo: stopped; {_steps(agent.snapshot())} steps were reported",
+    console.print(f"gpumon demo: stopped; {_steps(agent.snapshot())} steps were reported"
+                  f"{_report(options, recording)}",
                   highlight=False, soft_wrap=True, markup=False)
     return 0
+
+
+def _report(options: DemoOptions, recording: Path) -> str:
+    """Where the page of this run went (or why there is none), for the last line."""
+    if options.report is None:
+        return ""
+    try:
+        return f"; the run in pictures: {options.report(recording)} (recorded in {recording})"
+    except Exception as exc:  # the demo ran; a page that cannot be made is said, not raised
+        return f"; no report of the run ({exc}); its recording: {recording}"
 
 
 def _deadline(options: DemoOptions) -> float:

@@ -67,6 +67,11 @@ def test_demo_logs_one_line_per_phase_when_not_on_a_terminal(tmp_path: Path) -> 
     assert "(steps): compute " in phases[1]
     assert "input " in phases[2].rsplit("(steps): ", 1)[1]
     assert lines[-1].startswith("gpumon demo: stopped; ")
+    # It ends by pointing at the page of its own run, made from what it recorded.
+    assert lines[-1].endswith(f"; the run in pictures: {tmp_path / 'd.html'} "
+                              f"(recorded in {tmp_path / 'd.jsonl'})")
+    page = (tmp_path / "d.html").read_text()
+    assert "<h1>gpumon report: demo</h1>" in page and "over 2 ranks" in page
     assert "\x1b[" not in result.stdout  # no live view, no colour codes in a pipe
     assert not (tmp_path / "d.sock").exists()
 

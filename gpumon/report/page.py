@@ -1,0 +1,294 @@
+"""The page: a summary table and one plotly figure per question, in one HTML file.
+
+plotly embeds its script once (``get_plotlyjs``), so the page opens with no network. Each
+figure is drawn from the model's time bins, so no figure has more points than the page has
+pixels across, whatever the run's length; a figure without data is left out and the page
+says so.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Callable
+
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
+from plotly.subplots import make_subplots
+
+from gpumon.report.model import (
+    GPU_METRICS,
+    LINK_METRICS,
+    MEMORY_COMPONENTS,
+    PHASES,
+    Mean,
+    Peak,
+    RunModel,
+    dominant,
+)
+
+GIB = 2**30
+VERDICT_COLOURS = {
+    "compute": "#2ca02c", "memory_bandwidth": "#17becf", "communication": "#9467bd",
+    "input": "#ff7f0e", "host": "#d62728", "unknown": "#c7c7c7",
+}
+PHASE_COLOURS = {"data": "#ff7f0e", "forward": "#1f77b4", "backward": "#aec7e8",
+                 "optimizer": "#2ca02c", "comm": "#9467bd", "other": "#c7c7c7"}
+PHASE_NAMES = {"comm": "exposed comm"}
+ROW_PX = (22, 1.5)
+"""Pixels per rank of a per-rank strip: legible labels up to 32 ranks, one line each at 512."""
+CONFIG = {"displaylogo": False, "responsive": True}
+
+
+def _unit(model: RunModel) -> tuple[str, float]:
+    """The time axis' unit: seconds for a short run, minutes, hours for a long one."""
+    span = model.end - model.start
+    return ("s", 1.0) if span < 300 else ("min", 60.0) if span < 18000 else ("h", 3600.0)
+
+
+def _x(model: RunModel) -> list[float]:
+    _, per = _unit(model)
+    return [float(f"{t / per:.6g}") for t in model.times()]
+
+
+def _y(series: Mean | Peak, scale: float = 1.0) -> list[float | None]:
+    """A series' values in the figure's unit, to 5 significant digits: the page carries the
+    figures, not the float noise of their sums (a third of its weight otherwise)."""
+    return [float(f"{v * scale:.5g}") if v is not None else None for v in series.values()]
+
+
+def _layout(fig: go.Figure, title: str, y: str, height: int = 360, *,
+            model: RunModel) -> go.Figure:
+    fig.update_layout(title=title, height=height, margin={"l": 70, "r": 30, "t": 50, "b": 50},
+                      legend={"orientation": "h", "y": -0.25}, template="plotly_white")
+    fig.update_xaxes(title_text=f"{_unit(model)[0]} since the run's start")
+    fig.update_yaxes(title_text=y)
+    return fig
+
+
+def _strip_height(ranks: int) -> int:
+    per = ROW_PX[0] if ranks <= 32 else max(ROW_PX[1], 700 / ranks)
+    return int(120 + ranks * per)
+
+
+def phases_figure(model: RunModel) -> go.Figure | None:
+    if not model.phases:
+        return None
+    fig = go.Figure()
+    for name in PHASES:
+        values = _y(model.phases[name]) if name in model.phases else []
+        if not any(values):
+            continue
+        fig.add_trace(go.Scatter(x=_x(model), y=values, name=PHASE_NAMES.get(name, name),
+                                 stackgroup="phases", mode="lines", line={"width": 0.5},
+                                 fillcolor=PHASE_COLOURS[name], line_color=PHASE_COLOURS[name],
+                                 hovertemplate="%{y:.4f} s"))
+    return _layout(fig, "Step time by phase (mean over the ranks' steps)", "seconds per step",
+                   model=model)
+
+
+def verdicts_figure(model: RunModel) -> go.Figure | None:
+    if not model.verdicts:
+        return None
+    names = list(VERDICT_COLOURS)
+    ranks = sorted(model.verdicts)
+    z, text = [], []
+    for rank in ranks:
+        row = [dominant(c) for c in model.verdicts[rank]]
+        z.append([names.index(v) if v is not None else None for v in row])
+        text.append([v or "" for v in row])
+    scale = []
+    for i, name in enumerate(names):
+        scale += [[i / len(names), VERDICT_COLOURS[name]], [(i + 1) / len(names),
+                                                           VERDICT_COLOURS[name]]]
+    fig = go.Figure(go.Heatmap(x=_x(model), y=[f"rank {r}" for r in ranks], z=z, text=text,
+                               zmin=0, zmax=len(names), colorscale=scale, showscale=False,
+                               hovertemplate="%{y} · %{x}: %{text}<extra></extra>"))
+    for name in names:  # a legend: the strips' colours by wall
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name,
+                                 marker={"color": VERDICT_COLOURS[name], "symbol": "square",
+                                         "size": 12}))
+    _layout(fig, "Verdict of each rank over time (the wall most of its steps hit)", "rank",
+            _strip_height(len(ranks)), model=model)
+    fig.update_yaxes(autorange="reversed", title_text="")
+    return fig
+
+
+def step_heatmap(model: RunModel) -> go.Figure | None:
+    if not model.step_time:
+        return None
+    ranks = sorted(model.step_time)
+    stragglers = model.summary.stragglers
+    labels = [f"rank {r} ⚠ straggler ({stragglers[r]})" if r in stragglers else f"rank {r}"
+              for r in ranks]
+    fig = go.Figure(go.Heatmap(
+        x=_x(model), y=labels, z=[_y(model.step_time[r]) for r in ranks],
+        colorscale="Viridis", colorbar={"title": {"text": "s / step"}},
+        hovertemplate="%{y} · %{x}: %{z:.4f} s<extra></extra>"))
+    _layout(fig, "Step time per rank (stragglers named with their cause)", "rank",
+            _strip_height(len(ranks)), model=model)
+    fig.update_yaxes(autorange="reversed", title_text="")
+    for rank, label in zip(ranks, labels, strict=True):
+        if rank in stragglers:  # named beside the map too: among 512 rows its tick may be hidden
+            fig.add_annotation(x=1.0, xref="paper", y=label, xanchor="right", showarrow=False,
+                               text=f"◀ rank {rank}: straggler ({stragglers[rank]})",
+                               bgcolor="rgba(255,255,255,0.8)", font={"color": "#d62728"})
+    return fig
+
+
+def memory_figure(model: RunModel) -> go.Figure | None:
+    if not model.memory_peak:
+        return None
+    fig = go.Figure()
+    x = _x(model)
+    for name in MEMORY_COMPONENTS:
+        mean = model.memory_components.get(name)
+        if mean is None or not any(mean.counts):
+            continue
+        fig.add_trace(go.Scatter(x=x, y=_y(mean, 1 / GIB),
+                                 name=f"rank {model.memory_rank}: {name}", stackgroup="memory",
+                                 mode="lines", line={"width": 0.5}, connectgaps=True))
+    many = len(model.memory_peak) > 16
+    for rank, peak in sorted(model.memory_peak.items()):
+        fig.add_trace(go.Scatter(x=x, y=_y(peak, 1 / GIB),
+                                 name=f"rank {rank} peak", mode="lines", showlegend=not many,
+                                 line={"width": 1}, connectgaps=True))
+    if model.capacity_bytes:
+        fig.add_hline(y=model.capacity_bytes / GIB, line_dash="dash", line_color="#d62728",
+                      annotation_text=f"device memory {model.capacity_bytes / GIB:.0f} GiB")
+    _layout(fig, "Memory per rank (per-step peak) and the breakdown nearest capacity", "GiB",
+            420, model=model)
+    fig.update_yaxes(rangemode="tozero")
+    return fig
+
+
+def gpu_figure(model: RunModel) -> go.Figure | None:
+    present = [(k, title) for k, title in GPU_METRICS if model.gpu.get(k)]
+    if not present:
+        return None
+    fig = make_subplots(rows=1, cols=len(present), subplot_titles=[t for _, t in present],
+                        shared_yaxes=True)
+    for col, (key, _title) in enumerate(present, start=1):
+        for gpu, mean in sorted(model.gpu[key].items()):
+            fig.add_trace(go.Scatter(x=_x(model), y=_y(mean, 100),
+                                     name=f"GPU {gpu}", legendgroup=f"gpu{gpu}",
+                                     showlegend=col == 1, mode="lines", line={"width": 1}),
+                          row=1, col=col)
+    _layout(fig, "GPU activity per GPU", "% of the time", 340, model=model)
+    fig.update_yaxes(title_text="% of the time", row=1, col=1)
+    return fig
+
+
+def links_figure(model: RunModel) -> go.Figure | None:
+    present = [(k, title) for k, title in LINK_METRICS if model.gpu.get(k)]
+    if not present:
+        return None
+    fig = go.Figure()
+    for key, title in present:
+        for gpu, mean in sorted(model.gpu[key].items()):
+            fig.add_trace(go.Scatter(x=_x(model), y=_y(mean, 1 / 1e9),
+                                     name=f"GPU {gpu} {title}", mode="lines",
+                                     line={"width": 1}))
+    return _layout(fig, "NVLink and PCIe traffic per GPU", "GB/s", 340, model=model)
+
+
+def comm_figure(model: RunModel) -> go.Figure | None:
+    if model.comm_exposed is None or model.comm_overlapped is None:
+        return None
+    fig = make_subplots(specs=[[{"secondary_y": True}]])
+    x = _x(model)
+    fig.add_trace(go.Scatter(x=x, y=_y(model.comm_exposed), name="exposed (held the step)",
+                             stackgroup="comm", mode="lines", line_color="#9467bd"))
+    fig.add_trace(go.Scatter(x=x, y=_y(model.comm_overlapped),
+                             name="overlapped (under compute)", stackgroup="comm",
+                             mode="lines", line_color="#c5b0d5"))
+    for op, mean in sorted(model.bus_bandwidth.items()):
+        fig.add_trace(go.Scatter(x=x, y=_y(mean, 1 / 1e9),
+                                 name=f"{op} bus bandwidth", mode="lines",
+                                 line={"dash": "dot"}), secondary_y=True)
+    _layout(fig, "Communication per step: exposed against overlapped, and bus bandwidth",
+            "seconds per step", model=model)
+    if model.bus_bandwidth:
+        fig.update_yaxes(title_text="bus bandwidth, GB/s", secondary_y=True)
+    return fig
+
+
+FIGURES: tuple[tuple[str, str, Callable[[RunModel], go.Figure | None]], ...] = (
+    ("step-phases", "Where the step time went", phases_figure),
+    ("verdicts", "Which wall each rank hit", verdicts_figure),
+    ("step-heatmap", "Which rank lagged, and when", step_heatmap),
+    ("memory", "Memory towards the wall", memory_figure),
+    ("gpu-activity", "GPU activity", gpu_figure),
+    ("links", "NVLink and PCIe", links_figure),
+    ("comm", "Communication", comm_figure),
+)
+
+
+LISTED = 8
+"""Ranks a summary line names one by one; the rest are counted (a run may have 512)."""
+
+
+def _listed(items: list[str], limit: int = LISTED) -> str:
+    more = len(items) - limit
+    return "; ".join(items[:limit]) + (f"; and {more} more" if more > 0 else "") or "none"
+
+
+def _share(value: float) -> str:
+    return "<1%" if 0 < value < 0.005 else f"{value:.0%}"
+
+
+def _summary(model: RunModel) -> str:
+    s = model.summary
+    rows: list[tuple[str, str]] = [
+        ("run", model.run), ("source", model.source),
+        ("steps", f"{s.steps} over {s.ranks} ranks in {s.seconds / 60:.1f} min"),
+    ]
+    if s.samples_per_s is not None:
+        rows.append(("throughput", f"{s.samples_per_s:,.1f} samples/s"
+                     + (f", {s.tokens_per_s:,.0f} tokens/s" if s.tokens_per_s else "")))
+    rows.append(("MFU", f"{s.mfu:.1%}" if s.mfu is not None else "not reported (no flops)"))
+    rows.append(("steps per wall", ", ".join(f"{k} {_share(v)}" for k, v in s.walls.items())
+                 or "no verdicts"))
+    rows.append(("top hint", s.top_hint or "none"))
+    rows.append(("stragglers", _listed([f"rank {r} ({c})" for r, c in s.stragglers.items()])))
+    rows.append(("stalls", _listed([f"rank {r} ({t:.0f} s without a step)" for r, t in
+                                    sorted(s.stalls.items(), key=lambda kv: -kv[1])])))
+    rows.append(("OOM events", str(s.oom_events)))
+    soonest = sorted(s.oom_prediction.items(), key=lambda kv: kv[1][0])
+    rows.append(("OOM prediction", _listed([f"rank {r}: {text}" for r, (_, text) in soonest],
+                                           limit=3)))
+    body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                   for k, v in rows)
+    return f'<table id="summary">{body}</table>'
+
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1400px;color:#222}
+table{border-collapse:collapse}th{text-align:left;padding:2px 1em 2px 0;color:#555;white-space:nowrap;
+font-weight:normal}td{padding:2px 0}.note{background:#fff3cd;padding:.5em 1em}
+h2{margin-top:1.5em;font-size:1.2em}"""
+
+
+def render(model: RunModel) -> str:
+    """The whole page as one string; ``#gpumon-report`` lists the figures drawn and the time
+    bins (the run's start in unix seconds, their width), for whoever reads the figures' data."""
+    sections, missing, drawn = [], [], []
+    for div_id, heading, build in FIGURES:
+        fig = build(model)
+        if fig is None:
+            missing.append(heading)
+            continue
+        drawn.append(div_id)
+        sections.append(f"<h2>{html.escape(heading)}</h2>" + fig.to_html(
+            full_html=False, include_plotlyjs=False, div_id=div_id, config=CONFIG))
+    notes = list(model.notes)
+    if missing:
+        notes.append("Not in this run's data, so not drawn: " + ", ".join(missing) + ".")
+    note_html = "".join(f'<p class="note">{html.escape(n)}</p>' for n in notes)
+    meta = json.dumps({"run": model.run, "figures": drawn, "start": model.start,
+                       "bin_s": model.width_s, "bins": model.bins})
+    return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
+            f"<title>gpumon report: {html.escape(model.run)}</title><style>{STYLE}</style>"
+            f"<script>{get_plotlyjs()}</script></head><body>"
+            f"<h1>gpumon report: {html.escape(model.run)}</h1>{note_html}{_summary(model)}"
+            f"{''.join(sections)}<script type=\"application/json\" id=\"gpumon-report\">"
+            f"{meta}</script></body></html>")

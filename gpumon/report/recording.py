@@ -1,0 +1,232 @@
+"""A run from a recording: its steps replayed through the verdict engine ``gpumon classify``
+uses (``replay.py``), put into time bins as they come with the GPU samples recorded beside
+them. Memory does not grow with the recording's length."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter, defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from gpumon.analysis.bottleneck import Flag
+from gpumon.analysis.comm import attributed_phases, bus_bandwidth_factor, overlapped_s, wait_s
+from gpumon.analysis.stream import RankAnalysis, StepVerdict
+from gpumon.collectors.samples import GpuSample
+from gpumon.report.model import (
+    GPU_METRICS,
+    LINK_METRICS,
+    MEMORY_COMPONENTS,
+    PHASES,
+    Mean,
+    Peak,
+    ReportError,
+    RunModel,
+    bin_count,
+)
+from gpumon.report.replay import Scan, replay, scan
+from gpumon.wire import StepRecord
+
+STALL_STEPS = 10
+"""A gap between a rank's steps longer than this many typical steps (and ``STALL_MIN_S``) is
+a stall, as the straggler rule leaves out a rank that far behind (docs/architecture.md §7)."""
+STALL_MIN_S = 5.0
+BIN_STEPS = 3
+"""Steps (of the slowest tenth) a time bin spans at the finest."""
+WINDOWS_PER_BIN = 4
+"""The engine's windows per time bin at the coarsest (replay.py: a long run's resolution)."""
+_FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio",
+           "tensor_active": "tensor_active_ratio", "dram_active": "dram_active_ratio"}
+
+
+def choose_run(runs: Counter[str], run: str | None, where: str) -> str:
+    """The run to report: the one asked for, or the only one there is; else a clear error."""
+    listed = ", ".join(f"{name!r} ({count} steps)" for name, count in runs.most_common()) or "none"
+    if run is None:
+        if len(runs) == 1:
+            return next(iter(runs))
+        if not runs:
+            raise ReportError(f"{where} holds no steps of any run")
+        raise ReportError(f"{where} holds several runs; choose one with --run: {listed}")
+    if run not in runs:
+        raise ReportError(f"no run {run!r} in {where}; the runs there are: {listed}")
+    return run
+
+
+@contextmanager
+def _lines(path: Path) -> Iterator[Iterator[str]]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as lines:
+            yield lines
+    except OSError as exc:
+        raise ReportError(f"cannot read {path}: {exc.strerror or exc}") from exc
+
+
+def load_file(path: Path, run: str | None = None) -> RunModel:
+    """The model of ``run`` (or the recording's only run) from a recording file."""
+    with _lines(path) as lines:
+        found = scan(lines)
+    if not found.runs and found.skipped:
+        raise ReportError(f"{path} holds no readable step: {_skipped_text(found)}")
+    name = choose_run(found.runs, run, str(path))
+    durations = sorted(found.durations[name])
+    slow = durations[int(0.9 * (len(durations) - 1))]
+    start, end = found.start[name], found.end[name]
+    model = RunModel(run=name, source=f"recording {path.name}", start=start, end=end,
+                     bins=bin_count(start, end, BIN_STEPS * slow))
+    _skipped(model, found)
+    filler = _Filler(model, found, typical=statistics.median(durations))
+    with _lines(path) as lines:
+        analyses = replay(lines, name, found, filler.step, filler.sample, filler.verdict,
+                          min_window_s=model.width_s / WINDOWS_PER_BIN)
+    filler.finish(analyses)
+    return model
+
+
+def _skipped(model: RunModel, found: Scan) -> None:
+    if found.skipped:
+        model.notes.append(f"{_skipped_text(found)}; the report covers the rest")
+
+
+def _skipped_text(found: Scan) -> str:
+    reasons = ", ".join(f"{k}: {v}" for k, v in found.skipped.most_common())
+    lines = ", ".join(str(n) for n in found.skipped_at)
+    return (f"{sum(found.skipped.values())} unreadable lines were skipped ({reasons}, "
+            f"first at lines {lines})")
+
+
+class _Filler:
+    """Puts each step, sample and verdict into the model's bins as the replay yields it."""
+
+    def __init__(self, model: RunModel, found: Scan, typical: float) -> None:
+        self.model = model
+        self.typical = typical
+        self.statics = found.statics
+        self.samples = self.tokens = 0
+        self.gpus: set[int | str] = set()
+        self.previous_end: dict[int, float] = {}
+        self.ooms: dict[int, tuple[int, int]] = {}
+        self.components: dict[int, dict[str, Mean]] = defaultdict(dict)
+        self.gpu_samples: dict[int, dict[str, Mean]] = defaultdict(dict)
+        self.walls: Counter[str] = Counter()
+        self.hints: dict[str, Counter[str]] = defaultdict(Counter)
+        self.causes: dict[int, Counter[str]] = defaultdict(Counter)
+        self.mfu = Mean(1)
+        model.comm_exposed, model.comm_overlapped = Mean(model.bins), Mean(model.bins)
+
+    def step(self, step: StepRecord) -> None:
+        model, summary = self.model, self.model.summary
+        end = step.t_end or model.end
+        i = model.index(end)
+        summary.steps += 1
+        self.samples += step.samples or 0
+        self.tokens += step.tokens or 0
+        if step.gpu is not None:
+            self.gpus.add(step.gpu)
+        model.mean(model.step_time, step.rank).add(i, step.duration_s)
+        phases = attributed_phases(step)
+        for name in PHASES[:-1]:
+            model.mean(model.phases, name).add(i, phases.get(name, 0.0))
+        known = sum(v for k, v in phases.items() if k != "other")
+        model.mean(model.phases, "other").add(i, max(0.0, step.duration_s - known))
+        assert model.comm_exposed is not None and model.comm_overlapped is not None
+        model.comm_exposed.add(i, wait_s(step))
+        model.comm_overlapped.add(i, overlapped_s(step))
+        if step.comm is not None:
+            for op in step.comm.ops:
+                factor = bus_bandwidth_factor(op.name, step.world)
+                if factor and op.seconds > 0:
+                    model.mean(model.bus_bandwidth, op.name).add(i, op.bytes / op.seconds * factor)
+        if step.mem is not None:
+            model.memory_peak.setdefault(step.rank, Peak(model.bins)).add(
+                i, step.mem.peak_bytes or step.mem.reserved_bytes)
+            if step.mem.ooms is not None:
+                low, high = self.ooms.get(step.rank, (step.mem.ooms, step.mem.ooms))
+                self.ooms[step.rank] = (min(low, step.mem.ooms), max(high, step.mem.ooms))
+        if step.memory_breakdown is not None:
+            for name in MEMORY_COMPONENTS:
+                model.mean(self.components[step.rank], name).add(
+                    i, getattr(step.memory_breakdown, name))
+        previous = self.previous_end.get(step.rank)
+        if previous is not None and step.t_start is not None:
+            gap = step.t_start - previous
+            if gap > max(STALL_MIN_S, STALL_STEPS * self.typical):
+                summary.stalls[step.rank] = max(gap, summary.stalls.get(step.rank, 0.0))
+        self.previous_end[step.rank] = max(end, previous or end)
+
+    def sample(self, sample: GpuSample) -> None:
+        if not self.model.start <= sample.t <= self.model.end:
+            return
+        i = self.model.index(sample.t)
+        held = self.gpu_samples[sample.index]
+        for key, _ in (*GPU_METRICS, *LINK_METRICS):
+            value = getattr(sample, _FIELDS.get(key, key), None)
+            if value is not None:
+                self.model.mean(held, key).add(i, value)
+
+    def verdict(self, v: StepVerdict, end: float) -> None:
+        primary = v.verdict.primary.value
+        self.model.rank_verdicts(v.rank)[self.model.index(end)][primary] += len(v.steps)
+        self.walls[primary] += len(v.steps)
+        self.hints[primary][v.verdict.hint] += len(v.steps)
+        self.mfu.add(0, v.verdict.mfu)
+        if Flag.STRAGGLER in v.verdict.flags:
+            cause = v.verdict.straggler_cause
+            self.causes[v.rank][cause.value if cause is not None else "unknown"] += len(v.steps)
+
+    def finish(self, analyses: list[RankAnalysis]) -> None:
+        model, summary = self.model, self.model.summary
+        model.ranks = sorted(model.step_time)
+        summary.ranks = len(model.ranks)
+        summary.seconds = model.end - model.start
+        if summary.seconds > 0:
+            summary.samples_per_s = self.samples / summary.seconds if self.samples else None
+            summary.tokens_per_s = self.tokens / summary.seconds if self.tokens else None
+        summary.oom_events = sum(high - low + (low > 0) for low, high in self.ooms.values())
+        assert model.comm_exposed is not None
+        if not any(model.comm_exposed.counts):
+            model.comm_exposed = model.comm_overlapped = None
+        total = sum(self.walls.values())
+        if total:
+            summary.walls = {k: n / total for k, n in self.walls.most_common()}
+            summary.top_hint = self.hints[self.walls.most_common(1)[0][0]].most_common(1)[0][0]
+        summary.mfu = self.mfu.values()[0]
+        summary.stragglers = {r: c.most_common(1)[0][0] for r, c in sorted(self.causes.items())}
+        self._gpus()
+        self._memory(analyses)
+
+    def _gpus(self) -> None:
+        """The GPUs the run's ranks named (all the recording's where none can be told)."""
+        by_uuid = {static.uuid: index for index, static in self.statics.items()}
+        named = {by_uuid.get(g) if isinstance(g, str) else g for g in self.gpus}
+        chosen = sorted({i for i in named if i is not None and i in self.gpu_samples}
+                        or self.gpu_samples)
+        for index in chosen:
+            for key, mean in self.gpu_samples[index].items():
+                self.model.gpu[key][index] = mean
+        capacities = [total for i in chosen if i in self.statics
+                      for total in [self.statics[i].memory_total_bytes] if total]
+        self.model.capacity_bytes = float(min(capacities)) if capacities else None
+
+    def _memory(self, analyses: list[RankAnalysis]) -> None:
+        """The breakdown of the rank with the highest peak, and the engine's OOM prediction."""
+        model = self.model
+        highest = {rank: max((p for p in peak.peaks if p is not None), default=0.0)
+                   for rank, peak in model.memory_peak.items()}
+        if not highest or not max(highest.values()):
+            model.memory_peak.clear()
+            return
+        model.memory_rank = max(highest, key=lambda r: highest[r])
+        model.memory_components = self.components.get(model.memory_rank, {})
+        for analysis in analyses:
+            oom = analysis.oom
+            if analysis.run != model.run or oom is None or oom.predicted_seconds is None \
+                    or not math.isfinite(oom.predicted_seconds):
+                continue
+            trend = oom.peak_trend_bytes_per_second or 0.0
+            model.summary.oom_prediction[analysis.rank] = (
+                oom.predicted_seconds, f"peak grows {trend / 2**20:.1f} MiB/s; capacity reached in "
+                f"{oom.predicted_seconds / 60:.1f} min after the run's last step "
+                f"(risk {oom.risk_ratio:.0%})")

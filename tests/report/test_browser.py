@@ -1,0 +1,93 @@
+"""The page as a browser draws it: headless Chromium opens a report made by `gpumon report`
+from a recording whose numbers are known, and the figures' data are compared with them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from gpumon.testing.recordings import GIB, Run, write
+from tests.helpers import ROOT, agent_env
+from tests.report.browser import open_page
+
+FIGURES = {"step-phases", "verdicts", "step-heatmap", "memory", "gpu-activity", "links", "comm"}
+
+
+@pytest.fixture(scope="module")
+def drawn(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    tmp = tmp_path_factory.mktemp("browser")
+    recording = write(tmp / "run.jsonl", Run())
+    page = tmp / "run.html"
+    result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", str(recording),
+                             "-o", str(page)], capture_output=True, text=True, env=agent_env(),
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout and "360 steps of 3 ranks" in result.stdout
+    steps = [json.loads(line) for line in recording.read_text().splitlines()]
+    return open_page(page, tmp), [s for s in steps if s["kind"] == "step"]
+
+
+def test_the_page_loads_without_errors_and_draws_every_figure(
+        drawn: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
+    page, _ = drawn
+    assert page["errors"] == []
+    assert set(page["figures"]) == set(page["meta"]["figures"]) == FIGURES
+    for name, figure in page["figures"].items():
+        assert figure["svg"] >= 1, name
+        assert figure["drawn"] >= 1 and figure["data"], name
+    assert page["figures"]["verdicts"]["heatmaps"] == 1
+    assert page["figures"]["step-heatmap"]["heatmaps"] == 1
+
+
+def test_the_stacked_phases_are_the_recordings_per_step_means(
+        drawn: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
+    page, steps = drawn
+    traces = {t["name"]: t for t in page["figures"]["step-phases"]["data"]}
+    assert set(traces) == {"data", "forward", "backward", "optimizer", "exposed comm", "other"}
+    x = traces["data"]["x"]
+    start, width = page["meta"]["start"], page["meta"]["bin_s"]
+    assert start == min(s["t_start"] for s in steps) and len(x) == page["meta"]["bins"]
+    duration, data, wait = defaultdict(list), defaultdict(list), defaultdict(list)
+    for s in steps:  # the recording's own numbers, binned by when each step ended
+        i = min(len(x) - 1, int((s["t_start"] + s["duration"] - start) / width))
+        duration[i].append(s["duration"])
+        data[i].append(s["phases"]["data"])
+        wait[i].append(s["comm"]["exposed"])
+    assert len(duration) >= 0.9 * len(x)
+    # The page carries 5 significant digits of each figure.
+    for i, values in duration.items():
+        stacked = sum(t["y"][i] or 0.0 for t in traces.values())
+        assert stacked == pytest.approx(sum(values) / len(values), rel=1e-4), i
+        assert traces["data"]["y"][i] == pytest.approx(sum(data[i]) / len(data[i]), rel=1e-4)
+        assert traces["exposed comm"]["y"][i] == pytest.approx(sum(wait[i]) / len(wait[i]),
+                                                               rel=1e-4)
+
+
+def test_the_straggler_is_marked_with_its_cause(
+        drawn: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
+    page, _ = drawn
+    heatmap = page["figures"]["step-heatmap"]["data"][0]
+    assert [label for label in heatmap["y"] if "straggler" in label] == [
+        "rank 2 ⚠ straggler (compute)"]
+    # Its peers wait for it: by the end each strip says so (communication), its own compute.
+    verdicts = page["figures"]["verdicts"]["data"][0]
+    last = {label: row[-1] for label, row in zip(verdicts["y"], verdicts["text"], strict=True)}
+    assert last == {"rank 0": "communication", "rank 1": "communication", "rank 2": "compute"}
+
+
+def test_memory_is_drawn_against_the_device(
+        drawn: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
+    page, steps = drawn
+    traces = {t["name"]: t for t in page["figures"]["memory"]["data"]}
+    last_peak = max(s["mem"]["peak"] for s in steps if s["rank"] == 2) / GIB
+    assert max(v for v in traces["rank 2 peak"]["y"] if v is not None) == pytest.approx(last_peak, rel=1e-4)
+    # The breakdown of one rank (every peak here is the same), stacked by component.
+    parts = [n.split(": ") for n in traces if ": " in n]
+    assert len({rank for rank, _ in parts}) == 1
+    assert [part for _, part in parts] == [
+        "parameters", "gradients", "optimizer_states", "activations", "other"]

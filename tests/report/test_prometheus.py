@@ -1,0 +1,127 @@
+"""`gpumon report --prometheus`: a real Prometheus and a real VictoriaMetrics scrape a real agent
+(simulated GPUs) that a run of three ranks reports to, rank 2 doing more work than its peers;
+the page made from either's range queries shows that run, its straggler and every figure, in
+Chromium."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from gpumon.report.prometheus import PrometheusSource, load_prometheus
+from gpumon.testing.pipeline import start_victoria_metrics
+from gpumon.testing.recordings import Run, step_line
+from tests.helpers import (
+    ROOT,
+    AgentProcess,
+    PrometheusProcess,
+    agent_env,
+    start_agent,
+    start_prometheus,
+    wait_for,
+)
+from tests.report.browser import open_page
+
+RUN = Run(run="llm", ranks=3, step_s=0.2)
+
+
+def _feed(agent: AgentProcess, stop: threading.Event) -> None:
+    """Each step sent as it ends, stamped with the wall clock."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    run = replace(RUN, t0=time.time())
+    rng = random.Random(1)
+    step = 0
+    while not stop.is_set():
+        stop.wait(max(0.0, run.t0 + (step + 1) * run.step_s - time.time()))
+        for rank in range(run.ranks):
+            sock.sendto(json.dumps(step_line(run, rank, step, rng)).encode(),
+                        str(agent.socket_path))
+        step += 1
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Prometheus and VictoriaMetrics, both scraping the agent every second, by name → URL."""
+    tmp = tmp_path_factory.mktemp("report-prometheus")
+    agent = start_agent(tmp, "--simulate", "3", "--interval", "0.25")
+    stop = threading.Event()
+    feeder = threading.Thread(target=_feed, args=(agent, stop), daemon=True)
+    feeder.start()
+    server: PrometheusProcess | None = None
+    victoria = None
+    try:
+        server = start_prometheus(tmp, [f"127.0.0.1:{agent.port}"], scrape_interval="1s")
+        scrape = tmp / "vm-scrape.yml"
+        scrape.write_text(json.dumps({"global": {"scrape_interval": "1s"}, "scrape_configs": [
+            {"job_name": "gpumon", "static_configs": [{"targets": [f"127.0.0.1:{agent.port}"]}]}]}))
+        victoria = start_victoria_metrics(tmp, f"-promscrape.config={scrape}")
+        # Flagged once its slowness has persisted over 24 steps; then a few more scrapes.
+        wait_for(lambda: server.query('gpumon_step_flag{run="llm",flag="straggler"} == 1'),
+                 timeout=60, what="the straggler in Prometheus")
+        wait_for(lambda: victoria.query('gpumon_step_flag{run="llm",flag="straggler"} == 1'),
+                 timeout=30, what="the straggler in VictoriaMetrics")
+        time.sleep(4)
+        yield {"prometheus": server.url, "victoria-metrics": victoria.url}
+    finally:
+        stop.set()
+        feeder.join(5)
+        for service in (server, victoria):
+            if service is not None:
+                service.stop()
+        agent.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["prometheus", "victoria-metrics"])
+def test_a_report_from_prometheus_shows_the_run(servers: dict[str, str], name: str,
+                                                tmp_path: Path) -> None:
+    url = servers[name]
+    model = load_prometheus(url, "llm", "2m", timeout_s=10)
+    agent_steps = sum(float(r["value"][1]) for r in
+                      PrometheusSource(url, 10).instant('gpumon_steps_total{run="llm"}'))
+    assert model.ranks == [0, 1, 2]
+    assert model.summary.stragglers == {2: "compute"}
+    assert 0 < model.summary.steps <= agent_steps
+    assert model.summary.walls and model.capacity_bytes == pytest.approx(80e9, rel=0.2)
+    # The stacked phases add up to the step time the run reported (0.2 s, 1 % jitter).
+    stacked = [sum(m.values()[i] or 0.0 for m in model.phases.values())
+               for i in range(model.bins)]
+    assert [round(v, 2) for v in stacked if v] and all(
+        v == pytest.approx(0.2, rel=0.05) for v in stacked if v)
+
+    page = tmp_path / "llm.html"
+    result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", "--prometheus",
+                             url, "--run", "llm", "--since", "2m", "-o", str(page)],
+                            capture_output=True, text=True, env=agent_env(), cwd=ROOT,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    drawn = open_page(page, tmp_path)
+    assert drawn["errors"] == []
+    assert set(drawn["figures"]) == {"step-phases", "verdicts", "step-heatmap", "memory",
+                                     "gpu-activity", "links", "comm"}
+    assert all(f["svg"] and f["drawn"] for f in drawn["figures"].values())
+    heatmap = drawn["figures"]["step-heatmap"]["data"][0]
+    assert [y for y in heatmap["y"] if "straggler" in y] == ["rank 2 ⚠ straggler (compute)"]
+
+
+@pytest.mark.slow
+def test_an_unknown_run_in_prometheus_lists_the_runs(servers: dict[str, str]) -> None:
+    url = servers["prometheus"]
+    result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", "--prometheus",
+                             url, "--run", "nope", "--since", "5m"],
+                            capture_output=True, text=True, env=agent_env(), cwd=ROOT,
+                            timeout=120)
+    assert result.returncode == 1
+    assert f"no run 'nope' in {url} over the last 5m; the runs there are: 'llm'" \
+        in result.stderr
