@@ -524,7 +524,9 @@ def _write_back(store: Service, name: str, result: list[dict[str, Any]]) -> None
                                      data="".join(lines).encode(), method="POST")
     with urllib.request.urlopen(request, timeout=600):
         pass
-    wait_for(lambda: len(store.query(f'{name}{{run=~".+"}}', timeout=600)) >= len(result),
+    runs = {sample["metric"].get("run", "") for sample in result}
+    selector = f'{name}{{run=~"{"|".join(sorted(runs))}"}}' if all(runs) else name
+    wait_for(lambda: len(store.query(selector, timeout=600)) >= len(result),
              timeout=300, interval=0.5, what=f"{name} written back")
 
 
