@@ -9,11 +9,21 @@ interval between step ends over its last ``TYPICAL_WINDOW`` observations: a 5 s 
 every 50 steps of 0.2 s is not a stall (20 s floor by default), a rank stepping every 5 s is
 reported after 50 s, a job paused in a debugger for two minutes is reported (it is stalled).
 
+A rank with no step for that long that still makes progress in PyTorch — its training thread
+seen, from one wake-up to the next, at another point of a module call or a DataLoader fetch: an
+evaluation pass, forwards under ``no_grad`` — is ``evaluating``, not stalled; one seen at the
+same point for ``ACTIVE_WINDOW`` of the threshold (a forward that never returns, a loop in user
+code) is stalled. The training thread's stack is only sampled (``sys._current_frames()``) once
+no step has ended for ``ACTIVE_WINDOW`` of the threshold, so a stepping rank pays nothing for it;
+the hooks' hot paths are untouched, and an evaluation loop no hook sees is told all the same.
+
 While stalled, every ``REPORT_EVERY_S`` it reads the training thread's Python stack
 (``sys._current_frames()``, only then), the open phase and the collective in flight
 (``comm_inflight``) and sends them as a ``state`` record; otherwise a small ``stepping``
 record every ``HEARTBEAT_S`` tells the agent the hook is alive, so that a process that
 sends nothing at all (a thread holding the interpreter lock) can be told from one that waits.
+The heartbeat carries the open phase and the innermost frame of the job's own code: where a
+rank was last seen if it vanishes (killed, crashed) without closing its monitor.
 """
 
 from __future__ import annotations
@@ -56,7 +66,14 @@ TYPICAL_WINDOW = 32
 REPORT_EVERY_S = 2.0
 """While stalled, the place is read and sent this often."""
 HEARTBEAT_S = 5.0
-"""While stepping, the hook says it is alive this often (one ~150-byte datagram)."""
+"""While stepping, the hook says it is alive this often (one ~250-byte datagram)."""
+ACTIVE_WINDOW = 0.5
+"""Share of the threshold: the stack is sampled once no step has ended for this long, and a
+rank seen progressing in PyTorch within this long is evaluating, not stalled."""
+MAX_SIGNATURE_FRAMES = 256
+TORCH_PROGRESS_FILES = ("torch/nn/modules/module.py", "torch/utils/data/dataloader.py")
+"""Where a training thread that progresses outside steps is seen: a module call (a forward),
+a DataLoader fetch (a batch)."""
 
 
 class CoreReadings(Protocol):
@@ -92,7 +109,8 @@ class StallWatch:
 
     def __init__(self, core: CoreReadings, run: str, rank: int, pid: int,
                  send: Callable[[StateRecord], None], min_s: float | None = None,
-                 in_flight: InFlightCollectives = IN_FLIGHT) -> None:
+                 in_flight: InFlightCollectives = IN_FLIGHT,
+                 progress_sample: Callable[[int | None], Signature | None] | None = None) -> None:
         self._core = core
         self._run, self._rank, self._pid = run, rank, pid
         self._send = send
@@ -104,13 +122,21 @@ class StallWatch:
         self._progress_s: float | None = None  # monotonic time the step count last changed
         self._intervals: deque[float] = deque(maxlen=TYPICAL_WINDOW)
         self._last_sent_s: float | None = None
-        self._stalled = False
+        self._state = "stepping"
         self._closed = False
+        self._sample = progress_sample or torch_progress_sample
+        self._signature: Signature | None = None
+        self._active_s: float | None = None  # monotonic time it was last seen progressing in torch
 
     @property
     def stalled(self) -> bool:
         """Whether the last tick found the rank stalled."""
-        return self._stalled
+        return self._state == "stalled"
+
+    @property
+    def state(self) -> str:
+        """What the last tick found: ``stepping``, ``evaluating`` or ``stalled``."""
+        return self._state
 
     def threshold_s(self) -> float:
         """How long without a step ending counts as a stall now."""
@@ -126,20 +152,37 @@ class StallWatch:
             if self._progress_s is not None and steps > self._steps:
                 self._intervals.append((now_s - self._progress_s) / (steps - self._steps))
             self._steps, self._progress_s = steps, now_s
-            if self._stalled:  # progress again: say so now
-                self._stalled = False
+            self._signature = self._active_s = None
+            if self._state != "stepping":  # steps again: say so now
+                self._state = "stepping"
                 self._emit("stepping", now_s, unix_s)
                 return
         since_s = self._progress_s
         threshold = self.threshold_s()
-        stalled = since_s is not None and now_s - since_s > threshold
+        waited = None if since_s is None else now_s - since_s
+        if waited is not None and waited > ACTIVE_WINDOW * threshold:
+            self._look_for_progress(now_s)
+        state = "stepping"
+        if waited is not None and waited > threshold:
+            active = self._active_s
+            recent = active is not None and now_s - active <= ACTIVE_WINDOW * threshold
+            state = "evaluating" if recent else "stalled"
         last = self._last_sent_s
-        if stalled:
-            if not self._stalled or last is None or now_s - last >= REPORT_EVERY_S:
-                self._stalled = True
-                self._emit("stalled", now_s, unix_s)
-        elif last is None or now_s - last >= HEARTBEAT_S:
-            self._emit("stepping", now_s, unix_s)
+        every = REPORT_EVERY_S if state == "stalled" else HEARTBEAT_S
+        if state != self._state or last is None or now_s - last >= every:
+            self._state = state
+            self._emit(state, now_s, unix_s)
+
+    def _look_for_progress(self, now_s: float) -> None:
+        """Sample the training thread: another point of PyTorch's than last time is progress."""
+        try:
+            signature = self._sample(self.training_thread)
+        except Exception:  # a bug here must cost the distinction, never the watch
+            signature = None
+        previous, self._signature = self._signature, signature
+        if (signature is not None and previous is not None and signature[0] != previous[0]
+                and (signature[1] or previous[1])):
+            self._active_s = now_s
 
     def close(self, now_s: float, unix_s: float) -> None:
         """The monitor closed: say so once (the process may go on without steps)."""
@@ -153,9 +196,15 @@ class StallWatch:
         record = StateRecord(self._run, self._rank, state, unix_s, self._steps, since=since,
                              threshold_s=self.threshold_s(), pid=self._pid,
                              launched=self._in_flight.launched or None)
-        if state == "stalled":
-            record = self._place(record)
+        record = self._place(record) if state == "stalled" else self._last_seen(record)
         self._send(record)
+
+    def _last_seen(self, record: StateRecord) -> StateRecord:
+        """``record`` with the open phase and the innermost frame of the job's own code."""
+        phase = getattr(self._core, "open_phase", None)
+        frame = None if self.training_thread is None else sys._current_frames().get(self.training_thread)
+        own = next((f for f in read_stack(frame) if f.own), None)
+        return _with(record, phase, None, () if own is None else (own,))
 
     def _place(self, record: StateRecord) -> StateRecord:
         """``record`` with where the training thread is: phase, collective, stack."""
@@ -175,6 +224,38 @@ def _with(record: StateRecord, phase: str | None, flight: InFlight | None,
           stack: tuple[StackFrame, ...]) -> StateRecord:
     return StateRecord(record.run, record.rank, record.state, record.t, record.steps, record.since,
                        record.threshold_s, record.pid, phase, record.launched, flight, stack)
+
+
+Signature = tuple[tuple[tuple[int, int], ...], bool]
+"""Where a thread is (each frame's code and instruction), and whether it is in PyTorch's
+module call or DataLoader fetch."""
+
+
+def torch_progress_sample(thread: int | None) -> Signature | None:
+    """Where ``thread`` is now, to compare with the next sample (``None``: not running)."""
+    frame = None if thread is None else sys._current_frames().get(thread)
+    if frame is None:
+        return None
+    points: list[tuple[int, int]] = []
+    in_torch = False
+    while frame is not None and len(points) < MAX_SIGNATURE_FRAMES:
+        code = frame.f_code
+        points.append((id(code), frame.f_lasti))
+        in_torch = in_torch or _in_torch_progress(code.co_filename)
+        frame = frame.f_back
+    return tuple(points), in_torch
+
+
+_torch_cache: dict[str, bool] = {}
+
+
+def _in_torch_progress(filename: str) -> bool:
+    known = _torch_cache.get(filename)
+    if known is None:
+        known = filename.replace(os.sep, "/").endswith(TORCH_PROGRESS_FILES)
+        if len(_torch_cache) < 4096:
+            _torch_cache[filename] = known
+    return known
 
 
 def read_stack(frame: FrameType | None) -> tuple[StackFrame, ...]:

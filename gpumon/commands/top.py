@@ -146,7 +146,8 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
     return table
 
 
-_STATE_STYLES = {"stepping": "green", "stalled": "bold red", "exited": "magenta"}
+_STATE_STYLES = {"stepping": "green", "evaluating": "cyan", "stalled": "bold red", "exited": "magenta",
+                 "finished": "dim"}
 
 
 def _stalled_places(ranks: list[Mapping[str, Any]]) -> Text | None:
