@@ -11,10 +11,10 @@ reported after 50 s, a job paused in a debugger for two minutes is reported (it 
 
 A rank with no step for that long that still makes progress in PyTorch — its training thread
 seen, from one wake-up to the next, at another point of a module call or a DataLoader fetch: an
-evaluation pass, forwards under ``no_grad`` — is ``evaluating``, not stalled; one seen at the
-same point for ``ACTIVE_WINDOW`` of the threshold (a forward that never returns, a loop in user
-code) is stalled. The training thread's stack is only sampled (``sys._current_frames()``) once
-no step has ended for ``ACTIVE_WINDOW`` of the threshold, so a stepping rank pays nothing for it;
+evaluation pass, forwards under ``no_grad`` — is ``evaluating``, not stalled; one not seen so
+for the threshold (a forward that never returns, a wait in user code) is stalled. The training
+thread's stack is only sampled (``sys._current_frames()``) once no step has ended for
+``SAMPLE_FROM`` of the threshold, so a stepping rank pays nothing for it;
 the hooks' hot paths are untouched, and an evaluation loop no hook sees is told all the same.
 
 While stalled, every ``REPORT_EVERY_S`` it reads the training thread's Python stack
@@ -67,9 +67,9 @@ REPORT_EVERY_S = 2.0
 """While stalled, the place is read and sent this often."""
 HEARTBEAT_S = 5.0
 """While stepping, the hook says it is alive this often (one ~250-byte datagram)."""
-ACTIVE_WINDOW = 0.5
-"""Share of the threshold: the stack is sampled once no step has ended for this long, and a
-rank seen progressing in PyTorch within this long is evaluating, not stalled."""
+SAMPLE_FROM = 0.5
+"""Share of the threshold: the stack is sampled once no step has ended for this long, so that
+a whole threshold of samples is behind the decision when it is reached."""
 MAX_SIGNATURE_FRAMES = 256
 TORCH_PROGRESS_FILES = ("torch/nn/modules/module.py", "torch/utils/data/dataloader.py")
 """Where a training thread that progresses outside steps is seen: a module call (a forward),
@@ -160,12 +160,12 @@ class StallWatch:
         since_s = self._progress_s
         threshold = self.threshold_s()
         waited = None if since_s is None else now_s - since_s
-        if waited is not None and waited > ACTIVE_WINDOW * threshold:
+        if waited is not None and waited > SAMPLE_FROM * threshold:
             self._look_for_progress(now_s)
         state = "stepping"
         if waited is not None and waited > threshold:
             active = self._active_s
-            recent = active is not None and now_s - active <= ACTIVE_WINDOW * threshold
+            recent = active is not None and now_s - active <= threshold
             state = "evaluating" if recent else "stalled"
         last = self._last_sent_s
         every = REPORT_EVERY_S if state == "stalled" else HEARTBEAT_S

@@ -251,11 +251,11 @@ def test_a_rank_progressing_outside_steps_is_evaluating_until_it_stops_moving() 
     assert w.state == "evaluating"
     samples.moving = False  # a forward that never returns
     stuck = t
-    run(w, core, t, t + 15.0, None)
+    run(w, core, t, t + 25.0, None)
     first = stalled(sent)[0]
-    assert 10.0 <= first.t - (1_700_000_000.0 + stuck) <= 10.5  # half the threshold
+    assert 20.0 <= first.t - (1_700_000_000.0 + stuck) <= 20.5  # the threshold
     core.steps += 1  # training again
-    w.tick(t + 15.25, 1_700_000_000.0 + t + 15.25)
+    w.tick(t + 25.25, 1_700_000_000.0 + t + 25.25)
     assert sent[-1].state == "stepping" and w.state == "stepping"
 
 
