@@ -10,8 +10,9 @@ every 50 steps of 0.2 s is not a stall (20 s floor by default), a rank stepping 
 reported after 50 s, a job paused in a debugger for two minutes is reported (it is stalled).
 
 A rank with no step for that long that still makes progress in PyTorch — its training thread
-seen, from one wake-up to the next, at another point of a module call or a DataLoader fetch: an
-evaluation pass, forwards under ``no_grad`` — is ``evaluating``, not stalled; one not seen so
+seen, from one wake-up to the next, in another module call or DataLoader fetch (another
+outermost frame of torch's) or in and then out of one: an evaluation pass, forwards under
+``no_grad`` — is ``evaluating``, not stalled; one not seen so
 for the threshold (a forward that never returns, a wait in user code) is stalled. The training
 thread's stack is only sampled (``sys._current_frames()``) once no step has ended for
 ``SAMPLE_FROM`` of the threshold, so a stepping rank pays nothing for it;
@@ -180,9 +181,9 @@ class StallWatch:
         except Exception:  # a bug here must cost the distinction, never the watch
             signature = None
         previous, self._signature = self._signature, signature
-        if (signature is not None and previous is not None and signature[0] != previous[0]
-                and (signature[1] or previous[1])):
-            self._active_s = now_s
+        if (signature is not None and previous is not None and signature[0] is not previous[0]
+                and (signature[0] is not None or previous[0] is not None)):
+            self._active_s = now_s  # a call into PyTorch began or ended since the last sample
 
     def close(self, now_s: float, unix_s: float) -> None:
         """The monitor closed: say so once (the process may go on without steps)."""
@@ -226,24 +227,26 @@ def _with(record: StateRecord, phase: str | None, flight: InFlight | None,
                        record.threshold_s, record.pid, phase, record.launched, flight, stack)
 
 
-Signature = tuple[tuple[tuple[int, int], ...], bool]
-"""Where a thread is (each frame's code and instruction), and whether it is in PyTorch's
-module call or DataLoader fetch."""
+Signature = tuple[object | None]
+"""The outermost frame of the thread inside a module call or a DataLoader fetch (``None``:
+outside both). Kept until the next sample, so that a new call's frame cannot take its
+address: the same frame object means the same call, still going on."""
 
 
 def torch_progress_sample(thread: int | None) -> Signature | None:
-    """Where ``thread`` is now, to compare with the next sample (``None``: not running)."""
+    """Where ``thread`` is in PyTorch now, to compare with the next sample (``None``: the
+    thread is not running)."""
     frame = None if thread is None else sys._current_frames().get(thread)
     if frame is None:
         return None
-    points: list[tuple[int, int]] = []
-    in_torch = False
-    while frame is not None and len(points) < MAX_SIGNATURE_FRAMES:
-        code = frame.f_code
-        points.append((id(code), frame.f_lasti))
-        in_torch = in_torch or _in_torch_progress(code.co_filename)
+    outermost = None
+    depth = 0
+    while frame is not None and depth < MAX_SIGNATURE_FRAMES:
+        if _in_torch_progress(frame.f_code.co_filename):
+            outermost = frame
         frame = frame.f_back
-    return tuple(points), in_torch
+        depth += 1
+    return (outermost,)
 
 
 _torch_cache: dict[str, bool] = {}

@@ -180,8 +180,8 @@ def test_time_to_know(pipeline: Pipeline) -> None:
     while time.monotonic() < deadline:
         eval_states |= set(_rank_states(agent, "eval").items())
         note = jobs["eval"].note(0)
-        if evaluated_at is None and note.get("what") == "evaluated":
-            evaluated_at = note["t"]
+        if evaluated_at is None and note.get("what") == "eval":
+            evaluated_at = note["t"] + EVAL_S
         exited = [a for _, a in receiver.firing("GpumonRankExited") if a["labels"]["run"] == "killed"]
         stalled = [a for _, a in receiver.firing("GpumonTrainingStalled") if a["labels"]["run"] == "stuck"]
         quiet = evaluated_at is not None and time.time() > evaluated_at + QUIET_AFTER_EVAL_S
