@@ -3,11 +3,16 @@
 Each rank's hook says whether it steps and, once stalled, where its training thread is (a
 ``state`` record: ``gpumon.client.core.stall``). Here the reports of one run's ranks are joined:
 
-- **state**: ``exited`` when the agent saw the process end; ``stalled`` while a fresh report
-  says so and no step arrived since, or when a rank whose hook sends heartbeats has sent
-  nothing for ``SILENT_AFTER_S`` while its process lives (a thread holding the interpreter's
-  lock stops the hook's thread too: the place is then unknown, and the reason is said);
-  ``stepping`` otherwise (also after the monitor closed).
+- **state**: ``finished`` once its monitor closed (the hook said so: a clean end, whether
+  the process is still there or not); ``exited`` when the agent saw the process end without
+  that word (killed, crashed, OOM-killed: it vanished), with where it was last seen;
+  ``stalled`` while a fresh report says so and no step arrived since, or when a rank whose hook
+  sends heartbeats has sent nothing for ``SILENT_AFTER_S`` while its process lives (a thread
+  holding the interpreter's lock stops the hook's thread too: the place is then unknown, and
+  the reason is said); ``evaluating`` while a fresh report says the rank progresses outside
+  steps (forwards, batches: an evaluation pass), or while it waits in a collective only on
+  ranks that do; ``stepping`` otherwise. A hook too old to send reports gives no word of a
+  clean end: its ended process is ``exited``.
 - **who waits on whom**: in synchronous training every rank enters the same collectives in
   the same order, so each process numbers the collectives it launches. A stalled rank in
   collective number *n* waits on the ranks of its run that are not in collective *n*: stalled
@@ -15,7 +20,9 @@ Each rank's hook says whether it steps and, once stalled, where its training thr
   in the same collective wait together, on none of each other. A rank that skipped a
   collective reaches the stall with a lower count than its peers: they wait on it, and the
   numbers show by how many collectives it is behind; which step it skipped, and that until
-  the stall its peers' collectives were paired with its later ones, cannot be told.
+  the stall its peers' collectives were paired with its later ones, cannot be told. A rank
+  waiting in a collective only on ranks that evaluate (the others wait in a barrier while
+  one rank evaluates) is ``evaluating`` too: nothing is stuck.
 
 Pure: times come in as ages (seconds) measured by the caller.
 """
@@ -37,7 +44,7 @@ __all__ = [
     "waits_on_label",
 ]
 
-STATES = ("stepping", "stalled", "exited")
+STATES = ("stepping", "evaluating", "stalled", "exited", "finished")
 REPORT_FRESH_S = 10.0
 """A stall report older than this no longer holds (a stalled hook reports every 2 s)."""
 SILENT_AFTER_S = 15.0
@@ -90,6 +97,12 @@ class RankCondition:
             return None
         return report.in_flight.seq
 
+    @property
+    def placed(self) -> bool:
+        """Whether its place is known and meant: while stalled, and where an exited rank was
+        last seen."""
+        return self.state == "stalled" or (self.state == "exited" and bool(self.location))
+
 
 def join_run(ranks: Iterable[RankProgress]) -> list[RankCondition]:
     """Each rank's condition, with whom each stalled rank in a collective waits on."""
@@ -100,20 +113,30 @@ def join_run(ranks: Iterable[RankProgress]) -> list[RankCondition]:
         if seq is not None:
             waits = tuple(sorted(
                 other.rank for other in alone
-                if other.rank != cond.rank and other.state in ("stalled", "exited")
+                if other.rank != cond.rank and other.state in ("stalled", "exited", "finished", "evaluating")
                 and other.collective_seq != seq))
-            cond = RankCondition(cond.rank, cond.state, cond.phase, cond.op, cond.location, waits,
-                                 cond.stalled_s, cond.report)
+            evaluating = {other.rank for other in alone if other.state == "evaluating"}
+            state = "evaluating" if waits and set(waits) <= evaluating else cond.state
+            cond = RankCondition(cond.rank, state, cond.phase, cond.op, cond.location, waits,
+                                 cond.stalled_s if state == "stalled" else None, cond.report)
         joined.append(cond)
     return sorted(joined, key=lambda c: c.rank)
 
 
 def _condition(p: RankProgress) -> RankCondition:
-    if p.exited:
-        return RankCondition(p.rank, "exited", report=p.report)
     report = p.report
-    if report is None or report.state == "closed":
-        return RankCondition(p.rank, "stepping", report=report)
+    if report is not None and report.state == "closed":
+        return RankCondition(p.rank, "finished", report=report)
+    if p.exited:
+        if report is None:
+            return RankCondition(p.rank, "exited")
+        return RankCondition(p.rank, "exited", phase_label(report.phase), "",
+                             _location(report) if report.stack else "", report=report)
+    if report is None:
+        return RankCondition(p.rank, "stepping")
+    if (report.state == "evaluating" and p.report_age_s is not None
+            and p.report_age_s <= REPORT_FRESH_S and not p.step_after_report):
+        return RankCondition(p.rank, "evaluating", phase_label(report.phase), report=report)
     if (report.state == "stalled" and p.report_age_s is not None
             and p.report_age_s <= REPORT_FRESH_S and not p.step_after_report):
         since = report.since if report.since is not None else report.t

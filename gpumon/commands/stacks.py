@@ -14,6 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from gpumon.analysis.stall import STATES
 from gpumon.commands.top import fetch_snapshot, owner_text
 
 STACKS_VERSION = 1
@@ -43,7 +44,7 @@ def render(document: Mapping[str, Any], now_unix_s: float | None = None) -> str:
     lines: list[str] = []
     for run, ranks in sorted(runs.items()):
         states = [r.get("state") for r in ranks]
-        summary = ", ".join(f"{states.count(s)} {s}" for s in ("stepping", "stalled", "exited")
+        summary = ", ".join(f"{states.count(s)} {s}" for s in STATES
                             if states.count(s))
         lines.append(f"run {run}: {summary}")
         for rank in ranks:

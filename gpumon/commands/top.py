@@ -149,7 +149,8 @@ def _rank_table(ranks: list[Mapping[str, Any]]) -> Table:
     return table
 
 
-_STATE_STYLES = {"stepping": "green", "stalled": "bold red", "exited": "magenta"}
+_STATE_STYLES = {"stepping": "green", "evaluating": "cyan", "stalled": "bold red", "exited": "magenta",
+                 "finished": "dim"}
 
 
 def owner_text(owner: Mapping[str, Any] | None) -> str:

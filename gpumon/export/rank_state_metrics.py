@@ -1,7 +1,7 @@
 """Prometheus families for where each rank is: its state, and while stalled, its place.
 
 Rendered at every scrape from the joined conditions (``gpumon.state.rank_states``): few series
-(three a rank, two more while stalled), and ``gpumon_rank_stalled_seconds`` moves with the
+(six a rank, two more while stalled, one more once exited), and ``gpumon_rank_stalled_seconds`` moves with the
 clock, so nothing is kept between scrapes.
 """
 
@@ -18,11 +18,13 @@ from gpumon.export.exposition import GaugeFamily
 def rank_state_families(conditions: Mapping[tuple[str, int], RankCondition]) -> Iterator[Metric]:
     """``gpumon_rank_state``, ``gpumon_rank_stall_info`` and ``gpumon_rank_stalled_seconds``."""
     state = GaugeFamily("gpumon_rank_state",
-                        "1 for the rank's current state (stepping, stalled, exited), 0 for the "
+                        "1 for the rank's current state (stepping, evaluating, stalled, exited: "
+                        "ended without closing its monitor, finished: closed it), 0 for the "
                         "others; kept until the rank expires.", labels=["run", "rank", "state"])
     info = GaugeFamily("gpumon_rank_stall_info",
                        "1 while the rank is stalled: its open phase, the collective in flight, "
-                       "the innermost frame of the job's own code, the ranks it waits on.",
+                       "the innermost frame of the job's own code, the ranks it waits on; for "
+                       "an exited rank, where it was last seen.",
                        labels=["run", "rank", "phase", "op", "location", "waits_on"])
     stalled = GaugeFamily("gpumon_rank_stalled_seconds",
                           "How long the rank has made no progress while stalled (0 while stepping).",
@@ -31,12 +33,12 @@ def rank_state_families(conditions: Mapping[tuple[str, int], RankCondition]) -> 
         rank_label = str(rank)
         for name in STATES:
             state.add_metric([run, rank_label, name], 1.0 if cond.state == name else 0.0)
-        if cond.state == "exited":
-            continue
-        stalled.add_metric([run, rank_label], cond.stalled_s or 0.0 if cond.state == "stalled" else 0.0)
-        if cond.state == "stalled":
+        if cond.placed:
             info.add_metric([run, rank_label, cond.phase, cond.op, cond.location,
                              waits_on_label(cond.waits_on)], 1.0)
+        if cond.state in ("exited", "finished"):
+            continue
+        stalled.add_metric([run, rank_label], cond.stalled_s or 0.0 if cond.state == "stalled" else 0.0)
     yield state
     yield info
     yield stalled

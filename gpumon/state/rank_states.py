@@ -1,4 +1,4 @@
-"""Each rank's state (stepping, stalled, exited) and place, from the rank store's copies.
+"""Each rank's state (stepping, evaluating, stalled, exited, finished) and place, from the store.
 
 The rank store keeps what arrived (the hook's latest ``state`` record, when steps arrived,
 whether the process was seen to end); here each run's ranks are put as ages at one moment

@@ -153,10 +153,11 @@ class InFlight:
     on_device: bool = False
 
 
-RANK_STATES = ("stepping", "stalled", "closed")
+RANK_STATES = ("stepping", "stalled", "closed", "evaluating")
 """What a rank's hook says of itself in a ``state`` record: steps arrive (or a step has not
-yet lasted far longer than its typical one), no step for far longer than the typical one, or
-the monitor closed (the process may go on without steps)."""
+yet lasted far longer than its typical one), no step for far longer than the typical one, the
+monitor closed (the process may go on without steps), or no step for that long while the
+training thread still progresses in PyTorch outside steps (an evaluation pass)."""
 
 
 @dataclass(frozen=True, slots=True)

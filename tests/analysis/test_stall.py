@@ -77,7 +77,8 @@ def test_silence_is_a_stall_only_from_a_hook_that_sends_heartbeats_and_has_stepp
                    rank(2, report(state="stepping"), silent=silent, steps=0),
                    rank(3, report(state="closed"), silent=silent)])
     assert out[0][:2] == ("stalled", "unknown") and out[0][3].startswith("unknown: the process lives")
-    assert [out[r][0] for r in (1, 2, 3)] == ["stepping"] * 3
+    assert [out[r][0] for r in (1, 2)] == ["stepping"] * 2
+    assert out[3][0] == "finished"  # its monitor closed: it has nothing more to say
     [cond] = join_run([rank(0, report(state="stepping"), silent=silent)])
     assert cond.stalled_s == silent
 
@@ -102,3 +103,35 @@ def test_waits_on_shows_eight_ranks_then_a_count() -> None:
     assert waits_on_label((1,)) == "1"
     assert waits_on_label(tuple(range(8))) == "0,1,2,3,4,5,6,7"
     assert waits_on_label(tuple(range(11))) == "0,1,2,3,4,5,6,7,+3"
+
+
+def test_a_vanished_rank_is_exited_where_it_was_last_seen_and_a_closed_one_finished() -> None:
+    out = by_rank([rank(0, report(state="stepping", phase="forward", own="train.py:51 step"),
+                        exited=True, alive=False),
+                   rank(1, report(state="closed", phase=None, own=None), exited=True, alive=False),
+                   rank(2, None, exited=True, alive=False),  # an older hook: no word of its end
+                   rank(3, report(state="closed", phase=None, own=None))])  # closed, still running
+    assert out[0] == ("exited", "forward", "", "train.py:51 step", ())
+    assert out[1][0] == "finished" and out[3][0] == "finished"
+    assert out[2] == ("exited", "none", "", "", ())
+    [vanished, _, unknown, _] = join_run([
+        rank(0, report(state="stepping"), exited=True), rank(1, report(state="closed")),
+        rank(2, None, exited=True), rank(3, report(state="closed"))])
+    assert vanished.placed and not unknown.placed
+
+
+def test_an_evaluating_rank_is_not_stalled_and_its_waiting_peers_are_not_either() -> None:
+    out = by_rank([rank(0, report(state="evaluating", phase="forward")),
+                   rank(1, report(seq=30)),  # in a barrier while rank 0 evaluates
+                   rank(2, report(state="evaluating"), age=REPORT_FRESH_S + 1)])  # stale
+    assert out[0][:2] == ("evaluating", "forward")
+    assert out[1][0] == "evaluating" and out[1][4] == (0,)
+    assert out[2][0] == "stepping"
+    # A peer stuck elsewhere is still what a waiting rank is stalled on.
+    out = by_rank([rank(0, report(state="evaluating")), rank(1, report(seq=30)),
+                   rank(2, report(phase="data", own="job.py:9 read_shard"))])
+    assert out[1][0] == "stalled" and out[1][4] == (0, 2)
+    [_, waiting, _] = join_run([rank(0, report(state="evaluating")), rank(1, report(seq=30)),
+                                rank(2, report(phase="data"))])
+    assert waiting.stalled_s is not None
+    assert by_rank([rank(0, report(state="evaluating"), step_after=True)])[0][0] == "stepping"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import deque
 from typing import Any
 
@@ -220,3 +221,97 @@ def test_both_cores_tell_the_open_phase(core_class: Any) -> None:
                 assert core.open_phase == "backward"
     assert seen == ["data"]
     assert core.open_phase is None
+
+
+class Samples:
+    """A fake sampler of the training thread: ``moving`` says whether it progresses in torch."""
+
+    def __init__(self) -> None:
+        self.moving = True
+
+        self.call = object()
+
+    def __call__(self, thread: int | None) -> Any:
+        if self.moving:
+            self.call = object()  # another forward's frame
+        return (self.call,)
+
+
+def test_a_rank_progressing_outside_steps_is_evaluating_until_it_stops_moving() -> None:
+    samples = Samples()
+    core = FakeCore()
+    sent: list[StateRecord] = []
+    w = StallWatch(core, "r", 1, 4242, sent.append, min_s=20.0, in_flight=InFlightCollectives(),
+                   progress_sample=samples)
+    t = run(w, core, 0.0, 20.0, 0.2)
+    eval_start = t
+    t = run(w, core, t, t + 120.0, None)  # two minutes of evaluation: forwards, no step
+    assert not stalled(sent)
+    evaluating = [r for r in sent if r.state == "evaluating"]
+    assert evaluating and 20.0 <= evaluating[0].t - (1_700_000_000.0 + eval_start) <= 20.5
+    assert w.state == "evaluating"
+    samples.moving = False  # a forward that never returns
+    stuck = t
+    run(w, core, t, t + 25.0, None)
+    first = stalled(sent)[0]
+    assert 20.0 <= first.t - (1_700_000_000.0 + stuck) <= 20.5  # the threshold
+    core.steps += 1  # training again
+    w.tick(t + 25.25, 1_700_000_000.0 + t + 25.25)
+    assert sent[-1].state == "stepping" and w.state == "stepping"
+
+
+def test_a_rank_blocked_in_user_code_is_stalled_not_evaluating() -> None:
+    samples = Samples()
+    samples.moving = False
+    core = FakeCore()
+    sent: list[StateRecord] = []
+    w = StallWatch(core, "r", 1, 4242, sent.append, min_s=20.0, in_flight=InFlightCollectives(),
+                   progress_sample=samples)
+    t = run(w, core, 0.0, 20.0, 0.2)
+    run(w, core, t, t + 21.0, None)
+    assert not [r for r in sent if r.state == "evaluating"]
+    assert 20.0 <= stalled(sent)[0].t - (1_700_000_000.0 + t) <= 20.5
+
+
+def test_the_real_sampler_tells_forwards_going_on_from_a_forward_that_never_returns() -> None:
+    torch = pytest.importorskip("torch")
+    from gpumon.client.stall import torch_progress_sample
+
+    gate, entered, done = threading.Event(), threading.Event(), threading.Event()
+
+    class Stuck(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            entered.set()
+            gate.wait()
+            return x
+
+    def evaluate() -> None:
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+        loader = torch.utils.data.DataLoader(torch.randn(4096, 64), batch_size=8)
+        with torch.no_grad():
+            while not done.is_set():
+                for batch in loader:
+                    model(batch)
+
+    def changes(thread: threading.Thread) -> int:
+        seen = []
+        for _ in range(20):
+            time.sleep(0.02)
+            sample = torch_progress_sample(thread.ident)
+            assert sample is not None
+            seen.append(sample[0])
+        assert any(frame is not None for frame in seen)  # inside a module call or a fetch
+        return sum(1 for a, b in zip(seen, seen[1:], strict=False) if a is not b)
+
+    busy = threading.Thread(target=evaluate, daemon=True)
+    busy.start()
+    stuck = threading.Thread(target=lambda: Stuck()(torch.zeros(1)), daemon=True)
+    stuck.start()
+    entered.wait()
+    try:
+        assert changes(busy) >= 10
+        assert changes(stuck) == 0
+    finally:
+        done.set()
+        gate.set()
+    assert torch_progress_sample(None) is None

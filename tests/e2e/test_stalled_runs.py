@@ -216,11 +216,12 @@ def test_one_slow_step_of_a_healthy_run_is_never_a_stall(
     jobs.append(job)
     states: set[str] = set()
     deadline = time.monotonic() + 90
-    # Until a rank finished its steps (then its process ends and it is, rightly, exited).
+    # Until a rank finished its steps (then its monitor closes and it is finished).
     while max(job.note(0).get("steps", 0), job.note(1).get("steps", 0)) < 60:
         assert job.process.poll() is None and time.monotonic() < deadline, job.output()
         states |= {c.get("state", "") for c in conditions(agent, job.run).values()}
         time.sleep(0.25)
     assert states == {"stepping"}
     assert job.process.wait(timeout=60) == 0, job.output()
-    wait_conditions(agent, job.run, {0: "exited", 1: "exited"}, EXIT_SEEN_WITHIN_S, job)
+    # A clean end is finished, never exited (what GpumonRankExited fires on).
+    wait_conditions(agent, job.run, {0: "finished", 1: "finished"}, EXIT_SEEN_WITHIN_S, job)

@@ -9,11 +9,22 @@ interval between step ends over its last ``TYPICAL_WINDOW`` observations: a 5 s 
 every 50 steps of 0.2 s is not a stall (20 s floor by default), a rank stepping every 5 s is
 reported after 50 s, a job paused in a debugger for two minutes is reported (it is stalled).
 
+A rank with no step for that long that still makes progress in PyTorch — its training thread
+seen, from one wake-up to the next, in another module call or DataLoader fetch (another
+outermost frame of torch's) or in and then out of one: an evaluation pass, forwards under
+``no_grad`` — is ``evaluating``, not stalled; one not seen so
+for the threshold (a forward that never returns, a wait in user code) is stalled. The training
+thread's stack is only sampled (``sys._current_frames()``) once no step has ended for
+``SAMPLE_FROM`` of the threshold, so a stepping rank pays nothing for it;
+the hooks' hot paths are untouched, and an evaluation loop no hook sees is told all the same.
+
 While stalled, every ``REPORT_EVERY_S`` it reads the training thread's Python stack
 (``sys._current_frames()``, only then), the open phase and the collective in flight
 (``comm_inflight``) and sends them as a ``state`` record; otherwise a small ``stepping``
 record every ``HEARTBEAT_S`` tells the agent the hook is alive, so that a process that
 sends nothing at all (a thread holding the interpreter lock) can be told from one that waits.
+The heartbeat carries the open phase and the innermost frame of the job's own code: where a
+rank was last seen if it vanishes (killed, crashed) without closing its monitor.
 """
 
 from __future__ import annotations
@@ -56,7 +67,14 @@ TYPICAL_WINDOW = 32
 REPORT_EVERY_S = 2.0
 """While stalled, the place is read and sent this often."""
 HEARTBEAT_S = 5.0
-"""While stepping, the hook says it is alive this often (one ~150-byte datagram)."""
+"""While stepping, the hook says it is alive this often (one ~250-byte datagram)."""
+SAMPLE_FROM = 0.5
+"""Share of the threshold: the stack is sampled once no step has ended for this long, so that
+a whole threshold of samples is behind the decision when it is reached."""
+MAX_SIGNATURE_FRAMES = 256
+TORCH_PROGRESS_FILES = ("torch/nn/modules/module.py", "torch/utils/data/dataloader.py")
+"""Where a training thread that progresses outside steps is seen: a module call (a forward),
+a DataLoader fetch (a batch)."""
 
 
 class CoreReadings(Protocol):
@@ -92,7 +110,8 @@ class StallWatch:
 
     def __init__(self, core: CoreReadings, run: str, rank: int, pid: int,
                  send: Callable[[StateRecord], None], min_s: float | None = None,
-                 in_flight: InFlightCollectives = IN_FLIGHT) -> None:
+                 in_flight: InFlightCollectives = IN_FLIGHT,
+                 progress_sample: Callable[[int | None], Signature | None] | None = None) -> None:
         self._core = core
         self._run, self._rank, self._pid = run, rank, pid
         self._send = send
@@ -104,13 +123,21 @@ class StallWatch:
         self._progress_s: float | None = None  # monotonic time the step count last changed
         self._intervals: deque[float] = deque(maxlen=TYPICAL_WINDOW)
         self._last_sent_s: float | None = None
-        self._stalled = False
+        self._state = "stepping"
         self._closed = False
+        self._sample = progress_sample or torch_progress_sample
+        self._signature: Signature | None = None
+        self._active_s: float | None = None  # monotonic time it was last seen progressing in torch
 
     @property
     def stalled(self) -> bool:
         """Whether the last tick found the rank stalled."""
-        return self._stalled
+        return self._state == "stalled"
+
+    @property
+    def state(self) -> str:
+        """What the last tick found: ``stepping``, ``evaluating`` or ``stalled``."""
+        return self._state
 
     def threshold_s(self) -> float:
         """How long without a step ending counts as a stall now."""
@@ -126,20 +153,37 @@ class StallWatch:
             if self._progress_s is not None and steps > self._steps:
                 self._intervals.append((now_s - self._progress_s) / (steps - self._steps))
             self._steps, self._progress_s = steps, now_s
-            if self._stalled:  # progress again: say so now
-                self._stalled = False
+            self._signature = self._active_s = None
+            if self._state != "stepping":  # steps again: say so now
+                self._state = "stepping"
                 self._emit("stepping", now_s, unix_s)
                 return
         since_s = self._progress_s
         threshold = self.threshold_s()
-        stalled = since_s is not None and now_s - since_s > threshold
+        waited = None if since_s is None else now_s - since_s
+        if waited is not None and waited > SAMPLE_FROM * threshold:
+            self._look_for_progress(now_s)
+        state = "stepping"
+        if waited is not None and waited > threshold:
+            active = self._active_s
+            recent = active is not None and now_s - active <= threshold
+            state = "evaluating" if recent else "stalled"
         last = self._last_sent_s
-        if stalled:
-            if not self._stalled or last is None or now_s - last >= REPORT_EVERY_S:
-                self._stalled = True
-                self._emit("stalled", now_s, unix_s)
-        elif last is None or now_s - last >= HEARTBEAT_S:
-            self._emit("stepping", now_s, unix_s)
+        every = REPORT_EVERY_S if state == "stalled" else HEARTBEAT_S
+        if state != self._state or last is None or now_s - last >= every:
+            self._state = state
+            self._emit(state, now_s, unix_s)
+
+    def _look_for_progress(self, now_s: float) -> None:
+        """Sample the training thread: another point of PyTorch's than last time is progress."""
+        try:
+            signature = self._sample(self.training_thread)
+        except Exception:  # a bug here must cost the distinction, never the watch
+            signature = None
+        previous, self._signature = self._signature, signature
+        if (signature is not None and previous is not None and signature[0] is not previous[0]
+                and (signature[0] is not None or previous[0] is not None)):
+            self._active_s = now_s  # a call into PyTorch began or ended since the last sample
 
     def close(self, now_s: float, unix_s: float) -> None:
         """The monitor closed: say so once (the process may go on without steps)."""
@@ -153,9 +197,15 @@ class StallWatch:
         record = StateRecord(self._run, self._rank, state, unix_s, self._steps, since=since,
                              threshold_s=self.threshold_s(), pid=self._pid,
                              launched=self._in_flight.launched or None)
-        if state == "stalled":
-            record = self._place(record)
+        record = self._place(record) if state == "stalled" else self._last_seen(record)
         self._send(record)
+
+    def _last_seen(self, record: StateRecord) -> StateRecord:
+        """``record`` with the open phase and the innermost frame of the job's own code."""
+        phase = getattr(self._core, "open_phase", None)
+        frame = None if self.training_thread is None else sys._current_frames().get(self.training_thread)
+        own = next((f for f in read_stack(frame) if f.own), None)
+        return _with(record, phase, None, () if own is None else (own,))
 
     def _place(self, record: StateRecord) -> StateRecord:
         """``record`` with where the training thread is: phase, collective, stack."""
@@ -175,6 +225,40 @@ def _with(record: StateRecord, phase: str | None, flight: InFlight | None,
           stack: tuple[StackFrame, ...]) -> StateRecord:
     return StateRecord(record.run, record.rank, record.state, record.t, record.steps, record.since,
                        record.threshold_s, record.pid, phase, record.launched, flight, stack)
+
+
+Signature = tuple[object | None]
+"""The outermost frame of the thread inside a module call or a DataLoader fetch (``None``:
+outside both). Kept until the next sample, so that a new call's frame cannot take its
+address: the same frame object means the same call, still going on."""
+
+
+def torch_progress_sample(thread: int | None) -> Signature | None:
+    """Where ``thread`` is in PyTorch now, to compare with the next sample (``None``: the
+    thread is not running)."""
+    frame = None if thread is None else sys._current_frames().get(thread)
+    if frame is None:
+        return None
+    outermost = None
+    depth = 0
+    while frame is not None and depth < MAX_SIGNATURE_FRAMES:
+        if _in_torch_progress(frame.f_code.co_filename):
+            outermost = frame
+        frame = frame.f_back
+        depth += 1
+    return (outermost,)
+
+
+_torch_cache: dict[str, bool] = {}
+
+
+def _in_torch_progress(filename: str) -> bool:
+    known = _torch_cache.get(filename)
+    if known is None:
+        known = filename.replace(os.sep, "/").endswith(TORCH_PROGRESS_FILES)
+        if len(_torch_cache) < 4096:
+            _torch_cache[filename] = known
+    return known
 
 
 def read_stack(frame: FrameType | None) -> tuple[StackFrame, ...]:

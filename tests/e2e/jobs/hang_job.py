@@ -17,6 +17,9 @@ the job itself knows about its stop is written to ``OUT/rank<R>.json`` the momen
   expression that never finishes), after ``--stop-after`` steps.
 - ``slow``: a healthy run whose every rank takes one step ``--slow-ms`` long (a checkpoint
   save) at step ``--stop-after``, then ends normally.
+- ``eval``: a healthy run whose every rank, after ``--stop-after`` steps, evaluates for
+  ``--eval-s`` seconds (batches from a DataLoader, forwards under ``no_grad``, no step), then
+  trains on.
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ FOREVER = threading.Event()  # never set
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--scenario", choices=("data", "lock", "skip", "gil", "slow"), required=True)
+    parser.add_argument("--scenario", choices=("data", "lock", "skip", "gil", "slow", "eval"), required=True)
     parser.add_argument("--rank", type=int, default=1, help="the rank that stops")
     parser.add_argument("--stop-after", type=int, default=15)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--work-ms", type=float, default=50.0)
     parser.add_argument("--slow-ms", type=float, default=300.0)
+    parser.add_argument("--eval-s", type=float, default=60.0)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -85,6 +89,8 @@ def main() -> None:
                 time.sleep(args.slow_ms / 1e3)  # a checkpoint save on every rank
         done += 1
         _note(args.out, rank, "steps", done)
+        if args.scenario == "eval" and done == args.stop_after:
+            evaluate(ddp, args.eval_s, args.out, rank, done)
     if culprit and args.scenario == "skip":
         upload_checkpoint(args.out, rank, done)
     mon.close()
@@ -102,9 +108,12 @@ class Adapted(nn.Module):
         self._after = after_steps
         self._calls = 0
         self._lock = threading.Lock()
+        self.eval_work_s = 0.05
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._calls += 1
+        if not torch.is_grad_enabled():
+            time.sleep(self.eval_work_s)  # an evaluation's device work, inside its forward
         return self.apply_adapter(self.linear(x))
 
     def apply_adapter(self, h: torch.Tensor) -> torch.Tensor:
@@ -130,6 +139,18 @@ class Shards:
     def read_shard(self, index: int) -> None:
         _note(self.out, self.rank, "data", index)
         FOREVER.wait()  # a storage read that never returns
+
+
+def evaluate(model: nn.Module, seconds: float, out: Path, rank: int, steps: int) -> None:
+    """An evaluation pass: batches and forwards under ``no_grad`` for ``seconds``, no step."""
+    _note(out, rank, "eval", steps)
+    loader = torch.utils.data.DataLoader(torch.randn(256, 64), batch_size=32)
+    end = time.monotonic() + seconds
+    with torch.no_grad():
+        while time.monotonic() < end:
+            for batch in loader:
+                model(batch)
+    _note(out, rank, "evaluated", steps)
 
 
 def upload_checkpoint(out: Path, rank: int, steps: int) -> None:
