@@ -16,6 +16,7 @@ from gpumon.analysis.thresholds import Thresholds
 
 DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"
+DEFAULT_TRACE_DIR = "/var/tmp/gpumon-traces"
 COLLECTORS = ("nvml", "host", "ingest")
 
 
@@ -41,6 +42,15 @@ class AgentConfig:
     max_ranks: int = 1024
     log_level: str = "info"
     web_config: str | None = None
+    trace_dir: str = DEFAULT_TRACE_DIR
+    """Where ranks write the profiler traces asked of them (docs/traces.md)."""
+    trace_max_bytes: int = 2 * 1024**3
+    trace_steps: int = 3
+    trace_auto: bool = False
+    """Ask for a trace when a rank turns straggler or stays communication/host-bound: off by
+    default, since a trace slows the steps it covers and keeps code paths on the node's disk."""
+    trace_auto_windows: int = 3
+    trace_auto_every_seconds: float = 1800.0
     thresholds: Thresholds = field(default_factory=Thresholds)
     config: str | None = field(default=None, compare=False)
 
@@ -182,7 +192,15 @@ def _validate(values: dict[str, Any], origins: Mapping[str, str]) -> AgentConfig
             out[f.name] = str(value).lower()
         elif f.name == "thresholds":
             out[f.name] = value
-        elif f.name in ("socket", "record", "config", "web_config"):
+        elif f.name in ("trace_max_bytes", "trace_steps", "trace_auto_windows"):
+            low, high = {"trace_max_bytes": (0, 2**62), "trace_steps": (1, 50),
+                         "trace_auto_windows": (1, 1000)}[f.name]
+            out[f.name] = _int(value, where, low, high)
+        elif f.name == "trace_auto_every_seconds":
+            out[f.name] = _float(value, where, 1.0, 7 * 86400.0)
+        elif f.name == "trace_auto":
+            out[f.name] = _bool(value, where)
+        elif f.name in ("socket", "record", "config", "web_config", "trace_dir"):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: expected a non-empty path")
             out[f.name] = value
@@ -201,6 +219,17 @@ def _int(value: Any, where: str, low: int, high: int) -> int:
     if not low <= number <= high:
         raise ConfigError(f"{where}: must be between {low} and {high}")
     return number
+
+
+def _bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "on", "yes"):
+        return True
+    if text in ("0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"{where}: expected true or false")
 
 
 def _float(value: Any, where: str, low: float, high: float) -> float:

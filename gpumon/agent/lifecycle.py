@@ -32,6 +32,7 @@ from gpumon.agent.recorder import Recorder
 from gpumon.agent.reload import apply_reload
 from gpumon.agent.scheduler import Periodic
 from gpumon.agent.sources import given_source_status, open_gpu_source
+from gpumon.agent.traces import TraceDesk, trace_api, trace_settings
 from gpumon.agent.views import AgentCollector, readiness, snapshot_document
 from gpumon.collectors.base import EventWatcher, GpuSource
 from gpumon.collectors.host import HostSource
@@ -83,6 +84,8 @@ class Agent:
         self._liveness = ProcessLiveness()
         self._liveness_at = 0.0
         self.started_at = time.time()
+        self.traces: TraceDesk | None = None
+        """Profiler traces asked of the ranks (docs/traces.md); made once ingest runs."""
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -100,7 +103,8 @@ class Agent:
             except WebConfigError as exc:
                 raise AgentError(str(exc)) from exc
         self._server = MetricsServer(self.config.address, self.config.port, self.registry,
-                                     self.readiness, self.snapshot, web)
+                                     self.readiness, self.snapshot, web,
+                                     api=trace_api(lambda: self.traces))
         if self._gpu_source is None:
             self._gpu_source, status = open_gpu_source(self.config, self.state.count_error)
         else:
@@ -147,6 +151,9 @@ class Agent:
             return
         self._ingest.start()
         log.info("receiving training steps on %s", self.config.socket)
+        self.traces = TraceDesk(trace_settings(self.config), self.config.socket, self.rank_store)
+        self.traces.start()
+        self.registry.register(self.traces)
 
     def reload(self, config: AgentConfig) -> list[str]:
         """Apply what can change while running (SIGHUP); returns one line per setting.
@@ -167,6 +174,8 @@ class Agent:
         if self._ingest is not None:
             self._ingest.stop()
             self._ingest = None
+        if self.traces is not None:
+            self.traces.stop()
         for thread in self._threads:
             thread.stop()
         if self._xid is not None:
@@ -234,6 +243,8 @@ class Agent:
             if ended:
                 self.rank_store.mark_exited(ended, monotonic)
         self.analyzer.advance(now, expired, self.state.snapshot(now), self.state.gpu_history())
+        if self.traces is not None and self.config.trace_auto:
+            self.traces.observe(self.analyzer.analyses())
         if self._recorder is not None:
             self._recorder.flush()
 

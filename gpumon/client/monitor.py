@@ -175,7 +175,11 @@ class StepMonitor:
         self._trace = None if self.socket_path is None else _trace_control(self)
         if self._trace is not None:
             poll = self._trace.poll
-            self._sender.on_wake = lambda: (stall.tick(*monotonic_and_unix()), poll())
+
+            def on_wake() -> None:
+                stall.tick(*monotonic_and_unix())
+                poll()
+            self._sender.on_wake = on_wake
         if gpu is not None:
             self._sender.set_gpu(gpu)
         self._find_cuda(final=False)

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import gzip
-import hashlib
 import json
 import os
 import re
@@ -41,10 +40,8 @@ from time import perf_counter
 from typing import Any, NamedTuple
 
 from gpumon.wire import StepRecord, decode_datagram
+from gpumon.wire.traces import MAX_TRACE_STEPS, channel_address, trace_file_name
 
-CHANNEL_PREFIX = b"\0gpumon-trace/"
-MAX_STEPS = 50
-"""Steps one trace may cover: a trace of every op grows by megabytes per step."""
 ARM_TIMEOUT_S = 60.0
 """A rank that runs no step this long after accepting gives the request up."""
 RECORDS_WAIT_S = 2.0
@@ -52,22 +49,9 @@ RECORDS_WAIT_S = 2.0
 DATA_SLACK_S = 0.0005
 """How far past the step's begin a wait for input placed at its window's start may reach
 (the core stamps the begin just before the extensions are called)."""
-SUFFIX = ".pt.trace.json.gz"
 _CREDENTIALS = struct.Struct("iII")
 _TRACE_EVENTS = re.compile(rb'"traceEvents"\s*:\s*\[')
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def channel_address(socket_path: str, run: str, rank: int) -> bytes:
-    """The abstract socket a rank listens on for trace requests, from the agent's socket path."""
-    key = f"{os.path.realpath(socket_path)}\0{run}\0{rank}".encode()
-    return CHANNEL_PREFIX + hashlib.sha256(key).hexdigest()[:40].encode()
-
-
-def trace_file_name(run: str, rank: int, first_step: int) -> str:
-    """``<run>.rank<N>.step<S>.pt.trace.json.gz``, the run's ``/`` and ``:`` as ``_``."""
-    safe = re.sub(r"[/:]", "_", run)
-    return f"{safe}.rank{rank}.step{first_step}{SUFFIX}"
 
 
 class TraceEvent:
@@ -346,8 +330,8 @@ class TraceControl:
         if not address:
             return  # nowhere to answer
         if uid is None or uid not in self._trusted_uids():
-            self._send(address, {"state": "refused", "reason": "not_allowed",
-                                 "message": "trace requests are taken from the agent, root or the job's user"})
+            self._send(address, {"state": "refused", "reason": "not_allowed", "message":
+                                 "trace requests are taken from the agent, root or the job's user"})
             return
         try:
             message = json.loads(data)
@@ -357,7 +341,7 @@ class TraceControl:
         except (ValueError, KeyError, TypeError):
             self._send(address, {"state": "refused", "reason": "bad_request"})
             return
-        if not 1 <= steps <= MAX_STEPS or not os.path.isabs(directory):
+        if not 1 <= steps <= MAX_TRACE_STEPS or not os.path.isabs(directory):
             self._send(address, {"id": ident, "state": "refused", "reason": "bad_request"})
             return
         busy = self._busy
@@ -515,15 +499,16 @@ def _write_trace(prof: Any, path: str, steps: list[TracedStep],
     os.close(fd)
     try:
         prof.export_chrome_trace(raw)
-        with open(raw, "rb") as f:
-            text = f.read()
+        with open(raw, "rb") as exported:
+            text = exported.read()
     finally:
         os.unlink(raw)
     events = _gpumon_events(text, steps, ranges, records)
     text = _insert(text, events, rank, world)
     fd, tmp = tempfile.mkstemp(prefix=".gpumon-trace-", suffix=".gz", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f, gzip.GzipFile(fileobj=f, mode="wb", compresslevel=6, mtime=0) as gz:
+        with os.fdopen(fd, "wb") as out, gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6,
+                                                       mtime=0) as gz:
             gz.write(text)
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
