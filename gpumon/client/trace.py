@@ -52,6 +52,7 @@ DATA_SLACK_S = 0.0005
 _CREDENTIALS = struct.Struct("iII")
 _TRACE_EVENTS = re.compile(rb'"traceEvents"\s*:\s*\[')
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+PROBE_BYTES = 1 << 20
 
 
 class TraceEvent:
@@ -501,8 +502,18 @@ def _write_trace(prof: Any, path: str, steps: list[TracedStep],
         prof.export_chrome_trace(raw)
         with open(raw, "rb") as exported:
             text = exported.read()
+        if not (text.rstrip().endswith(b"}") and _TRACE_EVENTS.search(text)):
+            # The profiler does not say when its write failed: write as much ourselves, and
+            # the file system's refusal (a full disk, a quota) names the reason.
+            with open(raw, "ab") as probe:
+                probe.write(bytes(PROBE_BYTES))
+                probe.flush()
+                os.fsync(probe.fileno())
+            raise OSError(errno.EIO, "the profiler wrote an incomplete trace")
     finally:
-        os.unlink(raw)
+        for leftover in (raw, raw + ".tmp"):  # the profiler writes the second, then renames it
+            if os.path.lexists(leftover):
+                os.unlink(leftover)
     events = _gpumon_events(text, steps, ranges, records)
     text = _insert(text, events, rank, world)
     fd, tmp = tempfile.mkstemp(prefix=".gpumon-trace-", suffix=".gz", dir=directory)
