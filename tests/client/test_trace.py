@@ -116,13 +116,15 @@ def test_a_trace_of_three_whole_steps_leaves_the_losses_as_they_were(agent: Fake
     assert [a["state"] for a in answers] == ["accepted", "done"], answers
     done = answers[-1]
     path = Path(done["path"])
-    assert path.parent == agent.traces and path.name == f"traced.rank3.step{done['first_step']}.pt.trace.json.gz"
+    assert path.parent == agent.traces
+    assert path.name == f"traced.rank3.step{done['first_step']}.pt.trace.json.gz"
     assert (path.stat().st_mode & 0o777) == 0o600 and done["steps"] == 3
     with gzip.open(path) as f:
         document = json.load(f)
     names = [e["name"] for e in document["traceEvents"] if e.get("ph") == "X"]
     first = done["first_step"]
-    assert [n for n in names if n.startswith("gpumon.step ")] == [f"gpumon.step {s}" for s in range(first, first + 3)]
+    steps = [n for n in names if n.startswith("gpumon.step ")]
+    assert steps == [f"gpumon.step {s}" for s in range(first, first + 3)]
     for phase in ("forward", "backward", "optimizer"):
         assert names.count(f"gpumon.{phase}") == 3
     assert names.count("gpumon.record") == 3
@@ -187,7 +189,8 @@ print("steps", mon.stats.steps, flush=True)
 """
 
 
-def run_job(agent: FakeAgent, kind: str, steps: int, file_size: int | None = None) -> tuple[str, list[dict[str, Any]]]:
+def run_job(agent: FakeAgent, kind: str, steps: int,
+            file_size: int | None = None) -> tuple[str, list[dict[str, Any]]]:
     def limit() -> None:
         if file_size is not None:
             resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
