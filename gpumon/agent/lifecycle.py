@@ -167,6 +167,8 @@ class Agent:
                                               analyzer=self.analyzer)
         except WebConfigError as exc:
             raise AgentError(str(exc)) from exc
+        if self.traces is not None:
+            self.traces.settings = trace_settings(self.config)  # the trace_* keys apply at once
         return notes
 
     def stop(self) -> None:
@@ -176,6 +178,7 @@ class Agent:
             self._ingest = None
         if self.traces is not None:
             self.traces.stop()
+            self.traces = None
         for thread in self._threads:
             thread.stop()
         if self._xid is not None:

@@ -133,6 +133,8 @@ class TraceDesk:
         self._thread.start()
 
     def stop(self) -> None:
+        if self._stopped:
+            return
         self._stopped = True
         self._wake_w.send(b"\0")
         if self._thread.is_alive():
@@ -174,6 +176,7 @@ class TraceDesk:
                 return current
             trace = Trace(uuid.uuid4().hex[:16], run, rank, steps, trigger, _uid=uid)
             self._remember_locked(trace)
+        self._wake_w.send(b"\1")
         message = {"op": "trace", "id": trace.id, "steps": steps, "dir": self.settings.directory}
         try:
             self._sock.sendto(json.dumps(message).encode(),
@@ -212,12 +215,17 @@ class TraceDesk:
 
     def _receive(self) -> None:
         while not self._stopped:
+            # Asleep while nothing is in flight; once a second while something may time out.
+            timeout = 1.0 if self._in_flight else None
             try:
-                ready, _, _ = select.select([self._sock, self._wake_r], [], [], 1.0)
+                ready, _, _ = select.select([self._sock, self._wake_r], [], [], timeout)
             except (OSError, ValueError):
                 return
-            if self._wake_r in ready or self._stopped:
+            if self._stopped:
                 return
+            if self._wake_r in ready:
+                self._wake_r.recv(64)  # a request went out: look at the clock from now on
+                continue
             if not ready:
                 with self._lock:
                     self._expire_locked()
