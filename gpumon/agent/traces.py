@@ -257,10 +257,8 @@ class TraceDesk:
             with self._lock:
                 trace.state = "accepted"
                 trace._monotonic = time.monotonic()
-        elif state == "busy":
-            other = self.get(str(message.get("trace")))
-            if other is None:  # a request of another agent's: report it as that rank's answer
-                self._fail(trace, "busy", "the rank is already writing a trace")
+        elif state == "busy":  # a trace this agent no longer follows (it timed out), or another's
+            self._fail(trace, "busy", f"the rank is still writing trace {message.get('trace')}")
         elif state == "done":
             path = str(message.get("path"))
             problem = self._check_file(path, uid)
