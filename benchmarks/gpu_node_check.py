@@ -13,6 +13,7 @@ back everything worth knowing from that run, in a few files under ``--out``:
     metrics_oom.txt            /metrics at the highest OOM risk of the memory-pressure test
     metrics_owners.txt         /metrics once the agent has worked out whose the training process is
     recording.jsonl.gz         the agent's ``--record`` of every step and GPU sample
+    trace_rank0.pt.trace.json.gz  the trace section's profiler trace
     agent.log                  the agent's log
     (and what the memory-breakdown section writes, where it exists)
 
@@ -40,6 +41,9 @@ before ``--budget-s``):
    memory breakdown, the framework and stage exported ("not available" without DeepSpeed).
 7. memory (``memory``, where that module exists): the live memory breakdown against
    ``torch.cuda.memory_stats()``.
+7a. trace (``trace``): a profiler trace of a watched DDP job asked of the agent
+   (``/api/v1/traces``), its phase ranges against the recorded steps, HTA's temporal breakdown
+   and communication/computation overlap beside gpumon's (CUDA only; HTA loads it either way).
 7b. run (``run``): an unmodified CUDA script (``run_job.py``) bare and under ``gpumon run``:
    its output and loss unchanged, one step per optimizer step with the phases the hooks found,
    the throughput ratio (information: separate launches), and the hooks a process it started
@@ -77,6 +81,7 @@ from gpu_checks import agent as agent_checks  # noqa: E402
 from gpu_checks import ddp, hook, nvml, oom, owners, stall  # noqa: E402
 from gpu_checks import deepspeed as deepspeed_check  # noqa: E402
 from gpu_checks import run as run_check  # noqa: E402
+from gpu_checks import trace as trace_check  # noqa: E402
 from gpu_checks.environment import section_environment  # noqa: E402
 from gpu_checks.nvml_probe import nvml_child  # noqa: E402
 from gpu_checks.report import Report, SkipSection, jsonable, now, tb  # noqa: E402
@@ -135,6 +140,7 @@ def main() -> int:
         r["agent_imports_missing"] = agent_checks.add_import_shims(st["env"], scratch, report)
 
     def agent_start(r: dict[str, Any]) -> None:
+        st["env"]["GPUMON_TRACE_DIR"] = str(scratch / "traces")  # the trace section's files
         st["agent"] = agent_checks.start(report, r, st["env"], scratch)
 
     def training(r: dict[str, Any]) -> None:
@@ -192,6 +198,8 @@ def main() -> int:
             report.run("ddp", watched_ddp, need_s=30)
             report.run("deepspeed", watched_deepspeed, need_s=25)
             report.run("memory", lambda r: memory_section(report, r), need_s=20)
+            report.run("trace", lambda r: trace_check.section_trace(report, r, st["torch"], agent,
+                                                                   st["device"]), need_s=30)
             report.run("run", lambda r: run_check.section_run(report, r, agent, st["device"]), need_s=40)
             report.run("stall", lambda r: stall.section_stall(report, r, agent, st["device"]),
                        need_s=45)

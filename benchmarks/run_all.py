@@ -93,6 +93,14 @@ BENCHMARKS: dict[str, tuple[list[str], list[Check]]] = {
         ("gpumon run: the DDP control, plain against plain (the floor, for reference)",
          lambda r: r["ddp_in_process"]["control"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
     ]),
+    "trace": (["bench_trace.py"], [
+        ("traces: no trace asked, throughput with the trace channel ≥ 99% of without",
+         lambda r: r["idle_ratio"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
+        ("traces: the same once traces were taken (the tracer attached, quiet)",
+         lambda r: r["idle_ratio_after_trace"], lambda x: f"{x:.4f}", lambda x: x >= 0.99),
+        ("traces: a traced step's time ÷ an untraced one's (measured, for reference)",
+         lambda r: r["traced_ratio"], lambda x: f"{x:.2f}×", lambda x: True),
+    ]),
 }
 
 
@@ -103,6 +111,7 @@ QUICK: dict[str, list[str]] = {
     "train": ["--pairs", "5", "--steps", "25", "--blocks", "5", "--block-steps", "2"],  # 20 warm-up steps
     "ingest": ["--seconds", "0.3", "--rates", "2000"],
     "fleet": ["--quick"],
+    "trace": ["--blocks", "2", "--block-steps", "10", "--traces", "1"],
     "run": ["--processes", "1", "--blocks", "3", "--block-steps", "4", "--cpu-pairs", "1", "--turns", "2",
             "--ddp-rounds", "3", "--ddp-block-steps", "1", "--ddp-pairs", "1", "--ddp-steps", "1"],
 }

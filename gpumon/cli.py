@@ -273,6 +273,32 @@ def stacks(
     raise typer.Exit(code)
 
 
+@app.command()
+def trace(
+    url: Annotated[str, typer.Option(metavar="URL", help="The agent's base URL (credentials, if it has auth: http://user:password@host:port).")] = f"http://127.0.0.1:{DEFAULT_PORT}",
+    run_name: Annotated[str | None, typer.Option("--run", metavar="RUN", help="The run to trace.")] = None,
+    rank: Annotated[int | None, typer.Option(min=0, metavar="N", help="The rank to trace.")] = None,
+    all_ranks: Annotated[bool, typer.Option("--all-ranks", help="Trace every rank of the run on the agent's node.")] = False,
+    steps: Annotated[int, typer.Option(min=1, max=50, metavar="K", help="Whole steps to profile.")] = 3,
+    wait: Annotated[bool, typer.Option("--wait", help="Wait for the traces and print their paths.")] = False,
+    list_only: Annotated[bool, typer.Option("--list", help="List the traces on the agent's node (of --run, if given).")] = False,
+) -> None:
+    """Profile a rank's next steps with torch.profiler, without restarting the job; --list lists traces."""
+    from gpumon.commands.trace import TraceCommandError, list_traces, request_traces
+
+    try:
+        if list_only:
+            lines = list_traces(url, run_name)
+        elif run_name is None or (rank is not None) == all_ranks:
+            raise TraceCommandError("give --run and either --rank N or --all-ranks (or --list)", 2)
+        else:
+            lines = request_traces(url, run_name, None if all_ranks else rank, steps, wait)
+    except TraceCommandError as exc:
+        _fail(str(exc), exc.exit_code)
+    for line in lines:
+        typer.echo(line)
+
+
 @app.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 def run(
     command: Annotated[list[str] | None, typer.Argument(metavar="COMMAND", help="The training command, unchanged: python train.py, torchrun ..., deepspeed ..., accelerate launch ...")] = None,

@@ -46,7 +46,8 @@ def jsonable(value: Any, depth: int = 0) -> Any:
     if isinstance(value, bytes):
         return value.decode(errors="replace")
     if isinstance(value, dict):
-        return {str(k): jsonable(v, depth + 1) for k, v in list(value.items())[:64]}
+        # (the report's own checks, one key each, are more than 64 by now)
+        return {str(k): jsonable(v, depth + 1) for k, v in list(value.items())[:256]}
     if isinstance(value, (list, tuple, set)):
         return [jsonable(v, depth + 1) for v in list(value)[:64]]
     if hasattr(value, "_fields_"):  # ctypes struct

@@ -18,6 +18,7 @@ from gpumon.analysis.thresholds import Thresholds
 DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+DEFAULT_TRACE_DIR = "/var/tmp/gpumon-traces"
 COLLECTORS = NAMES  # the names of agent/collectors.py's table
 
 
@@ -44,9 +45,8 @@ class AgentConfig:
     log_level: str = "info"
     web_config: str | None = None
     node_name: str = ""
+    trace_dir: str = DEFAULT_TRACE_DIR
     """The node's name on ``gpumon_rank_info`` and ``gpumon_gpu_owner_info``; unset: the host name."""
-    pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
-    """The kubelet's PodResources socket, asked where its directory exists."""
     thresholds: Thresholds = field(default_factory=Thresholds)
     config: str | None = field(default=None, compare=False)
 
@@ -190,7 +190,16 @@ def _validate(values: dict[str, Any], origins: Mapping[str, str]) -> AgentConfig
             out[f.name] = value
         elif f.name == "node_name":
             out[f.name] = str(value).strip()
-        elif f.name in ("socket", "record", "config", "web_config", "pod_resources_socket"):
+        elif f.name in ("trace_max_bytes", "trace_steps", "trace_auto_windows"):
+            low, high = {"trace_max_bytes": (0, 2**62), "trace_steps": (1, 50),
+                         "trace_auto_windows": (1, 1000)}[f.name]
+            out[f.name] = _int(value, where, low, high)
+        elif f.name == "trace_auto_every_seconds":
+            out[f.name] = _float(value, where, 1.0, 7 * 86400.0)
+        elif f.name == "trace_auto":
+            out[f.name] = _bool(value, where)
+        elif f.name in ("socket", "record", "config", "web_config", "pod_resources_socket",
+                        "trace_dir"):
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"{where}: expected a non-empty path")
             out[f.name] = value
@@ -209,6 +218,17 @@ def _int(value: Any, where: str, low: int, high: int) -> int:
     if not low <= number <= high:
         raise ConfigError(f"{where}: must be between {low} and {high}")
     return number
+
+
+def _bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "on", "yes"):
+        return True
+    if text in ("0", "false", "off", "no"):
+        return False
+    raise ConfigError(f"{where}: expected true or false")
 
 
 def _float(value: Any, where: str, low: float, high: float) -> float:

@@ -36,6 +36,7 @@ from gpumon.agent.recorder import Recorder
 from gpumon.agent.reload import apply_reload
 from gpumon.agent.scheduler import Periodic
 from gpumon.agent.sources import given_source_status, open_gpu_source
+from gpumon.agent.traces import TraceDesk, trace_api, trace_settings
 from gpumon.agent.views import AgentCollector, readiness, snapshot_document
 from gpumon.collectors.base import EventWatcher, GpuSource
 from gpumon.collectors.host import HostSource
@@ -94,6 +95,8 @@ class Agent:
         self._discovered_at = time.monotonic()
         self._liveness_at = 0.0
         self.started_at = time.time()
+        self.traces: TraceDesk | None = None
+        """Profiler traces asked of the ranks (docs/traces.md); made once ingest runs."""
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -111,7 +114,8 @@ class Agent:
             except WebConfigError as exc:
                 raise AgentError(str(exc)) from exc
         self._server = MetricsServer(self.config.address, self.config.port, self.registry,
-                                     self.readiness, self.snapshot, web)
+                                     self.readiness, self.snapshot, web,
+                                     api=trace_api(lambda: self.traces))
         if self._gpu_source is None:
             self._gpu_source, status = open_gpu_source(self.config, self.state.count_error)
         else:
@@ -167,6 +171,9 @@ class Agent:
             return
         self._ingest.start()
         log.info("receiving training steps on %s", self.config.socket)
+        self.traces = TraceDesk(trace_settings(self.config), self.config.socket, self.rank_store)
+        self.traces.start()
+        self.registry.register(self.traces)
 
     def _start_owners(self) -> None:
         self._threads.append(Periodic("owners", OWNERS_INTERVAL_S, self._collect_owners,
@@ -198,6 +205,8 @@ class Agent:
                                               analyzer=self.analyzer)
         except WebConfigError as exc:
             raise AgentError(str(exc)) from exc
+        if self.traces is not None:
+            self.traces.settings = trace_settings(self.config)  # the trace_* keys apply at once
         return notes
 
     def stop(self) -> None:
@@ -205,6 +214,9 @@ class Agent:
         if self._ingest is not None:
             self._ingest.stop()
             self._ingest = None
+        if self.traces is not None:
+            self.traces.stop()
+            self.traces = None
         for thread in self._threads:
             thread.stop()
         if self._xid is not None:
@@ -278,6 +290,8 @@ class Agent:
             if ended:
                 self.rank_store.mark_exited(ended, monotonic)
         self.analyzer.advance(now, expired, self.state.snapshot(now), self.state.gpu_history())
+        if self.traces is not None and self.config.trace_auto:
+            self.traces.observe(self.analyzer.analyses())
         if self._recorder is not None:
             self._recorder.flush()
 

@@ -173,6 +173,14 @@ class StepMonitor:
                                  self._sender.send_state)
         stall = self._stall
         self._sender.on_wake = lambda: stall.tick(*monotonic_and_unix())
+        self._trace = None if self.socket_path is None else _trace_control(self)
+        if self._trace is not None:
+            poll = self._trace.poll
+
+            def on_wake() -> None:
+                stall.tick(*monotonic_and_unix())
+                poll()
+            self._sender.on_wake = on_wake
         if gpu is not None:
             self._sender.set_gpu(gpu)
         self._find_cuda(final=False)
@@ -284,6 +292,8 @@ class StepMonitor:
             if mem is not None and last_ooms is not None and mem[_cuda.MEMORY_OOMS] > last_ooms:
                 self._event("oom", "an out-of-memory error ended the last step", core.steps)
         self._closed = True
+        if self._trace is not None:
+            self._trace.close()
         self._stall.close(*monotonic_and_unix())
         self.extensions.close()
         core.stop()
@@ -347,6 +357,24 @@ class StepMonitor:
             self._event("oom", str(exc), self._core.steps if step is None else step)
 
 
+def _trace_control(monitor: StepMonitor) -> Any:
+    """The monitor's channel for profiler traces the agent asks for (``client/watchers/trace.py``);
+    ``GPUMON_TRACE=0`` turns it off."""
+    if os.environ.get("GPUMON_TRACE") == "0":
+        return None
+    from gpumon.client.watchers.trace import TraceControl
+
+    assert monitor.socket_path is not None
+    ref = weakref.ref(monitor)  # the sender's thread must never keep the monitor alive
+
+    def cuda_clock() -> _cuda.CudaClock | None:
+        live = ref()
+        return None if live is None else live._cuda
+
+    return TraceControl(monitor.socket_path, monitor.run, monitor.rank, monitor.world, monitor._core,
+                        monitor._sender, monitor.extensions, cuda_clock)
+
+
 def _phase_clock(name: Any) -> bool:
     """Whether a new phase name is timed on the host clock even with CUDA; ``ValueError`` if
     it is not a label."""
@@ -371,6 +399,8 @@ def _after_fork_in_child() -> None:
     # The parent's sender thread does not exist here and the parent's records are not ours.
     for monitor in list(_live_monitors):
         monitor._closed = True
+        if monitor._trace is not None:
+            monitor._trace.close()
         monitor.extensions.close()
         monitor._core.stop()
         monitor._buffer.clear()

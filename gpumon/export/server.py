@@ -145,9 +145,9 @@ class MetricsServer:
     def __init__(self, address: str, port: int, registry: CollectorRegistry,
                  readiness: Callable[[], tuple[bool, dict[str, Any]]],
                  snapshot: Callable[[], dict[str, Any]], web: WebConfig | None = None,
-                 gate: ConnectionGate | None = None) -> None:
+                 gate: ConnectionGate | None = None, api: Api | None = None) -> None:
         web = web or WebConfig()
-        handler = _make_handler(registry, readiness, snapshot)
+        handler = _make_handler(registry, readiness, snapshot, api)
         self._gate = gate or ConnectionGate()
         try:
             self._server = _Server((address, port), handler, self._gate)
@@ -198,9 +198,16 @@ class MetricsServer:
         self._wake_w.close()
 
 
+Api = Callable[[str, str, bytes, Any, Any, bool], tuple[int, dict[str, Any]]]
+"""``/api/v1/traces``: ``api(method, target, body, client address, local address,
+authenticated)`` -> (status, JSON document); it decides what an unauthenticated request may do."""
+MAX_API_BODY = 4096
+
+
 def _make_handler(registry: CollectorRegistry,
                   readiness: Callable[[], tuple[bool, dict[str, Any]]],
-                  snapshot: Callable[[], dict[str, Any]]) -> type[BaseHTTPRequestHandler]:
+                  snapshot: Callable[[], dict[str, Any]],
+                  api: Api | None = None) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         server_version = "gpumon"
         timeout = CONNECTION_TIMEOUT_S  # an idle or trickling client loses its thread
@@ -212,7 +219,10 @@ def _make_handler(registry: CollectorRegistry,
             # Load balancers probe /healthz with HEAD: the same status and headers, no body.
             self._answer(with_body=False)
 
-        def _answer(self, with_body: bool) -> None:
+        def do_POST(self) -> None:  # noqa: N802
+            self._answer(with_body=True, method="POST")
+
+        def _answer(self, with_body: bool, method: str = "GET") -> None:
             server: _Server = self.server  # type: ignore[assignment]
             server.request_read()
             path = self.path.split("?", 1)[0]
@@ -223,7 +233,12 @@ def _make_handler(registry: CollectorRegistry,
                            {"WWW-Authenticate": 'Basic realm="gpumon"'})
                 return
             try:
-                code, content_type, body = self._view(path)
+                if api is not None and path.startswith("/api/v1/traces"):
+                    code, content_type, body = self._api(api, method, bool(server.web.users))
+                elif method != "GET":
+                    code, content_type, body = 405, "text/plain; charset=utf-8", b"method not allowed\n"
+                else:
+                    code, content_type, body = self._view(path)
             except Exception:  # a bug in one view must not kill the server thread
                 log.exception("error serving %s", path)
                 code, content_type, body = 500, "text/plain; charset=utf-8", b"internal error\n"
@@ -244,6 +259,15 @@ def _make_handler(registry: CollectorRegistry,
             if path == "/":
                 return 200, "text/html; charset=utf-8", _INDEX
             return 404, "text/plain; charset=utf-8", b"not found\n"
+
+        def _api(self, api: Api, method: str, authenticated: bool) -> tuple[int, str, bytes]:
+            length = int(self.headers.get("Content-Length") or 0)
+            if not 0 <= length <= MAX_API_BODY:
+                return 413, "application/json", b'{"error": "request too large"}'
+            body = self.rfile.read(length) if length else b""
+            code, document = api(method, self.path, body, self.client_address,
+                                 self.connection.getsockname(), authenticated)
+            return code, "application/json", json.dumps(document).encode()
 
         def _send(self, code: int, content_type: str, body: bytes, with_body: bool,
                   headers: dict[str, str] | None = None) -> None:

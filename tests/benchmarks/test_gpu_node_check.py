@@ -33,7 +33,7 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
     errors = {name: s.get("error") for name, s in sections.items() if s.get("status") == "error"}
     assert not errors, errors
     for name in ("environment", "nvml", "agent_start", "training", "endpoints", "owners", "overhead",
-                 "oom", "oom_event", "stall", "deepspeed", "run", "replay", "agent_stop"):
+                 "oom", "oom_event", "stall", "deepspeed", "run", "trace", "replay", "agent_stop"):
         assert sections[name]["status"] == "ok", (name, sections[name])
     # Sections that depend on parts still to come say so instead of failing.
     for name in ("ddp", "memory"):
@@ -50,11 +50,13 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
                  "deepspeed.samples_summed_over_micro_batches",
                  "deepspeed.optimizer_states_hold_the_master_copy", "deepspeed.framework_exported",
                  "run.one_step_per_optimizer_step", "run.hooks_are_the_cores_own",
-                 "owners.rank_names_node_and_user"):
+                 "owners.rank_names_node_and_user",
+                 "trace.request_taken", "trace.written", "trace.phase_ranges_match_records",
+                 "trace.hta_loads"):
         assert checks[name]["ok"] is True, (name, checks[name])
     brought_back = {p.name for p in out.iterdir()}
     assert {"summary.json", "summary.md", "agent.log", "recording.jsonl.gz",
-            "metrics_after_training.txt", "metrics_oom.txt", "metrics_owners.txt"} <= brought_back, (
-        brought_back)
+            "metrics_after_training.txt", "metrics_oom.txt", "metrics_owners.txt",
+            "trace_rank0.pt.trace.json.gz"} <= brought_back, brought_back
     markdown = (out / "summary.md").read_text()
     assert "## Raw NVML calls, GPU 0" in markdown and "## OOM-risk series" in markdown

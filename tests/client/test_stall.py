@@ -275,7 +275,7 @@ def test_a_rank_blocked_in_user_code_is_stalled_not_evaluating() -> None:
 
 def test_the_real_sampler_tells_forwards_going_on_from_a_forward_that_never_returns() -> None:
     torch = pytest.importorskip("torch")
-    from gpumon.client.stall import torch_progress_sample
+    from gpumon.client.core.stall import torch_progress_sample
 
     gate, entered, done = threading.Event(), threading.Event(), threading.Event()
 

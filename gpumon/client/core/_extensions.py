@@ -127,6 +127,11 @@ class StepExtensions:
             self._quiet(min(quiet_until() for quiet_until in quiet_ones))
         return fields if recorded else None
 
+    def wake(self) -> None:
+        """Call the extensions at the next step whatever they said (``quiet_until``)."""
+        if self._quiet is not None:
+            self._quiet(-math.inf)
+
     def _changed(self) -> None:
         """The extensions changed: quiet only while each one can say until when."""
         quiet_ones = [getattr(e, "quiet_until", None) for e in self._active]
@@ -203,6 +208,10 @@ class Extensions:
         watchers and integrations whose framework fetches the batches itself."""
         if self._data_wait is not None and not self._closed:
             self._data_wait(t0, t1)
+
+    def wake(self) -> None:
+        """Call the extensions at the next step: a quiet one has work now (any thread)."""
+        self._calls.wake()
 
     def get(self, kind: type[E]) -> E | None:
         """The monitor's extension of class ``kind``, or ``None`` if none is attached."""

@@ -1,0 +1,655 @@
+"""Profiler traces on demand: the agent asks a rank for its next K steps under ``torch.profiler``.
+
+The path (docs/architecture.md §5.2). Each monitor that sends to the agent's socket binds one
+more Unix datagram socket, in the abstract namespace, named from the agent's socket path, the
+run and the rank (``channel_address``): the agent finds it without being told, nothing is
+created on disk, and it goes away with the process. The monitor's sender thread, which wakes
+every 0.25 s anyway, reads it without blocking (``TraceControl.poll``); the training thread
+never touches it. A request is taken only from the agent (the owner of its socket file), root
+or the job's own user, as the kernel tells them (SCM_CREDENTIALS); the answers go back to the
+address the request came from.
+
+A request attaches ``Tracer``, a step extension (``StepMonitor.extensions``), which is quiet
+whenever no trace is asked for: the core then makes no call into it. Asked, it arms one step
+(a ``TraceClock`` takes the place of the core's CUDA clock, so every phase boundary is
+stamped), profiles the next K whole steps (``torch.profiler``, started in one step's
+``step_begin``, stopped in the Kth's ``step_end``), with each step a ``record_function`` range,
+and hands the result to a writer thread. The writer adds gpumon's phase ranges (from the
+stamps, and ``data`` from the step records this rank sends meanwhile) and the collectives the
+communication watcher timed, compresses it, writes it with the job owner's permissions
+(0600) into the directory the agent named, and tells the agent. Anything the profiler
+raises ends the trace with an error answer, never the job.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import gzip
+import json
+import os
+import re
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from time import perf_counter
+from typing import Any, NamedTuple
+
+from gpumon.wire import StepRecord, decode_datagram
+from gpumon.wire.traces import MAX_TRACE_STEPS, channel_address, trace_file_name
+
+ARM_TIMEOUT_S = 60.0
+"""A rank that runs no step this long after accepting gives the request up."""
+RECORDS_WAIT_S = 2.0
+"""How long the writer waits for the traced steps' records (data seconds, step numbers)."""
+MATCH_WINDOW_S = 0.05
+MATCH_SLACK_S = 0.005
+DATA_SLACK_S = 0.0005
+"""How far past the step's begin a wait for input placed at its window's start may reach
+(the core stamps the begin just before the extensions are called)."""
+_CREDENTIALS = struct.Struct("iII")
+_TRACE_EVENTS = re.compile(rb'"traceEvents"\s*:\s*\[')
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+PROBE_BYTES = 1 << 20
+
+
+class TraceEvent:
+    """A phase boundary while tracing: its host time, and the CUDA event when there is one."""
+
+    __slots__ = ("inner", "t")
+
+    def __init__(self, t: float, inner: Any) -> None:
+        self.t = t
+        self.inner = inner
+
+
+class TraceClock:
+    """Stands in for the core's CUDA clock while a trace is armed: every step is timed at
+    each phase boundary (``device_interval_s`` 0), each boundary stamped with ``perf_counter``
+    and, on CUDA, with the real clock's event. The sender keeps it as its clock for good: it
+    collects the stamped phases it resolves and passes the rest to the real clock."""
+
+    device_interval_s = 0.0
+    share_gap_s = 0.0  # every phase gets its own start stamp
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        if inner is None:
+            # Without CUDA a boundary is the clock's reading alone. A builtin, so the core's
+            # call runs no Python frame, where another thread could take the GIL between the
+            # core's reading and this one and stretch the range by milliseconds.
+            self.event = perf_counter  # type: ignore[method-assign,assignment]
+        self.device_next = False  # a step ended timed: the next one is stamped too
+        self.collect: list[tuple[str, float, float]] | None = None
+
+    def event(self) -> TraceEvent:
+        inner = self.inner
+        return TraceEvent(perf_counter(), None if inner is None else inner.event())
+
+    def memory(self) -> Any:
+        self.device_next = True
+        return None if self.inner is None else self.inner.memory()
+
+    def read_memory(self) -> Any:
+        return None if self.inner is None else self.inner.read_memory()
+
+    def resolve(self, marks: list[Any]) -> dict[str, float] | None:
+        collect = self.collect
+        if collect is not None:
+            for name, start, end in marks:
+                t0, t1 = _stamp(start), _stamp(end)
+                if t0 is not None and t1 is not None:
+                    collect.append((name, t0, t1))
+        if self.inner is None:
+            return {}
+        phases: dict[str, float] | None = self.inner.resolve(
+            [(name, _inner(start), _inner(end)) for name, start, end in marks])
+        return phases
+
+    def __getattr__(self, name: str) -> Any:  # the rest of CudaClock's surface
+        return getattr(self.inner, name)
+
+
+class TracedStep(NamedTuple):
+    """One profiled step on ``perf_counter``'s clock."""
+
+    seq: int
+    enter: float
+    """When its extensions were called: the core stamped the step's begin just before."""
+    begin: float
+    """When its ``gpumon.step`` range began (the middle of two readings around it)."""
+    end: float
+    """When its range ended."""
+    left: float = 0.0
+    """When its extensions returned (the profiler stopped, on the last): the core stamps the
+    step's end just after, so its record's window is ``[left - duration, left]``."""
+
+
+def _stamp(event: Any) -> float | None:
+    if type(event) is float:
+        return event
+    return event.t if isinstance(event, TraceEvent) else None
+
+
+def _inner(event: Any) -> Any:
+    return event.inner if isinstance(event, TraceEvent) else event
+
+
+class _Request:
+    def __init__(self, ident: str, steps: int, directory: str, reply_to: bytes | str) -> None:
+        self.ident, self.steps, self.directory, self.reply_to = ident, steps, directory, reply_to
+        self.accepted_at = time.monotonic()
+
+
+class Tracer:
+    """The step extension that profiles K whole steps once asked (see the module docstring).
+    ``quiet_until()`` is +inf while idle, so the core calls it no more than any quiet watcher."""
+
+    def __init__(self, control: TraceControl) -> None:
+        self._control = control
+        self.request: _Request | None = None  # set by the sender thread, taken here
+        self._active: _Request | None = None
+        self._prof: Any = None
+        self._clock: TraceClock | None = None
+        self._left = 0
+        self._steps: list[TracedStep] = []  # (seq, perf begin, perf end)
+        self._range: Any = None
+        self._begun = False
+        self._tap: _RecordTap | None = None
+        self._restore = False  # give the core its clock back at the next step's begin
+
+    def quiet_until(self) -> float:
+        busy = self.request is not None or self._active is not None or self._restore
+        return -float("inf") if busy else float("inf")
+
+    def step_begin(self) -> None:
+        enter = perf_counter()
+        self._begun = True
+        if self._restore:  # after the last traced step's end was stamped (its marks kept)
+            self._restore = False
+            self._control.restore_clock()
+        active = self._active
+        if active is None:
+            request, self.request = self.request, None
+            if request is None:
+                return
+            self._active = request
+            self._arm()
+            return
+        clock = self._clock
+        if self._prof is None:
+            if clock is None or not clock.device_next:
+                return  # the step beginning is not stamped yet (CUDA: not GPU-timed)
+            if not self._start():
+                return
+        try:
+            seq = self._control.core_steps()
+            t = perf_counter()
+            self._range = _enter_range(f"gpumon.step {seq}")
+            self._steps.append(TracedStep(seq, enter, (t + perf_counter()) / 2, t))
+        except Exception as exc:
+            self._fail("profiler_error", exc)
+
+    def step_end(self, fields: dict[str, object]) -> None:
+        if not self._begun or self._prof is None or not self._steps:
+            return
+        self._begun = False
+        try:
+            _exit_range(self._range)
+            self._range = None
+            self._steps[-1] = self._steps[-1]._replace(end=perf_counter())
+            self._left -= 1
+            if self._left <= 0:
+                self._finish()
+            else:
+                self._steps[-1] = self._steps[-1]._replace(left=perf_counter())
+        except Exception as exc:
+            self._fail("profiler_error", exc)
+
+    # -- the training thread's part of a trace --------------------------------------------
+
+    def _arm(self) -> None:
+        if "torch" not in sys.modules:
+            self._end_request("error", reason="no_torch",
+                              message="the process has not imported torch: nothing to profile")
+            return
+        self._clock = TraceClock(self._control.cuda_clock())
+        self._clock.collect = []
+        self._control.install_clock(self._clock)
+        self._tap = self._control.start_tap()
+        self._left = self._active.steps if self._active is not None else 0
+        self._steps = []
+
+    def _start(self) -> bool:
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            activities = [ProfilerActivity.CPU]
+            if self._clock is not None and self._clock.inner is not None:
+                activities.append(ProfilerActivity.CUDA)
+            prof = profile(activities=activities, record_shapes=True)
+            prof.start()
+            _exit_range(_enter_range("gpumon.trace"))  # the first range costs a setup
+        except Exception as exc:
+            self._fail("profiler_error", exc)
+            return False
+        self._prof = prof
+        return True
+
+    def _finish(self) -> None:
+        prof, self._prof = self._prof, None
+        request, self._active = self._active, None
+        clock = self._clock
+        self._restore = True
+        prof.stop()
+        self._steps[-1] = self._steps[-1]._replace(left=perf_counter())
+        assert request is not None and clock is not None and self._tap is not None
+        self._control.written(request, prof, self._steps, clock, self._tap)
+
+    def _fail(self, reason: str, exc: BaseException) -> None:
+        prof, self._prof = self._prof, None
+        if self._range is not None:
+            try:
+                _exit_range(self._range)
+            except Exception:
+                pass
+            self._range = None
+        if prof is not None:
+            try:
+                prof.stop()
+            except Exception:
+                pass
+        self._control.restore_clock()
+        if self._tap is not None:
+            self._control.stop_tap(self._tap)
+        self._end_request("error", reason=reason, message=f"{type(exc).__name__}: {exc}"[:300])
+
+    def _end_request(self, state: str, **fields: Any) -> None:
+        request, self._active = self._active, None
+        if request is not None:
+            self._control.reply(request, state, **fields)
+
+
+def _enter_range(name: str) -> Any:
+    from torch.profiler import record_function
+
+    handle = record_function(name)
+    handle.__enter__()
+    return handle
+
+
+def _exit_range(handle: Any) -> None:
+    if handle is not None:
+        handle.__exit__(None, None, None)
+
+
+class TraceControl:
+    """A monitor's trace channel: polled on the sender thread, hands requests to ``Tracer``.
+
+    ``parts`` are the monitor's: its core (``set_cuda``, ``steps``), its sender (``clock``,
+    ``transport``), its extensions and a callable giving its CUDA clock.
+    """
+
+    def __init__(self, socket_path: str, run: str, rank: int, world: int | None, core: Any,
+                 sender: Any, extensions: Any, cuda_clock: Callable[[], Any]) -> None:
+        self.run, self.rank, self.world = run, rank, world
+        self._socket_path = socket_path
+        self._core, self._sender, self._extensions = core, sender, extensions
+        self.cuda_clock = cuda_clock
+        self._tracer: Tracer | None = None
+        self._lock = threading.Lock()
+        self._busy: _Request | None = None  # accepted and not answered done/error yet
+        self._sock: socket.socket | None = None
+        self.problem: str | None = None
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+            sock.bind(channel_address(socket_path, run, rank))
+            self._sock = sock
+        except OSError as exc:  # another process holds this run and rank's channel
+            sock.close()
+            self.problem = f"trace channel unavailable: {exc.strerror or exc}"
+
+    def core_steps(self) -> int:
+        return int(self._core.steps)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    # -- sender thread ------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Read waiting requests (never blocks); give up one whose rank ran no step."""
+        sock = self._sock
+        if sock is None:
+            return
+        busy = self._busy
+        tracer = self._tracer
+        if (busy is not None and tracer is not None and tracer.request is busy
+                and time.monotonic() - busy.accepted_at > ARM_TIMEOUT_S):
+            tracer.request = None
+            self._busy = None
+            self.reply(busy, "error", reason="no_step",
+                       message=f"no step began in {ARM_TIMEOUT_S:g} s: the rank is stalled or idle")
+        for _ in range(8):
+            try:
+                data, ancdata, _flags, address = sock.recvmsg(4096, socket.CMSG_SPACE(_CREDENTIALS.size))
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            self._request(data, ancdata, address)
+
+    def _request(self, data: bytes, ancdata: list[Any], address: Any) -> None:
+        uid = _sender_uid(ancdata)
+        if not address:
+            return  # nowhere to answer
+        if uid is None or uid not in self._trusted_uids():
+            self._send(address, {"state": "refused", "reason": "not_allowed", "message":
+                                 "trace requests are taken from the agent, root or the job's user"})
+            return
+        try:
+            message = json.loads(data)
+            ident = str(message["id"])[:64]
+            steps = int(message.get("steps", 3))
+            directory = str(message["dir"])
+        except (ValueError, KeyError, TypeError):
+            self._send(address, {"state": "refused", "reason": "bad_request"})
+            return
+        if not 1 <= steps <= MAX_TRACE_STEPS or not os.path.isabs(directory):
+            self._send(address, {"id": ident, "state": "refused", "reason": "bad_request"})
+            return
+        busy = self._busy
+        if busy is not None:
+            self._send(address, {"id": ident, "state": "busy", "trace": busy.ident, "run": self.run,
+                                 "rank": self.rank})
+            return
+        request = _Request(ident, steps, directory, address)
+        self._busy = request
+        tracer = self._tracer
+        if tracer is None:
+            tracer = self._tracer = self._extensions.attach(Tracer, lambda: Tracer(self))
+        tracer.request = request
+        self._extensions.wake()
+        self.reply(request, "accepted", steps=steps)
+
+    def _trusted_uids(self) -> set[int]:
+        trusted = {0, os.getuid()}
+        try:
+            trusted.add(os.stat(self._socket_path).st_uid)
+        except OSError:
+            pass
+        return trusted
+
+    def reply(self, request: _Request, state: str, **fields: Any) -> None:
+        """Answer the agent about ``request``; a final answer frees the channel."""
+        if state in ("done", "error"):
+            with self._lock:
+                if self._busy is request:
+                    self._busy = None
+        self._send(request.reply_to, {"id": request.ident, "state": state, "run": self.run,
+                                      "rank": self.rank, "pid": os.getpid(), **fields})
+
+    def _send(self, address: Any, message: dict[str, Any]) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            sock.sendto(json.dumps(message).encode(), address)
+        except OSError:
+            pass  # the agent went away: it times the request out itself
+
+    # -- training thread --------------------------------------------------------------------
+
+    def install_clock(self, clock: TraceClock) -> None:
+        """Stamp every phase boundary from the next step on; the sender resolves the stamps."""
+        self._sender.clock = clock
+        self._core.set_cuda(clock)
+
+    def restore_clock(self) -> None:
+        """Give the core its own CUDA clock back (the sender keeps the trace clock, which
+        passes everything through, until stamped steps are all resolved)."""
+        self._core.set_cuda(self.cuda_clock())
+
+    def start_tap(self) -> _RecordTap:
+        """Keep this rank's step records as they are sent, for the steps being traced."""
+        tap = _RecordTap(self.run, self.rank)
+        self._sender.transport = tap.wrap(self._sender.transport)
+        return tap
+
+    def stop_tap(self, tap: _RecordTap) -> None:
+        if self._sender.transport is tap:
+            self._sender.transport = tap.inner
+
+    def written(self, request: _Request, prof: Any, steps: list[TracedStep],
+                clock: TraceClock, tap: _RecordTap) -> None:
+        """Hand a stopped profiler to a writer thread (exporting costs the loop nothing)."""
+        thread = threading.Thread(target=self._write, name="gpumon-trace-writer",
+                                  args=(request, prof, steps, clock, tap), daemon=True)
+        thread.start()
+
+    def _write(self, request: _Request, prof: Any, steps: list[TracedStep],
+               clock: TraceClock, tap: _RecordTap) -> None:
+        first = steps[0].seq if steps else self.core_steps()
+        deadline = perf_counter() + RECORDS_WAIT_S
+        while steps and perf_counter() < deadline and not tap.covers(steps[-1]):
+            time.sleep(0.05)
+        time.sleep(0.3)  # its record may have left in the flush after the one that covered it
+        self.stop_tap(tap)
+        ranges = list(clock.collect or ())
+        clock.collect = None
+        records = tap.records
+        if records:
+            first = _step_number(records, steps[0]) if steps else first
+        path = os.path.join(request.directory, trace_file_name(self.run, self.rank, first))
+        try:
+            size = _write_trace(prof, path, steps, ranges, records, self.rank, self.world)
+        except OSError as exc:
+            reason = "no_space" if exc.errno in _NO_SPACE else "write_error"
+            self.reply(request, "error", reason=reason, message=str(exc)[:300])
+            return
+        except Exception as exc:
+            self.reply(request, "error", reason="profiler_error",
+                       message=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        self.reply(request, "done", path=path, bytes=size, first_step=first, steps=len(steps))
+
+
+class _RecordTap:
+    """Passes datagrams to the transport and keeps this rank's step records (while writing)."""
+
+    def __init__(self, run: str, rank: int) -> None:
+        self.run, self.rank = run, rank
+        self.inner: Any = None
+        self.records: list[StepRecord] = []
+        self._unix_offset = unix_offset()
+
+    def wrap(self, inner: Any) -> _RecordTap:
+        self.inner = inner
+        return self
+
+    def send(self, datagram: bytes) -> str | None:
+        reason: str | None = self.inner.send(datagram)
+        try:
+            for record in decode_datagram(datagram).records:
+                if isinstance(record, StepRecord) and record.run == self.run and record.rank == self.rank:
+                    self.records.append(record)
+        except Exception:
+            pass
+        return reason
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def covers(self, step: TracedStep) -> bool:
+        """Whether the record of ``step`` (the last traced) has been sent."""
+        end_unix = step.end + self._unix_offset
+        return any(r.step == step.seq or (r.t_start or 0.0) + r.duration_s >= end_unix
+                   for r in self.records)
+
+    def to_perf(self, unix: float) -> float:
+        return unix - self._unix_offset
+
+
+def unix_offset() -> float:
+    """``time.time()`` less ``perf_counter()``: the largest of a few readings, since a thread
+    switch between the two calls makes the difference smaller, never larger."""
+    return max(time.time() - perf_counter() for _ in range(5))
+
+
+def _step_number(records: list[StepRecord], first: TracedStep) -> int:
+    match = _matching(records, first, unix_offset())
+    return first.seq if match is None else int(match.step)
+
+
+def _matching(records: list[StepRecord], step: TracedStep,
+              unix_offset: float) -> StepRecord | None:
+    """The record of a traced step: the one numbered as the core counted it (the number a loop
+    gets when it gives none), else the nearest by its end whose duration is the step's own,
+    with or without a wait for input before it (a record's unix times are only as good as the
+    sender's reading of two clocks, which a thread switch may part by milliseconds)."""
+    own = step.left - step.enter
+    end = step.left + unix_offset
+    numbered = [r for r in records if r.step == step.seq]  # a loop that numbers no steps: its count
+    if len(numbered) == 1 and abs(numbered[0].duration_s - own) <= own + MATCH_SLACK_S:
+        return numbered[0]
+
+    def misfit(record: StepRecord) -> float:
+        data = (record.phases_s or {}).get("data", 0.0)
+        return min(abs(record.duration_s - own), abs(record.duration_s - data - own))
+
+    def distance(record: StepRecord) -> float:
+        return abs((record.t_start or 0.0) + record.duration_s - end)
+
+    near = sorted((r for r in records if r.t_start is not None and distance(r) <= MATCH_WINDOW_S),
+                  key=distance)
+    return next((r for r in near if misfit(r) <= MATCH_SLACK_S), None)
+
+
+def _write_trace(prof: Any, path: str, steps: list[TracedStep],
+                 ranges: list[tuple[str, float, float]], records: list[StepRecord], rank: int,
+                 world: int | None) -> int:
+    """Export ``prof``, add gpumon's ranges, write ``path`` (gzip, 0600); returns its size."""
+    directory = os.path.dirname(path)
+    fd, raw = tempfile.mkstemp(prefix=".gpumon-trace-", suffix=".json", dir=directory)
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as exported:
+            text = exported.read()
+        if not (text.rstrip().endswith(b"}") and _TRACE_EVENTS.search(text)):
+            # The profiler does not say when its write failed: write as much ourselves, and
+            # the file system's refusal (a full disk, a quota) names the reason.
+            with open(raw, "ab") as probe:
+                probe.write(bytes(PROBE_BYTES))
+                probe.flush()
+                os.fsync(probe.fileno())
+            raise OSError(errno.EIO, "the profiler wrote an incomplete trace")
+    finally:
+        for leftover in (raw, raw + ".tmp"):  # the profiler writes the second, then renames it
+            if os.path.lexists(leftover):
+                os.unlink(leftover)
+    events = _gpumon_events(text, steps, ranges, records)
+    text = _insert(text, events, rank, world)
+    fd, tmp = tempfile.mkstemp(prefix=".gpumon-trace-", suffix=".gz", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as out, gzip.GzipFile(fileobj=out, mode="wb", compresslevel=6,
+                                                       mtime=0) as gz:
+            gz.write(text)
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return os.path.getsize(path)
+
+
+def _gpumon_events(text: bytes, steps: list[TracedStep],
+                   ranges: list[tuple[str, float, float]], records: list[StepRecord]) -> list[dict[str, Any]]:
+    """gpumon's phase ranges (``gpumon.<phase>``) and the timed collectives (``gpumon.comm.<kind>``),
+    placed on the trace's clock through the first step's own range."""
+    if not steps:
+        return []
+    anchors = [(a, step) for step in steps if (a := _anchor(text, step.seq)) is not None]
+    if not anchors:
+        return []
+    _, pid, tid = anchors[0][0]
+    # Each step's range began between two clock readings: the trace's clock is ours plus
+    # the median of their offsets (one slow first call cannot move it).
+    offsets = sorted(a[0] - step.begin * 1e6 for a, step in anchors)
+    offset_us = offsets[len(offsets) // 2]
+
+    def event(name: str, t0: float, t1: float, args: dict[str, Any]) -> dict[str, Any]:
+        return {"ph": "X", "cat": "gpumon", "name": name, "pid": pid, "tid": tid,
+                "ts": round(t0 * 1e6 + offset_us, 3), "dur": round(max(t1 - t0, 0.0) * 1e6, 3),
+                "args": args}
+
+    out: list[dict[str, Any]] = []
+    first, last = steps[0].begin, steps[-1].end
+    offset = unix_offset()
+    for name, t0, t1 in ranges:
+        if t0 >= first - 1e-4 and t1 <= last + 1e-4:
+            out.append(event(f"gpumon.{name}", t0, t1, {"phase": name}))
+    for step in steps:
+        record = _matching(records, step, offset)
+        if record is None:
+            continue
+        args = {"step": record.step, "seq": step.seq}
+        start = step.left - record.duration_s
+        data = (record.phases_s or {}).get("data")
+        # A wait for input before the step (the loader's, a DataLoader's under `gpumon run`)
+        # opens its window: it lies at the start. A data phase timed inside the step has no
+        # stamps and is left to the record's figures below.
+        if data and start + data <= step.enter + DATA_SLACK_S:
+            out.append(event("gpumon.data", start, start + data, {"phase": "data", **args}))
+        # The step as gpumon recorded it: its window, phase seconds and the collectives
+        # watch() timed (exposed and in-flight seconds, count, bytes and seconds per kind).
+        figures: dict[str, Any] = {"phases": dict(record.phases_s or {}), "duration_s": record.duration_s}
+        comm = record.comm
+        if comm is not None:
+            figures["comm"] = {"exposed_s": comm.exposed_s, "busy_s": comm.busy_s,
+                               "ops": [list(dataclasses.astuple(op)) for op in comm.ops]}
+        out.append(event("gpumon.record", start, start + record.duration_s, {**figures, **args}))
+    return out
+
+
+def _anchor(text: bytes, seq: int) -> tuple[float, Any, Any] | None:
+    """The first traced step's range in the exported trace: (ts, pid, tid)."""
+    name = f'"gpumon.step {seq}"'.encode()
+    at = text.find(name)
+    if at < 0:
+        return None
+    start = text.rfind(b"{", 0, at)
+    try:
+        event, _ = json.JSONDecoder().raw_decode(text[start:at + 4096].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return float(event["ts"]), event.get("pid"), event.get("tid")
+
+
+def _insert(text: bytes, events: list[dict[str, Any]], rank: int, world: int | None) -> bytes:
+    """``text`` with ``events`` first in its ``traceEvents`` and, when torch left it out
+    (no process group), ``distributedInfo`` naming the rank (what trace tools group by)."""
+    match = _TRACE_EVENTS.search(text)
+    if match is not None and events:
+        added = b",".join(json.dumps(e).encode() for e in events) + b","
+        text = text[:match.end()] + added + text[match.end():]
+    if b'"distributedInfo"' not in text[:4096]:
+        info = json.dumps({"rank": rank, "world_size": world or 1}).encode()
+        brace = text.find(b"{")
+        text = text[:brace + 1] + b'"distributedInfo": ' + info + b"," + text[brace + 1:]
+    return text
+
+
+def _sender_uid(ancdata: list[Any]) -> int | None:
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS and len(data) >= _CREDENTIALS.size:
+            return int(_CREDENTIALS.unpack_from(data)[1])
+    return None
