@@ -45,8 +45,18 @@ class AgentConfig:
     log_level: str = "info"
     web_config: str | None = None
     node_name: str = ""
-    trace_dir: str = DEFAULT_TRACE_DIR
     """The node's name on ``gpumon_rank_info`` and ``gpumon_gpu_owner_info``; unset: the host name."""
+    pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
+    """The kubelet's PodResources socket, asked where its directory exists."""
+    trace_dir: str = DEFAULT_TRACE_DIR
+    """Where ranks write the profiler traces asked of them (docs/traces.md)."""
+    trace_max_bytes: int = 2 * 1024**3
+    trace_steps: int = 3
+    trace_auto: bool = False
+    """Ask for a trace when a rank turns straggler or stays communication/host-bound: off by
+    default, since a trace slows the steps it covers and keeps code paths on the node's disk."""
+    trace_auto_windows: int = 3
+    trace_auto_every_seconds: float = 1800.0
     thresholds: Thresholds = field(default_factory=Thresholds)
     config: str | None = field(default=None, compare=False)
 
