@@ -146,7 +146,8 @@ class Agent:
             log.error("no training-step ingest: %s", exc)
             return
         self._ingest.start()
-        log.info("receiving training steps on %s", self.config.socket)
+        log.info("receiving training steps on %s%s", self.config.socket,
+                 " (held by the service manager)" if self._ingest.inherited else "")
 
     def reload(self, config: AgentConfig) -> list[str]:
         """Apply what can change while running (SIGHUP); returns one line per setting.
@@ -163,10 +164,15 @@ class Agent:
         return notes
 
     def stop(self) -> None:
-        """Stop threads and the server; safe to call twice."""
+        """Stop threads and the server; safe to call twice. Ingest stops first, once it
+        has handled every datagram received, and the step counts it reached are logged: with
+        the last scrape before, they account for every step this agent counted."""
         if self._ingest is not None:
             self._ingest.stop()
             self._ingest = None
+            for rank in sorted(self.rank_store.ranks(), key=lambda r: (r.run, r.rank)):
+                log.info("final gpumon_steps_total{run=\"%s\",rank=\"%d\"} %d",
+                         rank.run, rank.rank, rank.steps_total)
         for thread in self._threads:
             thread.stop()
         if self._xid is not None:
