@@ -170,7 +170,8 @@ class Agent:
             log.error("no training-step ingest: %s", exc)
             return
         self._ingest.start()
-        log.info("receiving training steps on %s", self.config.socket)
+        log.info("receiving training steps on %s%s", self.config.socket,
+                 " (held by the service manager)" if self._ingest.inherited else "")
         self.traces = TraceDesk(trace_settings(self.config), self.config.socket, self.rank_store)
         self.traces.start()
         self.registry.register(self.traces)
@@ -210,10 +211,15 @@ class Agent:
         return notes
 
     def stop(self) -> None:
-        """Stop threads and the server; safe to call twice."""
+        """Stop threads and the server; safe to call twice. Ingest stops first, once it
+        has handled every datagram received, and the step counts it reached are logged: with
+        the last scrape before, they account for every step this agent counted."""
         if self._ingest is not None:
             self._ingest.stop()
             self._ingest = None
+            for rank in sorted(self.rank_store.ranks(), key=lambda r: (r.run, r.rank)):
+                log.info("final gpumon_steps_total{run=\"%s\",rank=\"%d\"} %d",
+                         rank.run, rank.rank, rank.steps_total)
         if self.traces is not None:
             self.traces.stop()
             self.traces = None

@@ -89,6 +89,13 @@ class ClientStats:
     state_reports: int = 0
     """``state`` records sent: the hook's word that it is alive, and where a stalled rank is
     (not counted among ``records_sent``; one that could not be sent is not retried)."""
+    backlog_records: int = 0
+    """Records waiting for the agent (absent, restarting or busy), sent in order once it
+    answers; bounded (``client/core/backlog.py``), the excess counted in ``dropped``."""
+    backlog_bytes: int = 0
+    """The datagrams they fill."""
+    late_records: int = 0
+    """Records sent after waiting in the backlog (counted among ``records_sent`` too)."""
 
 
 class StepMonitor:
@@ -250,6 +257,9 @@ class StepMonitor:
             gpu_fields_missed=sender.deferred_missed,
             extension_errors=self.extensions.errors,
             state_reports=sender.state_sent,
+            backlog_records=sender.backlog.records,
+            backlog_bytes=sender.backlog.bytes,
+            late_records=sender.backlog.late_sent,
         )
 
     @property

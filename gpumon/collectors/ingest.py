@@ -7,6 +7,10 @@ root:root, and every non-root job's records would be refused by the kernel, unse
 agent. A stale socket file left by a crashed agent is replaced only when nobody answers on
 it. The kernel tells us each sender's pid and uid (SCM_CREDENTIALS), so senders can be
 restricted by uid and a record's pid cannot be forged.
+
+Where the service manager holds the socket (``deploy/systemd/gpumon.socket``), the agent takes
+it over instead (``socket_activation``) and leaves it in place when it stops: what is sent
+while the agent restarts waits in the kernel's queue for the next one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from queue import SimpleQueue
 
 from gpumon.collectors.samples import SenderCredentials
+from gpumon.collectors.socket_activation import ActivationError, inherited_socket
 from gpumon.wire import MAX_DATAGRAM_BYTES, Record, decode_datagram
 
 log = logging.getLogger(__name__)
@@ -87,11 +92,7 @@ def bind_socket(path: Path, gid: int | None = None) -> socket.socket:
     _remove_stale(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
-        except OSError:
-            pass  # the kernel caps it at rmem_max; the default still works
+        _receive_options(sock)
         old_umask = os.umask(0o117)  # the file is born 0660: no window where others can send
         try:
             sock.bind(str(path))
@@ -110,6 +111,34 @@ def bind_socket(path: Path, gid: int | None = None) -> socket.socket:
             raise IngestError(f"cannot give ingest socket {path} to group {gid}: "
                               f"{exc.strerror or exc}") from exc
     return sock
+
+
+def _receive_options(sock: socket.socket) -> None:
+    """Ask for each sender's credentials, and a receive buffer for bursts."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+    except OSError:
+        pass  # the kernel caps it at rmem_max; the default still works
+
+
+def adopt_or_bind(path: Path, gid: int | None = None) -> tuple[socket.socket, bool]:
+    """(the socket, whether the service manager handed it over): the inherited socket bound
+    to ``path`` where there is one, else one bound here (``bind_socket``)."""
+    try:
+        sock = inherited_socket(str(path))
+    except ActivationError as exc:
+        raise IngestError(str(exc)) from None
+    if sock is None:
+        return bind_socket(path, gid), False
+    try:
+        _receive_options(sock)
+    except OSError as exc:
+        sock.close()
+        raise IngestError(f"cannot receive credentials on the inherited socket {path}: "
+                          f"{exc.strerror or exc}") from exc
+    sock.setblocking(True)
+    return sock, True
 
 
 def _remove_stale(path: Path) -> None:
@@ -176,7 +205,7 @@ class IngestServer:
         self._on_dropped = on_dropped
         self._allowed = frozenset(allowed_uids)
         # blocking: the receiver sleeps until a datagram or stop()
-        self._sock = bind_socket(path, socket_group_id(group))
+        self._sock, self.inherited = adopt_or_bind(path, socket_group_id(group))
         info = path.stat()
         self.socket_mode = stat.S_IMODE(info.st_mode)
         self.socket_group = _group_name(info.st_gid)
@@ -266,20 +295,38 @@ class IngestServer:
             self._on_records(result.records, sender)
 
     def stop(self) -> None:
-        """Stop receiving, finish what was queued, close the socket and remove its file."""
+        """Stop receiving, finish what was queued and close the socket. A socket bound here
+        is removed (senders see "no agent" from then on, and keep their backlog); one the
+        service manager holds stays, with what arrives from now on queued for the next agent."""
         self._stop_event.set()
-        try:
-            self.path.unlink()  # senders see "no agent" from now on
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            log.warning("could not remove %s: %s", self.path, exc)
-        # Wakes the receiver, which blocks in recvmsg() with no timeout: it reads what the
-        # kernel still holds, then end-of-file; nothing more can arrive.
-        self._sock.shutdown(socket.SHUT_RD)
+        if self.inherited:
+            self._wake_receiver()
+        else:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not remove %s: %s", self.path, exc)
+            # Wakes the receiver, which blocks in recvmsg() with no timeout: it reads what the
+            # kernel still holds, then end-of-file; nothing more can arrive. (Never on a
+            # shared socket: the shutdown would be the next agent's too.)
+            self._sock.shutdown(socket.SHUT_RD)
         if self._receiver.is_alive():
             self._receiver.join(timeout=2.0)
         self._queue.put(None)  # after what the receiver queued
         if self._decoder.is_alive():
             self._decoder.join(timeout=5.0)
         self._sock.close()
+
+    def _wake_receiver(self) -> None:
+        """An empty datagram to the socket, behind what it already holds: the receiver reads
+        up to it and stops (empty datagrams carry no records, so a sender's costs nothing)."""
+        waker = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            waker.settimeout(2.0)  # a full queue empties as the receiver reads on
+            waker.sendto(b"", str(self.path))
+        except OSError as exc:
+            log.warning("could not wake the ingest receiver on %s: %s", self.path, exc)
+        finally:
+            waker.close()

@@ -214,3 +214,33 @@ def test_ranks_drifting_apart_for_a_step_are_no_communication_wall() -> None:
     verdicts = feed(analyzer, drifting(every=1, by_turns=False))  # rank 0 late on every step
     peer = after_first_window(verdicts, 1)
     assert all(v.verdict.primary is Bottleneck.COMMUNICATION for v in peer)
+
+
+def test_steps_replayed_after_an_agent_restart_land_in_their_windows_and_judge_no_rank() -> None:
+    """Both ranks' steps of a 10 s outage reach the agent at once when it is back (the hooks'
+    backlogs), with their own timestamps: every step gets its verdict once, over its own
+    window; neither rank looks faster, slower or silent for it."""
+    steps = sync_run(2, range(120))
+    outage = (T0 + 10.0, T0 + 20.0)
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    history = make_history()
+    verdicts: list[StepVerdict] = []
+    now, pending = T0, sorted(steps, key=lambda s: s.t_end or 0.0)
+    while pending:
+        now += 1.0
+        if outage[0] < now <= outage[1]:
+            continue  # no agent: nothing arrives, nothing is judged
+        batch = [s for s in pending if (s.t_end or 0.0) <= now]
+        pending = pending[len(batch):]
+        analyzer.add(batch, received_t=now)
+        for part in analyzer.process_in_slices(now, history, GPUS, {}):
+            verdicts += part
+    for part in analyzer.process_in_slices(now + 60, history, GPUS, {}):
+        verdicts += part
+    for rank in (0, 1):
+        judged = sorted(n for v in verdicts if v.rank == rank for n in v.steps)
+        assert judged == list(range(120))
+    assert not any(Flag.STRAGGLER in v.verdict.flags for v in verdicts)
+    assert {a.slower_rank for a in analyzer.analyses()} == {None}
+    assert all(a.straggler_score is None or 0.9 < a.straggler_score < 1.1
+               for a in analyzer.analyses())

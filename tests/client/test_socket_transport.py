@@ -113,23 +113,31 @@ def test_stale_socket_file_counts_as_absent_agent(socket_path: Path) -> None:
     transport.close()
 
 
-def test_agent_that_starts_late_receives_later_steps_and_a_new_hello(socket_path: Path) -> None:
+def test_agent_that_starts_late_receives_every_step_in_order_and_a_new_hello(
+        socket_path: Path) -> None:
     mon = StepMonitor(run="late", socket_path=str(socket_path))
     run_steps(mon, 5)
     mon.flush()
-    assert mon.stats.dropped == {"no_agent": 6}
+    held = mon.stats
+    assert held.dropped == {} and held.records_sent == 0
+    assert held.backlog_records == 6 and held.backlog_bytes > 0  # the hello and 5 steps wait
     receiver = Receiver(socket_path).start()
     try:
         run_steps(mon, 5)
         mon.flush()
         mon.flush()  # the re-sent hello goes out with the next flush
-        steps = receiver.wait_for_steps(5)
-        assert [s.step for s in steps] == [5, 6, 7, 8, 9]
+        steps = receiver.wait_for_steps(10)
+        assert [s.step for s in steps] == list(range(10))  # the backlog first, in order
+        starts = [s.t_start for s in steps]
+        assert starts == sorted(starts) and starts[4] < starts[5]  # their own timestamps
         deadline = time.monotonic() + 5  # the hello follows the steps, in a later datagram
-        while not receiver.hellos() and time.monotonic() < deadline:
+        while len(receiver.hellos()) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.1)
-        assert len(receiver.hellos()) == 1
+        assert len(receiver.hellos()) == 2  # the one that waited, and one for a new agent
+        stats = mon.stats
+        assert stats.dropped == {} and stats.backlog_records == 0 and stats.backlog_bytes == 0
+        assert stats.late_records == 6
     finally:
         mon.close()
         receiver.stop()
@@ -142,14 +150,15 @@ def test_agent_restart_is_found_again(socket_path: Path) -> None:
     mon.flush()
     assert len(first.wait_for_steps(3)) == 3
     first.stop()
-    run_steps(mon, 2)  # lost while the agent is down
+    run_steps(mon, 2)  # kept while the agent is down
     mon.flush()
+    assert mon.stats.backlog_records == 2
     second = Receiver(socket_path).start()
     try:
         run_steps(mon, 4)
         mon.close()
-        assert [s.step for s in second.wait_for_steps(4)] == [5, 6, 7, 8]
-        assert mon.stats.dropped == {"no_agent": 2}
+        assert [s.step for s in second.wait_for_steps(6)] == [3, 4, 5, 6, 7, 8]
+        assert mon.stats.dropped == {}
     finally:
         second.stop()
 

@@ -309,6 +309,24 @@ def test_systemd_unit_is_hardened() -> None:
     assert re.search(r"^u gpumon ", sysusers, re.M) and re.search(r"^g gpumon ", sysusers, re.M)
 
 
+def test_systemd_socket_unit_holds_the_agents_socket_across_restarts() -> None:
+    """The socket unit binds what the agent would (path, mode, group, credentials), and the
+    service restarts on it without removing the directory the socket lives in."""
+    units = {}
+    for name in ("gpumon.socket", "gpumon.service"):
+        unit = configparser.ConfigParser(interpolation=None, strict=True)
+        unit.optionxform = str  # type: ignore[assignment,method-assign]
+        unit.read_string((DEPLOY / "systemd" / name).read_text())
+        units[name] = unit
+    sock, service = units["gpumon.socket"]["Socket"], units["gpumon.service"]
+    assert sock["ListenDatagram"] == f"{SOCKET_DIR}/ingest.sock"
+    assert f"--socket {sock['ListenDatagram']}" in service["Service"]["ExecStart"]
+    assert (sock["SocketMode"], sock["SocketGroup"], sock["PassCredentials"]) == ("0660", "gpumon", "yes")
+    assert service["Unit"]["Requires"] == "gpumon.socket"
+    assert service["Service"]["RuntimeDirectoryPreserve"] == "yes"
+    assert service["Service"]["Restart"] == "always"
+
+
 def test_image_runs_the_agent_unprivileged() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     (user,) = re.findall(r"^USER (\S+)", dockerfile, re.M)

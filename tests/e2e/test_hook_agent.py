@@ -115,13 +115,15 @@ def test_agent_killed_and_restarted_mid_training(agent: AgentProcess, tmp_path: 
         assert agent.socket_path.exists()
         before = len(step_times)
         wait_for(lambda: len(step_times) > before + 50, what="training going on without agent")
-        wait_for(lambda: mon.stats.dropped.get("no_agent", 0) > 0, what="drops counted")
+        wait_for(lambda: mon.stats.backlog_records > 0, what="steps kept while no agent listens")
         restarted = start_agent(tmp_path, "--simulate", "1", "--interval", "0.5",
                                 port=agent.port)
         try:
             assert restarted.socket_path == agent.socket_path
             wait_for(lambda: values(restarted.metrics(), "gpumon_steps_total", run="restart"),
                      what="steps flowing to the restarted agent")
+            wait_for(lambda: mon.stats.backlog_records == 0, what="the backlog sent")
+            assert mon.stats.dropped == {} and mon.stats.late_records > 0
         finally:
             stop.set()
             trainer.join(30)

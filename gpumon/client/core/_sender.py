@@ -4,7 +4,9 @@ The training thread only appends tuples to a bounded deque; this thread drains i
 ``FLUSH_INTERVAL_S``, resolves CUDA events once the GPU has passed them, encodes records
 (steps through the wire package's ``StepEncoder``, the common ones written by ``_hook``'s
 ``format_step`` in C where it was built; hellos and events through ``encode_record``), packs
-them into datagrams and sends them without blocking, counting every loss by reason.
+them into datagrams and sends them without blocking, counting every loss by reason. What
+the agent cannot take yet (absent, restarting, busy) waits in a bounded backlog
+(``backlog.py``) and goes first once it answers.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from gpumon.client.core._step_tuple import (
     TOKENS,
     StepTuple,
 )
+from gpumon.client.core.backlog import Backlog
 from gpumon.client.core.transport import Transport
 from gpumon.wire import EventRecord, HelloRecord, StateRecord, StepEncoder, encode_record, pack_datagrams
 from gpumon.wire.step_encoder import LIMITS, Formatter
@@ -71,14 +74,15 @@ GIL_YIELD_RECORDS = 32
 """The sender holds the GIL while it encodes. Every so many records it lets go of it, so that
 a training thread coming back from a torch op waits at most that long (~0.1 ms), not for a
 whole flush of a busy loop's records, nor the interpreter's 5 ms switch interval."""
-MAX_BACKLOG_RECORDS = 4096
-"""Records kept for a busy agent; beyond that the oldest are dropped and counted."""
+HOLD_FOR = frozenset({"agent_busy", "no_agent"})
+"""Send failures after which a datagram waits in the backlog: the agent may take it later."""
 
 
 class Sender:
     """Owns the transport and the counters; runs one daemon thread until ``close``."""
 
-    def __init__(self, transport: Transport, hello: HelloRecord, buffer: deque[StepTuple]) -> None:
+    def __init__(self, transport: Transport, hello: HelloRecord, buffer: deque[StepTuple],
+                 backlog: Backlog | None = None) -> None:
         """Send ``buffer``'s steps under ``hello``'s identity (its run, rank, world, local
         rank, pid and GPU); the caller queues ``hello`` itself when it is complete."""
         self.transport = transport
@@ -97,8 +101,8 @@ class Sender:
         self.on_wake: Callable[[], None] | None = None
         """Called on this thread before each background flush (the stall watch)."""
         self._waiting: deque[StepTuple] = deque()
-        self._backlog: deque[tuple[bytes, int]] = deque()  # datagrams the agent could not take yet
-        self._backlog_records = 0
+        self.backlog = Backlog() if backlog is None else backlog
+        self._held_for = "agent_busy"  # why the backlog's datagrams wait
         self._next_seq = 0
         self._agent_lost = False
         self._pid = os.getpid()
@@ -208,9 +212,8 @@ class Sender:
             if not len(records) % GIL_YIELD_RECORDS:
                 time.sleep(0)  # the GIL, to a training thread back from a torch op and waiting for it
         self._send(records, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
-        if final:
-            while self._backlog:
-                self._count_drop("agent_busy", self._backlog.popleft()[1])
+        if final and self.backlog:
+            self._count_drop(self._held_for, self.backlog.clear())
 
     def _resolve(self, measured: dict[str, object] | None,
                  deferred: dict[str, Any]) -> dict[str, object] | None:
@@ -238,23 +241,26 @@ class Sender:
                                     device_phases)
 
     def _send(self, encoded: list[bytes], budget_s: float) -> None:
-        backlog = self._backlog
-        backlog.extend(pack_datagrams(encoded))
+        backlog = self.backlog
+        backlog.add(pack_datagrams(encoded))
         deadline = perf_counter() + budget_s
         while backlog:
-            datagram, count = backlog[0]
+            datagram, count = backlog.head()
             try:
                 reason = self.transport.send(datagram)
             except Exception:
                 reason = "send_error"
-            if reason == "agent_busy":
-                # The agent's queue is full (a burst, or a slow agent): retry shortly, then
-                # keep the rest for the next flush. Only this thread waits, never training.
-                if perf_counter() < deadline:
+            if reason in HOLD_FOR:
+                # The agent's queue is full (a burst, a slow agent) or nobody listens (the
+                # agent restarts): retry a busy one shortly, then keep the rest, in order, for
+                # the next flush. Only this thread waits, never training.
+                self._held_for = reason
+                if reason == "agent_busy" and perf_counter() < deadline:
                     time.sleep(BUSY_RETRY_S)
                     continue
+                self._agent_lost = self._agent_lost or reason == "no_agent"
                 break
-            backlog.popleft()
+            backlog.pop(sent=reason is None)
             if reason is None:
                 self.records_sent += count
                 self.datagrams_sent += 1
@@ -263,12 +269,9 @@ class Sender:
                     self._control.append(self.hello)
             else:
                 self._count_drop(reason, count)
-                self._agent_lost = self._agent_lost or reason == "no_agent"
-        self._backlog_records = sum(count for _, count in backlog)
-        while self._backlog_records > MAX_BACKLOG_RECORDS:
-            _, count = backlog.popleft()
-            self._backlog_records -= count
-            self._count_drop("agent_busy", count)
+        dropped = backlog.trim()
+        if dropped:
+            self._count_drop(self._held_for, dropped)
 
     def _count_drop(self, reason: str, count: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
