@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from gpumon.client.transport import MemoryTransport
+from gpumon.client.core.transport import MemoryTransport
 
 from gpumon.client import StepMonitor
 from gpumon.client.core.backlog import Backlog
