@@ -123,18 +123,23 @@ def _gpus(agent: AgentProcess) -> list[str]:
     return [gpu["uuid"] for gpu in snapshot["gpus"]]
 
 
-def one_node(tmp: Path) -> dict[str, Any]:
-    """Series and bytes of one 8-GPU, 8-rank node's scrape."""
-    (agent,) = _start_agents(tmp / "node", 1, 1.0)
+def _node_scrape(tmp: Path) -> str:
+    """One 8-GPU node's scrape with 8 ranks of one run reporting, past the first verdict
+    window and memory breakdowns."""
+    (agent,) = _start_agents(tmp, 1, 1.0)
     run = FleetRun("node", nodes=1, ranks_per_node=RANKS, compute_s=0.2, allreduce_s=0.05)
     sender = FleetSender(run, [str(agent.socket_path)], [_gpus(agent)])
     try:
         sender.start()
-        time.sleep(max(3.0, 12 * run.step_s))  # past the first verdict window and breakdowns
-        body = agent.scrape()
+        time.sleep(max(3.0, 12 * run.step_s))
+        return agent.scrape()
     finally:
         sender.stop()
         agent.stop()
+
+
+def one_node(body: str) -> dict[str, Any]:
+    """Series and bytes of one 8-GPU, 8-rank node's scrape (``_node_scrape``)."""
     lines = [line for line in body.splitlines() if line and not line.startswith("#")]
     names = [line.split("{")[0].split(" ")[0] for line in lines]
     per_rank = sum('rank="' in line for line in lines)
@@ -436,19 +441,9 @@ def _copies(body: str, nodes: int, run: str, now_ms: int) -> Iterator[str]:
         yield "".join(chunk)
 
 
-def central_rules(tmp: Path, nodes: int) -> dict[str, Any]:
+def central_rules(tmp: Path, nodes: int, body: str) -> dict[str, Any]:
     """One evaluation of every central group at ``nodes`` nodes of one run (8 ranks each),
-    after the shard's group over the same nodes."""
-    (agent,) = _start_agents(tmp / "central-node", 1, 1.0)
-    node_run = FleetRun("node", nodes=1, ranks_per_node=RANKS, compute_s=0.2, allreduce_s=0.05)
-    sender = FleetSender(node_run, [str(agent.socket_path)], [_gpus(agent)])
-    try:
-        sender.start()
-        time.sleep(max(3.0, 12 * node_run.step_s))
-        body = agent.scrape()
-    finally:
-        sender.stop()
-        agent.stop()
+    after the shard's group over the same nodes: one node's scrape (``body``) copied."""
     # A store that answers for 1,000 nodes holds ~900,000 series: past the 300,000 a query may
     # touch by default, which a central store of that size raises.
     store = start_victoria_metrics(tmp / "central", "-search.maxUniqueTimeseries=5000000")
@@ -554,12 +549,13 @@ def main() -> None:
         args.disk_s, args.central_nodes = 10.0, 4
     with TemporaryDirectory(prefix="bench-fleet-") as tmp:
         parts = set(args.parts.split(","))
-        node = one_node(Path(tmp)) if "node" in parts else None
+        body = _node_scrape(Path(tmp) / "node") if parts & {"node", "central"} else ""
+        node = one_node(body) if "node" in parts else None
         load = (load_run(Path(tmp), args.nodes, args.interval, args.scrape_s, args.eval_s,
                          args.seconds) if "load" in parts else None)
         rules = (ranks_per_run(Path(tmp), [int(x) for x in args.run_ranks.split(",")])
                  if "rules" in parts else None)
-        central = central_rules(Path(tmp), args.central_nodes) if "central" in parts else None
+        central = central_rules(Path(tmp), args.central_nodes, body) if "central" in parts else None
         stored = disk(Path(tmp), args.disk_s, 1) if "disk" in parts else None
     print(json.dumps({"node": node, "load": load, "ranks_per_run": rules, "central": central,
                       "disk": stored}))

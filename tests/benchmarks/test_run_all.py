@@ -22,7 +22,7 @@ def quick_run(name: str) -> dict[str, object]:
     script = quick_script(name, with_peers=True)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(HERE / script[0]), *script[1:]], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert lines, f"{script[0]} printed no JSON line:\n{proc.stdout[-2000:]}"
