@@ -390,7 +390,8 @@ class TraceDesk:
     # -- metrics ----------------------------------------------------------------------
 
     def describe(self) -> list[Metric]:
-        return []  # registering must not do I/O
+        """The families ``collect`` yields: it reads only what the desk holds, no I/O."""
+        return list(self.collect())
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
