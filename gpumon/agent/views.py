@@ -90,7 +90,8 @@ class AgentCollector:
         return [*node_families(snap), *steps.steps([], {}, {}, {}, {}),
                 *owner_families(Ownership(), [], {}, {}), *steps.analyses([]),
                 *MemoryFamilies().families([], []), *rank_state_families({}),
-                *eviction_families({}), *ingest_families(IngestStatus("", True, 0o660, "")),
+                *eviction_families({}), *conflict_families({}),
+                *ingest_families(IngestStatus("", True, 0o660, "")),
                 *recording_families(RecorderStatus("", 0, 0, 0, 0, None))]
 
 

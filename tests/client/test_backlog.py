@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import tracemalloc
 
-from gpumon.client.core.transport import MemoryTransport
-
 from gpumon.client import StepMonitor
 from gpumon.client.core.backlog import Backlog
+from gpumon.client.core.transport import MemoryTransport
 from tests.helpers import steps_of
 
 
