@@ -253,11 +253,12 @@ def _communication_panels() -> list[Panel]:
               Target(f"bottomk by (run) (1, run_rank:gpumon_rank_straggler_score:ratio5m{{{RUN_ONLY}}})"),
               Target(f"max by (run, rank, cause) (gpumon_rank_straggler_cause{{{RUN_ONLY}}} == 1)"),
               thresholds=[(None, "red"), (0.75, "green")]),
-        timeseries("Straggler score", "Each rank's peers' mean own work per step (step time "
+        timeseries("Straggler score", "A rank's peers' mean own work per step (step time "
                    "less collective wait) over its own (1 = like its peers, under 0.75 = "
-                   "straggler): run-wide from the recording rule, and the agent's node-local "
-                   "score.",
-                   Target(f"run_rank:gpumon_rank_straggler_score:ratio5m{{{RUN}}}",
+                   "straggler): run-wide for each node's slowest rank, whichever ranks are "
+                   "selected (the recording rule scores no other), and the agent's node-local "
+                   "score of the selected ranks.",
+                   Target(f"run_rank:gpumon_rank_straggler_score:ratio5m{{{RUN_ONLY}}}",
                           "rank {{rank}} (run-wide)"),
                    Target(f"gpumon_rank_straggler_score{{{RUN}}}", "rank {{rank}} (node)"),
                    thresholds=[(None, "red"), (0.75, "green")], width=24),
