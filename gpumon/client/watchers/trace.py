@@ -184,6 +184,10 @@ class Tracer:
         if self._prof is None:
             if clock is None or not clock.device_next:
                 return  # the step beginning is not stamped yet (CUDA: not GPU-timed)
+            if self._control.exporting():
+                # The profiler is one per process: a session started while the last one's
+                # results are still being exported can crash the process. Wait a step.
+                return
             if not self._start():
                 return
         try:
@@ -303,6 +307,7 @@ class TraceControl:
         self._tracer: Tracer | None = None
         self._lock = threading.Lock()
         self._busy: _Request | None = None  # accepted and not answered done/error yet
+        self._exports = threading.Event()  # set while a writer thread exports a trace
         self._sock: socket.socket | None = None
         self.problem: str | None = None
         try:
@@ -431,9 +436,21 @@ class TraceControl:
     def written(self, request: _Request, prof: Any, steps: list[TracedStep],
                 clock: TraceClock, tap: _RecordTap) -> None:
         """Hand a stopped profiler to a writer thread (exporting costs the loop nothing)."""
-        thread = threading.Thread(target=self._write, name="gpumon-trace-writer",
+        self._exports.set()
+        thread = threading.Thread(target=self._write_then_free, name="gpumon-trace-writer",
                                   args=(request, prof, steps, clock, tap), daemon=True)
         thread.start()
+
+    def exporting(self) -> bool:
+        """Whether a stopped profiler's results are still being written."""
+        return self._exports.is_set()
+
+    def _write_then_free(self, request: _Request, prof: Any, steps: list[TracedStep],
+                         clock: TraceClock, tap: _RecordTap) -> None:
+        try:
+            self._write(request, prof, steps, clock, tap)
+        finally:
+            self._exports.clear()
 
     def _write(self, request: _Request, prof: Any, steps: list[TracedStep],
                clock: TraceClock, tap: _RecordTap) -> None:

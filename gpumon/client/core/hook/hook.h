@@ -74,6 +74,8 @@ typedef struct {
     PyObject *marks;        /* list of (name, start, end) */
     PyObject *phase_cache;  /* dict: name -> Phase */
     PyObject *cuda;         /* CudaClock or None */
+    PyObject *cuda_before;  /* the clock set_cuda replaced, or NULL: kept one more swap,
+                               since a step in progress may still hold it borrowed */
     PyObject *last_ooms;    /* int or None */
     PyObject *buffer;       /* deque of step tuples, shared with the sender */
     PyObject *first_step;   /* the monitor's callbacks */

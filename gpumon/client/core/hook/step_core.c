@@ -83,6 +83,7 @@ HookCore_traverse(HookCore *self, visitproc visit, void *arg)
     Py_VISIT(self->marks);
     Py_VISIT(self->phase_cache);
     Py_VISIT(self->cuda);
+    Py_VISIT(self->cuda_before);
     Py_VISIT(self->last_ooms);
     Py_VISIT(self->buffer);
     Py_VISIT(self->first_step);
@@ -100,6 +101,7 @@ HookCore_clear(HookCore *self)
     Py_CLEAR(self->marks);
     Py_CLEAR(self->phase_cache);
     Py_CLEAR(self->cuda);
+    Py_CLEAR(self->cuda_before);
     Py_CLEAR(self->last_ooms);
     Py_CLEAR(self->buffer);
     Py_CLEAR(self->first_step);
@@ -234,7 +236,11 @@ HookCore_data_wait(HookCore *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 HookCore_set_cuda(HookCore *self, PyObject *clock)
 {
-    Py_SETREF(self->cuda, Py_NewRef(clock));
+    /* An extension may swap the clock from inside a step (a trace arms at step_begin) while
+       the step's own code still holds the old one borrowed: keep it alive until the next swap. */
+    PyObject *old = self->cuda;
+    self->cuda = Py_NewRef(clock);
+    Py_XSETREF(self->cuda_before, old);
     Py_RETURN_NONE;
 }
 
