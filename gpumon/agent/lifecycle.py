@@ -36,7 +36,8 @@ from gpumon.agent.recorder import Recorder
 from gpumon.agent.reload import apply_reload
 from gpumon.agent.scheduler import Periodic
 from gpumon.agent.sources import given_source_status, open_gpu_source
-from gpumon.agent.traces import TraceDesk, trace_api, trace_settings
+from gpumon.agent.trace_api import trace_api
+from gpumon.agent.traces import TraceDesk, trace_settings
 from gpumon.agent.views import AgentCollector, readiness, snapshot_document
 from gpumon.collectors.base import EventWatcher, GpuSource
 from gpumon.collectors.host import HostSource
