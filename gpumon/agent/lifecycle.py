@@ -84,6 +84,11 @@ class Agent:
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
         self.owners = OwnerState(config.node_name or socket.gethostname())
         self._owner_collector = OwnerCollector(self.owners, config.pod_resources_socket)
+        self._owners_thread: Periodic | None = None
+        self._owner_pids: set[int] = set()
+        """The senders' pids the owners collector has been told of: a new one wakes it, so a
+        rank is attributed at its first step, not up to ``OWNERS_INTERVAL_S`` later (or never,
+        for a process shorter than that)."""
         self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
                                          self.recording_status, self.ingest_status, self.owners)
         # Every collector's families are named at registration, so a clash is refused there.
@@ -178,8 +183,9 @@ class Agent:
         self.registry.register(self.traces)
 
     def _start_owners(self) -> None:
-        self._threads.append(Periodic("owners", OWNERS_INTERVAL_S, self._collect_owners,
-                                      self.state))
+        self._owners_thread = Periodic("owners", OWNERS_INTERVAL_S, self._collect_owners,
+                                       self.state)
+        self._threads.append(self._owners_thread)
         self._start_kubelet()
 
     def _start_kubelet(self) -> None:
@@ -277,7 +283,9 @@ class Agent:
         snap = self.state.snapshot(now)
         listed = {pid for sample in snap.latest.values()
                   for pid in sample.process_memory_bytes or ()}
-        self._owner_collector.collect(listed | set(self.rank_store.watched_pids()))
+        watched = set(self.rank_store.watched_pids())
+        self._owner_pids = watched
+        self._owner_collector.collect(listed | watched)
 
     def _on_records(self, records: list[Record], sender: SenderCredentials) -> None:
         now = time.time()
@@ -285,6 +293,9 @@ class Agent:
         if not accepted:
             return
         pids = {(r.run, r.rank): sender.pid or r.pid for r in accepted}
+        if sender.pid and sender.pid not in self._owner_pids and self._owners_thread is not None:
+            self._owner_pids.add(sender.pid)
+            self._owners_thread.wake()
         self.analyzer.add(accepted, now, pids)
         if self._recorder is not None:
             self._recorder.steps(accepted)

@@ -18,9 +18,14 @@ from gpumon.state.node import NodeState
 log = logging.getLogger(__name__)
 
 
+WAKE_COALESCE_S = 0.2
+"""After a wake, how long the thread waits for others to join it: a burst of wakes (a job's
+ranks starting together) is one cycle, not one each."""
+
+
 class Periodic(threading.Thread):
     """Runs ``fn(now, monotonic)`` every ``interval_s`` on its own thread, timing it and
-    counting its errors by kind."""
+    counting its errors by kind. ``wake()`` brings the next cycle forward."""
 
     def __init__(self, name: str, interval_s: float, fn: Callable[[float, float], None],
                  state: NodeState) -> None:
@@ -30,6 +35,7 @@ class Periodic(threading.Thread):
         self._fn = fn
         self._state = state
         self._stop_event = threading.Event()
+        self._wake_event = threading.Event()
         self._logged: set[str] = set()
 
     def run(self) -> None:
@@ -59,8 +65,17 @@ class Periodic(threading.Thread):
             if delay < 0:  # overran: skip missed ticks instead of bursting
                 next_tick = time.monotonic()
                 delay = 0.0
-            self._stop_event.wait(delay)
+            if self._wake_event.wait(delay) and not self._stop_event.is_set():
+                self._stop_event.wait(WAKE_COALESCE_S)
+                self._wake_event.clear()
+                next_tick = time.monotonic()  # the schedule starts again from the woken cycle
+
+    def wake(self) -> None:
+        """Run the next cycle now (within ``WAKE_COALESCE_S``) rather than at its tick; wakes
+        during a cycle bring one more cycle right after it. Never blocks."""
+        self._wake_event.set()
 
     def stop(self) -> None:
         """Finish after the current cycle."""
         self._stop_event.set()
+        self._wake_event.set()

@@ -13,12 +13,15 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+import pytest
 
+from gpumon.agent import lifecycle
 from gpumon.collectors.podresources import api_pb2, api_pb2_grpc
 from gpumon.collectors.process_owner import user_name
 from gpumon.collectors.samples import GpuStatic, Owner
 from gpumon.export.owner_metrics import owner_families
 from gpumon.state.owners import Ownership
+from gpumon.testing.agent import library_agent
 from gpumon.testing.fakenvml import SCENARIOS, Scenario
 from tests.helpers import agent_env, start_agent, values, wait_for
 
@@ -111,3 +114,17 @@ def test_a_gpu_allocated_but_held_by_no_listed_process_has_its_container_as_hold
     assert rows["7"]["user"] == "alice" and rows["7"]["slurm_job"] == "42"
     assert (rows["7"]["run"], rows["7"]["rank"]) == ("train", "2")
     assert rows["8"]["pod"] == "p" and rows["8"]["user"] == ""  # unseen: the kubelet's word
+
+
+def test_a_rank_is_attributed_at_its_first_step_not_at_the_next_cycle(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Cycles an hour apart: only the wake a new sender brings can attribute the rank in time.
+    monkeypatch.setattr(lifecycle, "OWNERS_INTERVAL_S", 3600.0)
+    with library_agent(tmp_path / "s.sock", collectors=("ingest", "owners"),
+                       node_name=NODE) as agent:
+        wait_for(lambda: agent.state.collector("owners", 3600.0).last_success_t,
+                 what="the first owners cycle")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(_step("late"), agent.config.socket)
+        wait_for(lambda: agent.owners.get().of_pid(os.getpid()).user == user_name(os.getuid()),
+                 timeout=10, what="the new rank's owner")

@@ -20,6 +20,8 @@ import pytest
 from gpumon.collectors.process_owner import user_name
 from tests.helpers import AgentProcess, agent_env, free_port, http_get, values, wait_for
 
+# It sends its steps, then lives on until its stdin closes: what the agents see of a live
+# process is looked at while it certainly lives, however slowly this machine runs the test.
 SENDER = """
 import json, socket, sys, time
 paths = sys.argv[1:]
@@ -30,6 +32,7 @@ with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
         for path in paths:
             s.sendto(datagram, path)
         time.sleep(0.1)
+sys.stdin.read()
 """
 
 
@@ -86,13 +89,16 @@ def test_only_the_agent_that_sees_the_senders_pid_names_its_user_and_sees_it_exi
         agents: tuple[AgentProcess, AgentProcess]) -> None:
     host, own = agents
     sender = subprocess.Popen([sys.executable, "-c", SENDER, str(host.socket_path),
-                               str(own.socket_path)])
+                               str(own.socket_path)], stdin=subprocess.PIPE)
     user = user_name(os.getuid())
     # While it runs: the rank's process and its owner, seen by the first agent only.
     wait_for(lambda: values(host.metrics(), "gpumon_rank_info", run="pids", user=user,
                             pid=str(sender.pid)), timeout=12, what="the sender's owner")
     wait_for(lambda: values(host.metrics(), "gpumon_process_cpu_seconds_total", run="pids"),
              timeout=12, what="the sender's CPU")
+    wait_for(lambda: values(own.metrics(), "gpumon_steps_total", run="pids") == [15.0],
+             timeout=12, what="every step at the other agent")
+    sender.stdin.close()
     assert sender.wait(10) == 0
     wait_for(lambda: values(host.metrics(), "gpumon_rank_state", run="pids", state="exited") == [1],
              timeout=12, what="the exit seen")
