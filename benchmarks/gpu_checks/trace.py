@@ -32,8 +32,9 @@ from .report import Report, SkipSection, jsonable
 
 TRACE_RUN = "gpu-node-check-trace"
 TRACE_STEPS = 5
-PHASE_BOUND_S = 0.0002
-"""A traced step's phase ranges are stamped one call away from the core's own clock readings."""
+PHASE_BOUND_S = 2e-6
+"""A traced step's host-timed phases: the core times them from the very readings the ranges
+are drawn from, so what differs is the trace's rounding to the nanosecond, summed."""
 OVERLAP_BOUND = 0.25
 """HTA's overlap counts kernels on the GPU's timeline; gpumon's comes from the CUDA events at
 each bucket's launch and completion and DDP's wait: the same intervals seen from two ends."""
@@ -93,13 +94,32 @@ def section_trace(report: Report, result: dict[str, Any], torch: Any, agent: Age
     recorded = {r["step"]: r for r in read_recording(report.out / "recording.jsonl")
                 if r.get("kind") == "step" and r.get("run") == TRACE_RUN}
     sums = phase_sums(document)
-    worst = {step: max((abs(seconds - recorded[step]["phases"].get(name, 0.0))
-                        for name, seconds in phases.items()), default=0.0)
-             for step, phases in sums.items() if step in recorded}
+    # Phases the record times on the GPU (its "dev") are kernel time, not the host's range:
+    # set beside the range, not held to it.
+    worst: dict[int, float] = {}
+    compared = 0
+    device: dict[int, dict[str, list[float]]] = {}
+    for step, phases in sums.items():
+        if step not in recorded:
+            continue
+        record = recorded[step]
+        on_gpu = set(record.get("dev") or ())
+        worst[step] = max((abs(seconds - record["phases"].get(name, 0.0))
+                           for name, seconds in phases.items() if name not in on_gpu), default=0.0)
+        compared += sum(name not in on_gpu for name in phases)
+        device[step] = {name: [seconds, record["phases"].get(name, 0.0)]
+                        for name, seconds in phases.items() if name in on_gpu}
+    worst_step = max(worst, key=worst.__getitem__, default=None)
+    # Every phase timed on the GPU (CUDA, where a trace times every step there): nothing
+    # host-timed to hold to its range, and the check says so rather than pass.
     report.check("trace.phase_ranges_match_records",
-                 len(worst) == TRACE_STEPS and max(worst.values()) <= PHASE_BOUND_S,
+                 (len(worst) == TRACE_STEPS and max(worst.values()) <= PHASE_BOUND_S)
+                 if compared or not worst else None,
                  {"steps": sorted(worst), "worst_s": max(worst.values(), default=None),
-                  "bound_s": PHASE_BOUND_S})
+                  "bound_s": PHASE_BOUND_S,
+                  "worst_step": None if worst_step is None else {
+                      "ranges_s": sums[worst_step], "recorded_s": recorded[worst_step]["phases"]}})
+    result["trace_device_phases_range_vs_gpu_s"] = device
     traced = [recorded[s] for s in sorted(worst)]
     hta(report, result, kept, traced, cuda)
 
@@ -127,8 +147,10 @@ def phase_sums(document: dict[str, Any]) -> dict[int, dict[str, float]]:
         t0, t1 = record["ts"], record["ts"] + record["dur"]
         phases: dict[str, float] = defaultdict(float)
         for e in events:
+            # A range belongs to the step its middle lies in: the last phase of one step may
+            # end within a microsecond of the next record's window opening.
             if e.get("cat") == "gpumon" and "phase" in e.get("args", {}) and \
-                    t0 - 1 <= e["ts"] and e["ts"] + e["dur"] <= t1 + 1:
+                    t0 <= e["ts"] + e["dur"] / 2 < t1:
                 phases[e["args"]["phase"]] += e["dur"] / 1e6
         out[record["args"]["step"]] = dict(phases)
     return out

@@ -278,6 +278,24 @@ def test_loader_calls_iter_at_the_first_next(base: type) -> None:
 
 
 @pytest.mark.parametrize("base", CORES)
+def test_the_step_origin_is_the_reading_its_record_starts_from(base: type) -> None:
+    core = make_core(base)
+    assert core.step_origin is None
+    with core.step():
+        plain = core.step_origin
+    with core.phase("data"):  # timed work before a step opens the next record
+        pass
+    with core.step():
+        after_data = core.step_origin
+        with core.phase("forward"):
+            assert core.step_origin == after_data
+    assert core.step_origin is None
+    first, second = records_of(core)
+    assert (first.t0, second.t0) == (plain, after_data)
+    assert second.t1 - second.t0 > second.phases["forward"]
+
+
+@pytest.mark.parametrize("base", CORES)
 def test_a_held_step_object_keeps_its_counts(base: type) -> None:
     core = make_core(base)
     first = core.step(samples=1)
@@ -342,7 +360,8 @@ def test_both_cores_offer_the_same_surface() -> None:
         return {name for name in dir(cls) if not name.startswith("_")}
 
     expected = {"step", "phase", "loader", "data_wait", "set_cuda", "set_extensions", "set_quiet_until",
-                "stop", "steps", "in_step", "last_ooms", "open_phase"}
+                "stop", "steps", "in_step", "last_ooms", "open_phase",
+                "step_origin"}
     assert surface(_core.HookCore) == surface(_hook.HookCore) == expected
     assert not [name for name in dir(_hook.HookCore) if name.startswith("_") and not name.startswith("__")]
     assert surface(_core.Step) == surface(_hook.Step) == {"set_counts"}

@@ -116,6 +116,7 @@ def test_the_hook_times_phases_through_the_runtime(
         fake, 0, reset_peak, memory_interval_s=0.0, device_interval_s=0.0, runtime=runtime))
     transport = MemoryTransport()
     mon = StepMonitor(run="native", transport=transport)
+    recorded_before = fake_runtime.fake_recorded()  # the library counts for the whole module
     gpu_ms = 0.0
     fake_runtime.fake_set_time_ms(gpu_ms)
     for _ in range(3):
@@ -135,7 +136,10 @@ def test_the_hook_times_phases_through_the_runtime(
         assert step.phases_s["forward"] == pytest.approx(0.007, rel=1e-5)
         assert step.phases_s["backward"] == pytest.approx(0.011, rel=1e-5)
     assert runtime.pooled >= 2  # events went back for reuse
-    assert fake_runtime.fake_recorded() >= 12 and fake_runtime.fake_records_without_gil() == 0
+    # Three events a step at least: each phase's start and end, the backward's start sharing
+    # the forward's end when it follows at once.
+    assert fake_runtime.fake_recorded() - recorded_before >= 9
+    assert fake_runtime.fake_records_without_gil() == 0
 
 
 def test_the_gil_check_sees_a_caller_without_it(fake_runtime: ctypes.CDLL) -> None:

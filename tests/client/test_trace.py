@@ -128,6 +128,22 @@ def test_a_trace_of_three_whole_steps_leaves_the_losses_as_they_were(agent: Fake
     for phase in ("forward", "backward", "optimizer"):
         assert names.count(f"gpumon.{phase}") == 3
     assert names.count("gpumon.record") == 3
+    # Each phase's range is drawn from the readings the core timed the phase from: its length
+    # is the phase's seconds in the step's record, to the trace's nanosecond rounding.
+    events = [e for e in document["traceEvents"] if e.get("ph") == "X"]
+    for record in (e for e in events if e["name"] == "gpumon.record"):
+        ranges: dict[str, float] = {}
+        for e in events:
+            if e.get("cat") == "gpumon" and e["name"] != "gpumon.record" \
+                    and "phase" in e.get("args", {}) \
+                    and record["ts"] <= e["ts"] + e["dur"] / 2 < record["ts"] + record["dur"]:
+                ranges[e["args"]["phase"]] = ranges.get(e["args"]["phase"], 0.0) + e["dur"] / 1e6
+        assert set(ranges) == {"forward", "backward", "optimizer"}, (record, [
+            (e["name"], e["ts"], e["dur"]) for e in events if e.get("cat") == "gpumon"])
+        for phase, seconds in ranges.items():
+            assert seconds == pytest.approx(record["args"]["phases"][phase], abs=2e-9), (
+                phase, record, [(e["name"], e["ts"], e["dur"]) for e in events
+                                if e.get("cat") == "gpumon"])
     assert document["distributedInfo"] == {"rank": 3, "world_size": 4}
     assert traced.stats.extension_errors == 0
 

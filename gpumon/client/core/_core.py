@@ -7,15 +7,15 @@ points a hooked loop passes through each step is most of what the hook costs (se
 the fallback where it was not built; ``tests/client/test_core.py`` drives both through the
 same script and compares every record.
 
-The monitor holds a core; the core's surface is what a training loop calls (``step``,
-``phase``, ``loader``, and ``data_wait`` for frameworks that report their own waits), what the
-monitor configures (``set_cuda``, ``set_extensions``, ``stop``) and four readings (``steps``,
-``in_step``, ``last_ooms``, and ``open_phase`` for the stall watch). The monitor hears back
-through three callables given at construction: ``first_step()`` (the first step begins and
-no CUDA clock is set yet: look for one), ``step_failed(exc, step)`` (an exception left a
-step, which is not recorded) and ``phase_clock(name)`` (a phase name seen for the first time:
-raise ``ValueError`` if it is not valid, else say whether it is timed on the host clock even
-with CUDA).
+The monitor holds a core; the core's surface is what a training loop calls (``step``, ``phase``,
+``loader``, and ``data_wait`` for frameworks that report their own waits), what the monitor
+configures (``set_cuda``, ``set_extensions``, ``stop``) and five readings (``steps``,
+``in_step``, ``last_ooms``, ``open_phase`` for the stall watch, and ``step_origin`` for a
+trace). The monitor hears back through three callables given at construction: ``first_step()``
+(the first step begins and no CUDA clock is set yet: look for one), ``step_failed(exc, step)``
+(an exception left a step, which is not recorded) and ``phase_clock(name)`` (a phase name seen
+for the first time: raise ``ValueError`` if it is not valid, else say whether it is timed on the
+host clock even with CUDA).
 
 Neither core reuses ``Step`` objects: each ``step()`` call returns a new one.
 """
@@ -144,6 +144,14 @@ class HookCore:
     def steps(self) -> int:
         """Steps completed so far, recorded or not."""
         return self._seq
+
+    @property
+    def step_origin(self) -> float | None:
+        """The open step's record starts at this ``perf_counter`` reading (its begin, or the
+        timed work before it); None outside a step."""
+        if not self._step_depth:
+            return None
+        return self._pending_t0 if self._pending_t0 is not None else self._step_t0
 
     @property
     def in_step(self) -> bool:
@@ -278,7 +286,9 @@ class Phase:
                     m._phase_event = marks[-1][2]
                 else:
                     m._phase_event = cuda.event()
-            t = m._phase_t0 = perf_counter()
+            # A clock whose events are host-clock readings (a trace's) gives the phase's start.
+            stamp = m._phase_event
+            t = m._phase_t0 = float(stamp) if isinstance(stamp, float) else perf_counter()
             if not m._step_depth and m._pending_t0 is None:
                 m._pending_t0 = t
             m._open_phase = self._name
@@ -297,9 +307,13 @@ class Phase:
             m._open_phase = None
             phases = m._phases
             name = self._name
-            phases[name] = phases.get(name, 0.0) + (perf_counter() - m._phase_t0)
             start = m._phase_event
-            if start is not None:
+            if start is None:
+                phases[name] = phases.get(name, 0.0) + (perf_counter() - m._phase_t0)
+            else:
                 m._phase_event = None
-                m._marks.append((name, start, m._cuda.event()))  # type: ignore[union-attr]
+                end = m._cuda.event()  # type: ignore[union-attr]
+                t1 = float(end) if isinstance(end, float) else perf_counter()
+                phases[name] = phases.get(name, 0.0) + (t1 - m._phase_t0)
+                m._marks.append((name, start, end))
                 m._phase_end_t = perf_counter()

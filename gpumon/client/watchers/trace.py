@@ -47,14 +47,17 @@ _CREDENTIALS = struct.Struct("iII")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
-class TraceEvent:
-    """A phase boundary while tracing: its host time, and the CUDA event when there is one."""
+class TraceEvent(float):
+    """A phase boundary while tracing: its host time (the float itself, which the core takes as
+    its own reading of the boundary) and the CUDA event."""
 
-    __slots__ = ("inner", "t")
+    __slots__ = ("inner",)
+    inner: Any
 
-    def __init__(self, t: float, inner: Any) -> None:
-        self.t = t
-        self.inner = inner
+    def __new__(cls, t: float, inner: Any) -> TraceEvent:
+        event = super().__new__(cls, t)
+        event.inner = inner
+        return event
 
 
 class TraceClock:
@@ -105,9 +108,7 @@ class TraceClock:
 
 
 def _stamp(event: Any) -> float | None:
-    if type(event) is float:
-        return event
-    return event.t if isinstance(event, TraceEvent) else None
+    return float(event) if isinstance(event, float) else None
 
 
 def _inner(event: Any) -> Any:
@@ -167,9 +168,11 @@ class Tracer:
                 return
         try:
             seq = self._control.core_steps()
+            origin = self._control.core_step_origin()
             t = perf_counter()
             self._range = _enter_range(f"gpumon.step {seq}")
-            self._steps.append(TracedStep(seq, enter, (t + perf_counter()) / 2, t))
+            self._steps.append(TracedStep(seq, enter, (t + perf_counter()) / 2, t,
+                                          origin=origin))
         except Exception as exc:
             self._fail("profiler_error", exc)
 
@@ -297,6 +300,10 @@ class TraceControl:
 
     def core_steps(self) -> int:
         return int(self._core.steps)
+
+    def core_step_origin(self) -> float | None:
+        origin = self._core.step_origin
+        return None if origin is None else float(origin)
 
     def close(self) -> None:
         if self._sock is not None:

@@ -38,7 +38,11 @@ class TracedStep(NamedTuple):
     """When its range ended."""
     left: float = 0.0
     """When its extensions returned (the profiler stopped, on the last): the core stamps the
-    step's end just after, so its record's window is ``[left - duration, left]``."""
+    step's end just after."""
+    origin: float | None = None
+    """The core's own reading its record starts from (the step's begin, or the timed work
+    before it), so its record's window is ``[origin, origin + duration]``; without it,
+    ``[left - duration, left]``, which a thread switch before ``left`` is read can shift."""
 
 
 def unix_offset() -> float:
@@ -145,7 +149,7 @@ def _gpumon_events(text: bytes, steps: list[TracedStep],
         if record is None:
             continue
         args = {"step": record.step, "seq": step.seq}
-        start = step.left - record.duration_s
+        start = step.origin if step.origin is not None else step.left - record.duration_s
         data = (record.phases_s or {}).get("data")
         # A wait for input before the step (the loader's, a DataLoader's under `gpumon run`)
         # opens its window: it lies at the start. A data phase timed inside the step has no

@@ -299,8 +299,18 @@ HookCore_get_open_phase(HookCore *self, void *closure)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+HookCore_get_step_origin(HookCore *self, void *closure)
+{
+    if (self->step_depth <= 0)
+        Py_RETURN_NONE;
+    return PyFloat_FromDouble(self->has_pending ? self->pending_t0 : self->step_t0);
+}
+
 static PyGetSetDef HookCore_getset[] = {
     {"steps", (getter)HookCore_get_steps, NULL, "Steps completed so far, recorded or not.", NULL},
+    {"step_origin", (getter)HookCore_get_step_origin, NULL,
+     "The open step's record starts at this perf_counter reading (None outside a step).", NULL},
     {"in_step", (getter)HookCore_get_in_step, NULL, "Whether a step is open.", NULL},
     {"last_ooms", (getter)HookCore_get_last_ooms, NULL,
      "The allocator's OOM count at the last reading, if CUDA statistics were read.", NULL},
@@ -638,7 +648,12 @@ Phase_enter(Phase *self, PyObject *unused)
             }
             Py_XSETREF(m->phase_event, event);
         }
-        double t = m->phase_t0 = now();
+        /* A clock whose events are host-clock readings (a float, or a float carrying the CUDA
+           event: a trace's clock) gives the reading the phase is timed from, so its range in
+           the trace and the phase's host seconds are one measurement. */
+        PyObject *stamp = m->phase_event;
+        double t = m->phase_t0 = stamp != NULL && PyFloat_Check(stamp)
+                                     ? PyFloat_AS_DOUBLE(stamp) : now();
         if (!m->step_depth && !m->has_pending) {
             m->pending_t0 = t;
             m->has_pending = 1;
@@ -662,14 +677,22 @@ Phase_exit(Phase *self, PyObject *const *args, Py_ssize_t nargs)
     m->phase_depth -= 1;
     if (!m->phase_depth) {
         m->open_phase = NULL;
-        if (add_seconds(m->phases, self->name, now() - m->phase_t0) < 0)
-            return NULL;
         PyObject *start = m->phase_event;
-        if (start != NULL && start != Py_None) {
+        if (start == NULL || start == Py_None) {
+            if (add_seconds(m->phases, self->name, now() - m->phase_t0) < 0)
+                return NULL;
+        }
+        else {
             m->phase_event = NULL; /* the reference moves to the mark */
             PyObject *end = PyObject_CallMethodNoArgs(m->cuda, str_event);
             if (end == NULL) {
                 Py_DECREF(start);
+                return NULL;
+            }
+            double t1 = PyFloat_Check(end) ? PyFloat_AS_DOUBLE(end) : now();
+            if (add_seconds(m->phases, self->name, t1 - m->phase_t0) < 0) {
+                Py_DECREF(start);
+                Py_DECREF(end);
                 return NULL;
             }
             PyObject *mark = PyTuple_Pack(3, self->name, start, end);
