@@ -123,5 +123,9 @@ def complete(words: str) -> list[str]:
 def test_shell_completion() -> None:
     assert complete("gpumon ag") == ["agent"]
     assert complete("gpumon estimate --precision ") == ["fp16", "bf16", "fp32"]
-    script = run_cli("--show-completion", "bash")
-    assert script.returncode == 0 and "_gpumon_completion" in script.stdout
+    # --show-completion names the shell it runs under, found from its parent processes: run
+    # it from bash (kept as its parent by the command after it), whatever started this test.
+    script = subprocess.run(["bash", "-c", '"$0" -m gpumon.cli --show-completion; exit $?',
+                             sys.executable], capture_output=True, text=True, timeout=30,
+                            env=agent_env(), cwd=ROOT)
+    assert script.returncode == 0 and "_gpumon_completion" in script.stdout, script.stderr

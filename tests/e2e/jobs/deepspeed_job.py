@@ -56,6 +56,8 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="overlap_comm")
     parser.add_argument("--truth", action="store_true", help="time a communication-free twin of every step")
     parser.add_argument("--user-steps", action="store_true", help="wrap each iteration in mon.step")
+    parser.add_argument("--device-ms", type=float, default=0.0,
+                        help="each step ends waiting this long, as a host thread waits for its GPU")
     parser.add_argument("--no-watch", action="store_true")
     args = parser.parse_args()
 
@@ -100,6 +102,10 @@ def train(args: argparse.Namespace, stage: int, rank: int, world: int, run: str)
             loss = engine(next(data)).square().mean()
             engine.backward(loss)
             engine.step()
+        # The device's work, which a loop reading its loss waits for at the step's end: a
+        # sleep, which two shared cores neither stretch nor shrink between step and twin, and
+        # with no collective in flight (a wait beside one counts as waiting for it).
+        time.sleep(args.device_ms / 1000)
 
     data = batches()
     for _ in range(args.warmup):  # before the monitor: ZeRO-3's first steps gather and broadcast more
