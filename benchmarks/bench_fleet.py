@@ -490,6 +490,15 @@ def _import(store: Service, text: str) -> None:
                                      method="POST")
     with urllib.request.urlopen(request, timeout=600):
         pass
+    _flush(store)
+
+
+def _flush(store: Service) -> None:
+    """Make what was imported searchable now: VictoriaMetrics otherwise registers new series
+    for search some seconds later, and every rule whose result is written back for the next
+    would wait those seconds."""
+    with urllib.request.urlopen(store.url + "/internal/force_flush", timeout=600):
+        pass
 
 
 def _count(store: Service, selector: str) -> float:
@@ -517,14 +526,11 @@ def _write_back(store: Service, name: str, result: list[dict[str, Any]]) -> None
     for sample in result:
         labels = ",".join(f'{k}="{v}"' for k, v in sample["metric"].items() if k != "__name__")
         lines.append(f"{name}{{{labels}}} {sample['value'][1]} {now_ms}\n")
-    request = urllib.request.Request(store.url + "/api/v1/import/prometheus",
-                                     data="".join(lines).encode(), method="POST")
-    with urllib.request.urlopen(request, timeout=600):
-        pass
+    _import(store, "".join(lines))
     runs = {sample["metric"].get("run", "") for sample in result}
     selector = f'{name}{{run=~"{"|".join(sorted(runs))}"}}' if all(runs) else name
     wait_for(lambda: len(store.query(selector, timeout=600)) >= len(result),
-             timeout=300, interval=0.5, what=f"{name} written back")
+             timeout=300, interval=0.05, what=f"{name} written back")
 
 
 def main() -> None:
