@@ -53,6 +53,8 @@ from tests.helpers import (
     wait_for,
 )
 
+pytestmark = pytest.mark.waits
+
 RULE_FILE = ROOT / "alerts" / "gpumon.rules.yml"
 TIME_SCALE = 30
 """Every duration of the rules ÷ this: ``for: 10m`` becomes 20 s, ``[5m]`` 10 s, ``offset 10m`` 20 s."""

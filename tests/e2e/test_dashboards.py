@@ -27,6 +27,8 @@ from tests.helpers import (
     wait_for,
 )
 
+pytestmark = pytest.mark.waits
+
 DASHBOARD_DIR = ROOT / "dashboards"
 DASHBOARDS = sorted(DASHBOARD_DIR.glob("*.json"))
 RULE_FILES = sorted((ROOT / "alerts").glob("*.rules.yml"))

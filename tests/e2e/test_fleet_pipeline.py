@@ -46,6 +46,8 @@ from tests.e2e.test_dashboards import _label_values, _load, _panels, _substitute
 from tests.helpers import ROOT
 from tests.testing.fakenvml_fixtures import SCENARIOS, Scenario, fake_nvml_lib  # noqa: F401
 
+pytestmark = pytest.mark.waits
+
 FLEET = ROOT / "deploy" / "fleet"
 SHARD_RULES = FLEET / "rules" / "gpumon-shard.rules.yml"
 CENTRAL_RULES = FLEET / "rules" / "gpumon-central.rules.yml"

@@ -43,7 +43,7 @@ from gpumon.testing.processes import kill_tree
 from tests.e2e.test_alert_pipeline import AlertmanagerProcess, Receiver
 from tests.helpers import ROOT, launch_service, require_tool, start_prometheus, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 JOB = Path(__file__).resolve().parent / "jobs" / "hang_job.py"
 RULES = ROOT / "alerts" / "gpumon.rules.yml"

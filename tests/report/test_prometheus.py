@@ -32,6 +32,8 @@ from tests.helpers import (
 )
 from tests.report.browser import open_page
 
+pytestmark = pytest.mark.waits
+
 RUN = Run(run="llm", ranks=3, step_s=0.2)
 
 

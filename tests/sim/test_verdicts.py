@@ -23,6 +23,8 @@ from gpumon.sim.job import SimulatedJob
 from gpumon.sim.schedule import PhaseKind, load_schedule
 from tests.helpers import http_get, parse_metrics
 
+pytestmark = pytest.mark.waits
+
 RANKS = 4
 SLOW = RANKS - 1  # the short schedule's straggler: the last rank
 INTERVAL_S = 0.25
