@@ -132,11 +132,13 @@ def start_agent(tmp_path: Path, *args: str, env: Mapping[str, str] | None = None
 
 @contextmanager
 def library_agent(socket_path: Path, **config: Any) -> Iterator[Any]:
-    """An Agent used as a library, on 127.0.0.1 and a free port; stopped on exit."""
+    """An Agent used as a library, on a free port of 127.0.0.1 (of ``address`` when given);
+    stopped on exit."""
     from gpumon.agent.config import AgentConfig
     from gpumon.agent.lifecycle import Agent
 
-    node = Agent(AgentConfig(address="127.0.0.1", port=0, socket=str(socket_path), **config))
+    node = Agent(AgentConfig(**{"address": "127.0.0.1", "port": 0, "socket": str(socket_path),
+                                **config}))
     node.start()
     try:
         yield node

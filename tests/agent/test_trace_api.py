@@ -14,8 +14,6 @@ import os
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +21,12 @@ import bcrypt
 import psutil
 import pytest
 
-from gpumon.agent.config import AgentConfig
-from gpumon.agent.lifecycle import Agent
 from gpumon.client import StepMonitor
 from gpumon.testing import wait_for
+from gpumon.testing.agent import library_agent
 
 PASSWORD = "s3cret"
 NOBODY = 65534
-
-
-@contextmanager
-def library_agent(socket_path: Path, **config: Any) -> Iterator[Agent]:
-    """An agent in this process on a free port (of 127.0.0.1 unless ``address`` is given)."""
-    node = Agent(AgentConfig(**{"address": "127.0.0.1", "port": 0, "socket": str(socket_path), **config}))
-    node.start()
-    try:
-        yield node
-    finally:
-        node.stop()
 
 
 def own_address() -> str | None:
