@@ -91,7 +91,7 @@ CHAIN = ("run:gpumon_step_own_seconds:sum5m",
 
 def _metrics(service_url: str) -> dict[str, float]:
     """A service's own /metrics, summed by name plus labels as written."""
-    with urllib.request.urlopen(service_url + "/metrics", timeout=10) as response:
+    with urllib.request.urlopen(service_url + "/metrics", timeout=120) as response:
         text = response.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
@@ -219,10 +219,12 @@ def load_run(tmp: Path, nodes: int, interval: float, scrape_s: int, eval_s: int,
                         ((a, cpu0[a.process.pid]) for a in agents)) / (t2 - t0)
         rows = _total(m2, "vm_rows_inserted_total") - _total(m1, "vm_rows_inserted_total")
         ingest = rows / (t2 - t1)
-        series = float(store.query('count({__name__=~".+"})')[0]["value"][1])
-        raw = float(store.query('count({__name__=~"gpumon_.*|up|scrape_.*"})')[0]["value"][1])
+        # Counts over every series: past ten seconds on a store of 256 nodes sharing two cores.
+        series = float(store.query('count({__name__=~".+"})', timeout=300)[0]["value"][1])
+        raw = float(store.query('count({__name__=~"gpumon_.*|up|scrape_.*"})',
+                                timeout=300)[0]["value"][1])
         score = {int(r["metric"]["rank"]): float(r["value"][1]) for r in store.query(
-            'run_rank:gpumon_rank_straggler_score:ratio5m{run="fleet"}')}
+            'run_rank:gpumon_rank_straggler_score:ratio5m{run="fleet"}', timeout=300)}
         groups = {}
         for ruler, where in ((vmalert, "centre"), (shard_b_rules, "shard B")):
             vm_metrics = _metrics(ruler.url)
