@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import select
 import socket
 import stat
@@ -41,11 +40,12 @@ from typing import Any
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from gpumon.agent.config import AgentConfig
+from gpumon.agent.trace_files import TRACE_FILE, trace_files
 from gpumon.analysis.bottleneck import Bottleneck
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.export.exposition import CounterFamily
 from gpumon.state.ranks import RankStore
-from gpumon.wire.traces import MAX_TRACE_STEPS, TRACE_SUFFIX, channel_address
+from gpumon.wire.traces import MAX_TRACE_STEPS, channel_address
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,6 @@ KEEP_TRACES = 256
 """Requests remembered for the listing (the files themselves are listed from the disk)."""
 AUTO_VERDICTS = (Bottleneck.COMMUNICATION, Bottleneck.HOST)
 _CREDENTIALS = struct.Struct("iII")
-_FILE = re.compile(r"^(?P<run>.+)\.rank(?P<rank>\d+)\.step(?P<step>\d+)" + re.escape(TRACE_SUFFIX) + "$")
 
 
 class TraceError(Exception):
@@ -201,8 +200,8 @@ class TraceDesk:
 
     def _files(self) -> list[dict[str, Any]]:
         out = []
-        for name, path, st in _trace_files(self.settings.directory):
-            match = _FILE.match(name)
+        for name, path, st in trace_files(self.settings.directory):
+            match = TRACE_FILE.match(name)
             if match is None:
                 continue
             out.append({"path": path, "bytes": st.st_size, "mtime": st.st_mtime,
@@ -344,7 +343,7 @@ class TraceDesk:
     def bound_disk(self, keep: str | None = None) -> None:
         """Remove the oldest trace files while they hold more than ``max_bytes`` (never
         ``keep``, the one just written)."""
-        files = sorted(_trace_files(self.settings.directory), key=lambda f: f[2].st_mtime)
+        files = sorted(trace_files(self.settings.directory), key=lambda f: f[2].st_mtime)
         total = sum(st.st_size for _, _, st in files)
         for _, path, st in files:
             if total <= self.settings.max_bytes:
@@ -414,25 +413,6 @@ class TraceDesk:
         yield traces
         yield failed
         yield info
-
-
-def _trace_files(directory: str) -> list[tuple[str, str, os.stat_result]]:
-    out: list[tuple[str, str, os.stat_result]] = []
-    try:
-        names = os.listdir(directory)
-    except OSError:
-        return out
-    for name in names:
-        if not name.endswith(TRACE_SUFFIX) or name.startswith("."):
-            continue
-        path = os.path.join(directory, name)
-        try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            out.append((name, path, st))
-    return out
 
 
 def _uid(ancdata: list[Any]) -> int | None:
