@@ -402,7 +402,7 @@ class TraceDesk:
             traces.add_metric([run, str(rank), trigger], float(count))
         failed = CounterFamily("gpumon_trace_errors", "Trace requests that gave no trace, by reason "
                                "(no_channel, no_answer, timeout, no_torch, no_step, no_space, "
-                               "write_error, profiler_error, busy, bad_answer).", labels=["reason"])
+                               "write_error, profiler_error, ended, busy, bad_answer).", labels=["reason"])
         for reason, count in sorted(errors.items()):
             failed.add_metric([reason], float(count))
         info = GaugeMetricFamily("gpumon_trace_info", "The latest trace of each rank: its file "

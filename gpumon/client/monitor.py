@@ -303,7 +303,7 @@ class StepMonitor:
                 self._event("oom", "an out-of-memory error ended the last step", core.steps)
         self._closed = True
         if self._trace is not None:
-            self._trace.close()
+            self._trace.close(ending=True)
         self._stall.close(*monotonic_and_unix())
         self.extensions.close()
         core.stop()

@@ -235,3 +235,35 @@ def test_a_full_disk_is_an_answer_and_the_job_goes_on(agent: FakeAgent) -> None:
     assert "steps 200" in out
     assert answers[-1]["state"] == "error" and answers[-1]["reason"] == "no_space", answers
     assert list(agent.traces.iterdir()) == []  # nothing half-written is left
+
+
+ENDING = """
+import sys, time, torch
+from gpumon.client import StepMonitor
+mon = StepMonitor("job", socket_path=sys.argv[1], rank=0, world=1)
+print("ready", flush=True)
+tracer = None
+while tracer is None or tracer._prof is None:  # until the profiler runs
+    with mon.step():
+        torch.ones(64, 64).matmul(torch.ones(64, 64))
+        time.sleep(0.005)
+    tracer = mon._trace._tracer
+print("profiling at step", mon.stats.steps, flush=True)
+"""
+
+
+def test_a_process_that_ends_mid_trace_exits_cleanly_and_says_so(agent: FakeAgent) -> None:
+    """A job whose last step comes while a trace is under way: a profiler left running when
+    the interpreter exits crashes the process (SIGSEGV). Its monitor's close at exit stops it,
+    and the agent hears why the trace never came."""
+    job = subprocess.Popen([sys.executable, "-c", ENDING, agent.socket_path], stdout=subprocess.PIPE,
+                           text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert job.stdout is not None and job.stdout.readline() == "ready\n"
+    agent.ask("job", 0, "e", steps=20)
+    answers = agent.answers("error")
+    out, _ = job.communicate(timeout=60)
+    assert job.returncode == 0, out
+    assert "profiling at step" in out
+    assert [a["state"] for a in answers] == ["accepted", "error"], answers
+    assert answers[-1]["reason"] == "ended", answers
+    assert list(agent.traces.iterdir()) == []

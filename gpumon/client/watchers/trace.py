@@ -44,6 +44,8 @@ ARM_TIMEOUT_S = 60.0
 """A rank that runs no step this long after accepting gives the request up."""
 RECORDS_WAIT_S = 2.0
 """How long the writer waits for the traced steps' records (data seconds, step numbers)."""
+CLOSE_WAIT_S = 10.0
+"""How long closing (the process exiting) waits for a trace being written, so it is answered."""
 _CREDENTIALS = struct.Struct("iII")
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
@@ -109,6 +111,12 @@ class Tracer:
         except Exception as exc:
             self._fail("profiler_error", exc)
 
+    def end(self) -> None:
+        """The process is ending (its monitor closes): stop a profile under way and answer it.
+        A profiler left running when the interpreter exits crashes the process (SIGSEGV)."""
+        if self._active is not None:
+            self._fail("ended", message="the process ended before its traced steps did")
+
     def step_end(self, fields: dict[str, object]) -> None:
         if not self._begun or self._prof is None or not self._steps:
             return
@@ -165,7 +173,7 @@ class Tracer:
         assert request is not None and clock is not None and self._tap is not None
         self._control.written(request, prof, self._steps, clock, self._tap)
 
-    def _fail(self, reason: str, exc: BaseException) -> None:
+    def _fail(self, reason: str, exc: BaseException | None = None, message: str = "") -> None:
         prof, self._prof = self._prof, None
         if self._range is not None:
             try:
@@ -181,7 +189,9 @@ class Tracer:
         self._control.restore_clock()
         if self._tap is not None:
             self._control.stop_tap(self._tap)
-        self._end_request("error", reason=reason, message=f"{type(exc).__name__}: {exc}"[:300])
+        if exc is not None:
+            message = f"{type(exc).__name__}: {exc}"
+        self._end_request("error", reason=reason, message=message[:300])
 
     def _end_request(self, state: str, **fields: Any) -> None:
         request, self._active = self._active, None
@@ -219,6 +229,7 @@ class TraceControl:
         self._lock = threading.Lock()
         self._busy: _Request | None = None  # accepted and not answered done/error yet
         self._exports = threading.Event()  # set while a writer thread exports a trace
+        self._writer: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self.problem: str | None = None
         try:
@@ -238,7 +249,23 @@ class TraceControl:
         origin = self._core.step_origin
         return None if origin is None else float(origin)
 
-    def close(self) -> None:
+    def close(self, ending: bool = False) -> None:
+        """Stop taking requests. ``ending`` (the monitor closing, on the training thread or at
+        exit): first end a trace under way, wait up to ``CLOSE_WAIT_S`` for one being written,
+        and answer a request no step took up, so the agent hears of each."""
+        if ending:
+            tracer = self._tracer
+            if tracer is not None:
+                tracer.end()
+            writer = self._writer
+            if writer is not None:
+                writer.join(CLOSE_WAIT_S)
+            busy = self._busy
+            if busy is not None and not self._exports.is_set():
+                if tracer is not None and tracer.request is busy:
+                    tracer.request = None
+                self.reply(busy, "error", reason="ended",
+                           message="the process ended before its traced steps did")
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -354,6 +381,7 @@ class TraceControl:
         self._exports.set()
         thread = threading.Thread(target=self._write_then_free, name="gpumon-trace-writer",
                                   args=(request, prof, steps, clock, tap), daemon=True)
+        self._writer = thread
         thread.start()
 
     def exporting(self) -> bool:
