@@ -17,7 +17,7 @@ evaluation grows with the ranks of one run.
    memory and bytes per sample; vmalert's time per group; the agents' CPU.
 3. **Ranks per run**: for runs of ``--run-ranks`` ranks (8 a node), the four counters per rank
    that the run-level straggler and step-time rules read, imported into a fresh
-   VictoriaMetrics (three points in the last five minutes); each rule of that chain timed as
+   VictoriaMetrics (four points in the last five minutes); each rule of that chain timed as
    an instant query (median of three) and its result written back, as vmalert does, for the
    next one: first the shard's per-rank rules and per-node reductions (here one shard holds
    the whole run: an upper bound for any shard), then the centre's run-level rules over them.
@@ -70,21 +70,21 @@ SHARD_RULES = FLEET / "rules" / "gpumon-shard.rules.yml"
 CENTRAL_RULES = FLEET / "rules" / "gpumon-central.rules.yml"
 GPUS, RANKS = 8, 8
 SHARD_CHAIN = ("run_rank:gpumon_steps:rate5m",
-               "run_rank:gpumon_step_own_seconds:mean5m",
-               "run_node:gpumon_step_own_seconds:sum5m",
-               "run_node:gpumon_step_own_seconds:count5m",
-               "run_node:gpumon_step_own_seconds:max5m",
-               "run_node:gpumon_step_seconds:slowest_mean5m",
+               "run_rank:gpumon_step_own_seconds:mean1m",
+               "run_node:gpumon_step_own_seconds:sum1m",
+               "run_node:gpumon_step_own_seconds:count1m",
+               "run_node:gpumon_step_own_seconds:max1m",
+               "run_node:gpumon_step_seconds:slowest_mean1m",
                "run_node:gpumon_step_duration_seconds_sum:rate5m",
                "run_node:gpumon_step_duration_seconds_count:rate5m",
                "run_node:gpumon_steps:max_rate5m")
 """The shard's rules that the run-level straggler and step-time rules read: per rank, then
 reduced per node and run."""
-CHAIN = ("run:gpumon_step_own_seconds:sum5m",
-         "run:gpumon_step_own_seconds:count5m",
-         "run_rank:gpumon_step_own_seconds:peers_mean5m",
-         "run_rank:gpumon_rank_straggler_score:ratio5m",
-         "run_rank:gpumon_step_straggler_extra_share:ratio5m",
+CHAIN = ("run:gpumon_step_own_seconds:sum1m",
+         "run:gpumon_step_own_seconds:count1m",
+         "run_rank:gpumon_step_own_seconds:peers_mean1m",
+         "run_rank:gpumon_rank_straggler_score:ratio1m",
+         "run_rank:gpumon_step_straggler_extra_share:ratio1m",
          "run:gpumon_step_duration_seconds:mean5m", "run:gpumon_steps:rate5m")
 """The centre's run-level straggler and step-time rules, over the shard's reductions."""
 
@@ -224,7 +224,7 @@ def load_run(tmp: Path, nodes: int, interval: float, scrape_s: int, eval_s: int,
         raw = float(store.query('count({__name__=~"gpumon_.*|up|scrape_.*"})',
                                 timeout=300)[0]["value"][1])
         score = {int(r["metric"]["rank"]): float(r["value"][1]) for r in store.query(
-            'run_rank:gpumon_rank_straggler_score:ratio5m{run="fleet"}', timeout=300)}
+            'run_rank:gpumon_rank_straggler_score:ratio1m{run="fleet"}', timeout=300)}
         groups = {}
         for ruler, where in ((vmalert, "centre"), (shard_b_rules, "shard B")):
             vm_metrics = _metrics(ruler.url)
@@ -334,9 +334,10 @@ def disk(tmp: Path, seconds: float, scrape_s: int) -> dict[str, Any]:
 
 
 def _import_counters(store: Service, run: str, ranks: int, now_ms: int) -> None:
-    """Three points (now - 4 min, - 2 min, - 5 s) of the four counters a rank's straggler and
-    step-time rules read, for ``ranks`` ranks of ``run``; rank ranks-1 is slower."""
-    times = [now_ms - 240_000, now_ms - 120_000, now_ms - 5_000]
+    """Four points (now - 4 min, - 2 min, - 35 s, - 5 s: two in the straggler chain's last
+    minute) of the four counters a rank's straggler and step-time rules read, for ``ranks``
+    ranks of ``run``; rank ranks-1 is slower."""
+    times = [now_ms - 240_000, now_ms - 120_000, now_ms - 35_000, now_ms - 5_000]
     chunk: list[str] = []
 
     def flush() -> None:
@@ -399,7 +400,7 @@ def ranks_per_run(tmp: Path, sizes: list[int]) -> list[dict[str, Any]]:
             imported_s = time.monotonic() - started
             shard = _timed_chain(store, rules, SHARD_CHAIN, run)
             central = _timed_chain(store, rules, CHAIN, run)
-            check = store.query('run_rank:gpumon_rank_straggler_score:ratio5m'
+            check = store.query('run_rank:gpumon_rank_straggler_score:ratio1m'
                                 f'{{run="{run}",rank="{size - 1}"}}')
             rows.append({"ranks": size, "nodes": -(-size // RANKS), "import_s": imported_s,
                          "shard_rule_s": shard, "shard_s": sum(shard.values()),
@@ -418,9 +419,10 @@ def ranks_per_run(tmp: Path, sizes: list[int]) -> list[dict[str, Any]]:
 
 
 def _copies(body: str, nodes: int, run: str, now_ms: int) -> Iterator[str]:
-    """One node's scrape as ``nodes`` nodes of one run, three points in five minutes: counters
-    growing (a third of their value a point), gauges as they are."""
-    times = [now_ms - 240_000, now_ms - 120_000, now_ms - 5_000]
+    """One node's scrape as ``nodes`` nodes of one run, four points in five minutes (two in the
+    last minute, which the straggler chain reads): counters growing (a quarter of their value
+    a point), gauges as they are."""
+    times = [now_ms - 240_000, now_ms - 120_000, now_ms - 35_000, now_ms - 5_000]
     samples = []
     for line in body.splitlines():
         if not line or line.startswith("#"):
@@ -438,7 +440,7 @@ def _copies(body: str, nodes: int, run: str, now_ms: int) -> Iterator[str]:
             extra = f",{relabelled}" if relabelled else ""
             full = f'{name}{{job="gpumon",instance="node-{node}:9403"{extra}}}'
             for i, t in enumerate(times):
-                v = value * (i + 1) / 3 if counter else value
+                v = value * (i + 1) / len(times) if counter else value
                 chunk.append(f"{full} {v} {t}\n")
         yield "".join(chunk)
 

@@ -250,7 +250,7 @@ def _communication_panels() -> list[Panel]:
               "selected (its peers' own work per step ÷ its own; under 0.75 it is the straggler "
               "the others wait for), and the cause its agent names: input (its data wait), "
               "compute (its own forward/backward work) or gpu (throttled, lower clocks, XID).",
-              Target(f"bottomk by (run) (1, run_rank:gpumon_rank_straggler_score:ratio5m{{{RUN_ONLY}}})"),
+              Target(f"bottomk by (run) (1, run_rank:gpumon_rank_straggler_score:ratio1m{{{RUN_ONLY}}})"),
               Target(f"max by (run, rank, cause) (gpumon_rank_straggler_cause{{{RUN_ONLY}}} == 1)"),
               thresholds=[(None, "red"), (0.75, "green")]),
         timeseries("Straggler score", "A rank's peers' mean own work per step (step time "
@@ -258,7 +258,7 @@ def _communication_panels() -> list[Panel]:
                    "straggler): run-wide for each node's slowest rank, whichever ranks are "
                    "selected (the recording rule scores no other), and the agent's node-local "
                    "score of the selected ranks.",
-                   Target(f"run_rank:gpumon_rank_straggler_score:ratio5m{{{RUN_ONLY}}}",
+                   Target(f"run_rank:gpumon_rank_straggler_score:ratio1m{{{RUN_ONLY}}}",
                           "rank {{rank}} (run-wide)"),
                    Target(f"gpumon_rank_straggler_score{{{RUN}}}", "rank {{rank}} (node)"),
                    thresholds=[(None, "red"), (0.75, "green")], width=24),

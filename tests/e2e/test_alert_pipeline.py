@@ -450,9 +450,9 @@ def test_a_straggler_on_one_of_three_nodes_fires_for_that_rank_only(fleet: Fleet
     slow_node = fleet.nodes["straggler-c"]  # rank 4 alone
     # The run-wide score counted all five ranks, over the three nodes, and scored each node's
     # slowest rank against the other four.
-    counted = fleet.prometheus.query('run:gpumon_step_own_seconds:count5m{run="straggler"}')
+    counted = fleet.prometheus.query('run:gpumon_step_own_seconds:count1m{run="straggler"}')
     assert [float(r["value"][1]) for r in counted] == [STRAGGLER_WORLD], counted
-    scored = fleet.prometheus.query('run_rank:gpumon_rank_straggler_score:ratio5m{run="straggler"}')
+    scored = fleet.prometheus.query('run_rank:gpumon_rank_straggler_score:ratio1m{run="straggler"}')
     scores = {r["metric"]["rank"]: float(r["value"][1]) for r in scored}
     assert len({r["metric"]["instance"] for r in scored}) == len(scored) == 3, scored
     assert str(STRAGGLER_RANK) in scores, scores

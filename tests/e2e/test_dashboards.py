@@ -313,12 +313,12 @@ def test_every_panel_query_returns_data(live: Live) -> None:
 def test_panel_queries_see_the_fed_run(live: Live) -> None:
     """Spot checks that the data behind the panels is the run the feeder reports."""
     prometheus = live.prometheus
-    ranks = wait_for(lambda: prometheus.query('run_rank:gpumon_rank_straggler_score:ratio5m{run="llm"}'),
+    ranks = wait_for(lambda: prometheus.query('run_rank:gpumon_rank_straggler_score:ratio1m{run="llm"}'),
                      timeout=30, what="straggler scores")
     scores = {r["metric"]["rank"]: float(r["value"][1]) for r in ranks}
     # One node: its slowest rank carries the run-wide score, against all three ranks' sums.
     assert set(scores) == {"2"}
-    counted = prometheus.query('run:gpumon_step_own_seconds:count5m{run="llm"}')
+    counted = prometheus.query('run:gpumon_step_own_seconds:count1m{run="llm"}')
     assert [float(r["value"][1]) for r in counted] == [3.0]
     # own work (step less collective wait): rank 2 0.28 s, its peers 0.18 s
     assert scores["2"] == pytest.approx(0.18 / 0.28, abs=0.05)

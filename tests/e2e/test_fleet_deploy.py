@@ -95,7 +95,7 @@ def test_the_centre_reads_one_series_per_node_not_per_rank() -> None:
                 (rule["record"], series)
     alerts = {r["alert"] for g in central for r in g["rules"] if "alert" in r}
     assert {"GpumonRankStraggler", "GpumonCommunicationBound", "GpumonXidError"} <= alerts
-    assert "run_rank:gpumon_step_own_seconds:peers_mean5m" in outputs
+    assert "run_rank:gpumon_step_own_seconds:peers_mean1m" in outputs
 
 
 def test_compose_references_hold() -> None:

@@ -169,22 +169,22 @@ def _median_step_s(pipeline: Pipeline, rank: int) -> float:
 
 @pytest.mark.slow
 def test_the_central_straggler_score_sees_the_run_whole(pipeline: Pipeline) -> None:
-    query = f'run_rank:gpumon_rank_straggler_score:ratio5m{{run="{RUN}"}}'
+    query = f'run_rank:gpumon_rank_straggler_score:ratio1m{{run="{RUN}"}}'
     wait_for(lambda: len(pipeline.query(query)) == 4, timeout=60, what="a score for every rank")
     scores = pipeline.by_rank(query)
     print({rank: round(value, 2) for rank, (value, _) in scores.items()})
     # Every rank (each the only one of its node), each through the shard that scraped its agent
     # and reduced its node's ranks; the centre counted all four.
     assert {rank: labels["shard"] for rank, (_, labels) in scores.items()} == SHARD_OF_RANK
-    counted = pipeline.query(f'run:gpumon_step_own_seconds:count5m{{run="{RUN}"}}')
+    counted = pipeline.query(f'run:gpumon_step_own_seconds:count1m{{run="{RUN}"}}')
     assert [float(r["value"][1]) for r in counted] == [4.0]
     for shard in ("a", "b"):
-        reduced = pipeline.query(f'run_node:gpumon_step_own_seconds:sum5m{{run="{RUN}",shard="{shard}"}}')
+        reduced = pipeline.query(f'run_node:gpumon_step_own_seconds:sum1m{{run="{RUN}",shard="{shard}"}}')
         assert len(reduced) == 2, (shard, reduced)
     assert scores[SLOW_RANK][0] < 0.75 < min(v for r, (v, _) in scores.items() if r != SLOW_RANK)
     # Its extra own work per step is the sleep the job added, as a share of the step the job
     # timed itself.
-    extra = pipeline.by_rank(f'run_rank:gpumon_step_straggler_extra_share:ratio5m{{run="{RUN}"}}')
+    extra = pipeline.by_rank(f'run_rank:gpumon_step_straggler_extra_share:ratio1m{{run="{RUN}"}}')
     truth = SLOW_MS / 1e3 / _median_step_s(pipeline, SLOW_RANK)
     print(f"extra share {extra[SLOW_RANK][0]:.3f}, truth {truth:.3f}")
     assert extra[SLOW_RANK][0] == pytest.approx(truth, abs=0.15)

@@ -17,6 +17,12 @@ side, one story each:
 * ``eval``: both ranks evaluate for 60 s (forwards under ``no_grad``, no step), three times
   the stall floor, then train on. They must be seen ``evaluating``, and nothing about the run
   may arrive.
+* ``slowed``: after a minute of even steps, rank 1's device work takes half as long again
+  (its steps' own work 1.5× rank 0's). GpumonRankStraggler must arrive within 3 minutes for
+  rank 1 alone, with the cause its agent names (compute).
+* ``normal``: a healthy run of 0.5 s steps for 10 minutes, rank 0 saving a 5 s checkpoint
+  every 50 steps (its peer waits for it), and a 2-minute evaluation pass. Nothing about it
+  may arrive.
 
 The figures go in docs/reliability.md ("Time to know").
 """
@@ -55,6 +61,10 @@ EVAL_S = 60.0
 QUIET_AFTER_EVAL_S = 30.0
 """After the evaluation, how long nothing may arrive yet (longer than any alert's path)."""
 KILL_AFTER_STEPS = 20
+SLOWED_WITHIN_S = 180.0
+SLOW_AFTER_STEPS = 1000
+"""About a minute of even steps first (50 ms of device work a step)."""
+NORMAL_S = 600.0
 
 
 class Job:
@@ -67,6 +77,7 @@ class Job:
         for name in ("GPUMON_STALL_AFTER_S", "GPUMON_PURE_PYTHON"):
             env.pop(name, None)  # the shipped floor
         self.log = (tmp / f"{run}.log").open("wb")
+        self.started = time.time()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
              "--master-port", str(free_port()), str(JOB), "--out", str(self.out),
@@ -85,6 +96,8 @@ class Job:
         return Path(self.log.name).read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
+        if self.log.closed:
+            return
         kill_tree(self.process.pid)
         self.process.wait(timeout=30)
         self.log.close()
@@ -137,6 +150,11 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
                             "--stop-after", "15")
         jobs["eval"] = Job(agent, tmp, "eval", "--scenario", "eval", "--stop-after", "15",
                            "--eval-s", str(EVAL_S))
+        jobs["slowed"] = Job(agent, tmp, "slowed", "--scenario", "slowed", "--rank", "1",
+                             "--stop-after", str(SLOW_AFTER_STEPS))
+        jobs["normal"] = Job(agent, tmp, "normal", "--scenario", "normal", "--work-ms", "500",
+                             "--stop-after", "100", "--eval-s", "120", "--checkpoint-every", "50",
+                             "--checkpoint-s", "5")
         yield Pipeline(agent, receiver, jobs)
     finally:
         for job in jobs.values():
@@ -227,3 +245,54 @@ def test_time_to_know(pipeline: Pipeline) -> None:
     assert about_eval == []
     assert 0 < exited_s <= EXITED_WITHIN_S
     assert 0 < stalled_s <= STALLED_WITHIN_S
+    for story in ("killed", "stuck", "eval"):  # the machine's cores to the two left
+        jobs[story].stop()
+
+
+def test_time_to_know_a_slowed_rank_and_a_normal_job(pipeline: Pipeline) -> None:
+    agent, receiver, jobs = pipeline.agent, pipeline.receiver, pipeline.jobs
+    normal, slowed = jobs["normal"], jobs["slowed"]
+
+    def about(run: str) -> list[tuple[Any, dict[str, Any]]]:
+        return [(n, a) for n in receiver.notifications for a in n.payload["alerts"]
+                if a["labels"].get("run") == run]
+
+    normal_states: set[tuple[str, str]] = set()
+    saves = 0
+    while time.time() < normal.started + NORMAL_S:
+        normal_states |= set(_rank_states(agent, "normal").items())
+        saves = max(saves, normal.note(0).get("steps", 0) // 50)
+        time.sleep(1.0)
+    assert normal.process.poll() is None, normal.output()
+
+    # a rank slowed by 1.5x: within 3 minutes, that rank alone, with its cause
+    slowed_note = slowed.note(1)
+    assert slowed.process.poll() is None, slowed.output()
+    found = [(n, a) for n, a in about("slowed") if a["labels"]["alertname"] == "GpumonRankStraggler"
+             and a["status"] == "firing"]
+    assert found and {a["labels"]["rank"] for _, a in found} == {"1"}, \
+        [(a["labels"]["alertname"], a["labels"].get("rank")) for _, a in about("slowed")]
+    slowed_s = _unix(min(n.arrived for n, _ in found)) - _slowed_at(slowed)
+    description = " ".join(found[0][1]["annotations"]["description"].split())
+    assert "Its agent names the cause: compute." in description, description
+    others = [a["labels"]["alertname"] for _, a in about("slowed")
+              if a["labels"]["alertname"] != "GpumonRankStraggler"]
+
+    # a normal job for 10 minutes: checkpoints, an evaluation, and nothing arrives
+    about_normal = [(a["labels"]["alertname"], a["labels"].get("rank")) for _, a in about("normal")]
+    print(f"time to know: rank slowed 1.5x {slowed_s:.1f} s (goal {SLOWED_WITHIN_S:.0f}), "
+          f"other alerts of that run {others}; normal job {NORMAL_S:.0f} s with {saves} "
+          f"checkpoints and an evaluation: {len(about_normal)} alerts; its states "
+          f"{sorted(normal_states)}")
+    assert slowed_note.get("what") == "steps"  # still stepping: it was slowed, not stopped
+    assert 0 < slowed_s <= SLOWED_WITHIN_S
+    assert others == []
+    assert saves >= 8
+    assert ("0", "evaluating") in normal_states and ("1", "evaluating") in normal_states
+    assert about_normal == []
+
+
+def _slowed_at(job: Job) -> float:
+    """When the job's rank 1 began its first slowed step (its own note of it, kept aside
+    from the notes of every step that follow)."""
+    return float(json.loads((job.out / "slowed.json").read_text())["t"])

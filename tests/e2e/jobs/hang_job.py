@@ -20,6 +20,12 @@ the job itself knows about its stop is written to ``OUT/rank<R>.json`` the momen
 - ``eval``: a healthy run whose every rank, after ``--stop-after`` steps, evaluates for
   ``--eval-s`` seconds (batches from a DataLoader, forwards under ``no_grad``, no step), then
   trains on.
+- ``slowed``: ``--rank``'s device work takes half as long again from step ``--stop-after`` on
+  (inside its forward), so its steps' own work is 1.5× its peers'; they wait for it.
+- ``normal``: a healthy run as a long one goes: rank 0 saves a checkpoint every
+  ``--checkpoint-every`` steps (``torch.save``, the save taking ``--checkpoint-s`` in all, inside
+  its step; its peers wait for it in the next all-reduce), and every rank evaluates once, for
+  ``--eval-s`` seconds, after ``--stop-after`` steps.
 """
 
 from __future__ import annotations
@@ -47,13 +53,16 @@ FOREVER = threading.Event()  # never set
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--scenario", choices=("data", "lock", "skip", "gil", "slow", "eval"), required=True)
+    parser.add_argument("--scenario", choices=("data", "lock", "skip", "gil", "slow", "eval", "slowed",
+                                               "normal"), required=True)
     parser.add_argument("--rank", type=int, default=1, help="the rank that stops")
     parser.add_argument("--stop-after", type=int, default=15)
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--work-ms", type=float, default=50.0)
     parser.add_argument("--slow-ms", type=float, default=300.0)
     parser.add_argument("--eval-s", type=float, default=60.0)
+    parser.add_argument("--checkpoint-every", type=int, default=50)
+    parser.add_argument("--checkpoint-s", type=float, default=5.0)
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -79,6 +88,10 @@ def main() -> None:
             with ddp.no_sync() if skip else nullcontext():
                 with mon.phase("forward"):
                     loss = loss_fn(ddp(x), y)
+                    if culprit and args.scenario == "slowed" and done >= args.stop_after:
+                        if done == args.stop_after:
+                            _note(args.out, rank, "slowed", done, name="slowed")
+                        time.sleep(args.work_ms / 2e3)  # its device work, half as long again
                 with mon.phase("backward"):
                     loss.backward()
             with mon.phase("optimizer"):
@@ -87,9 +100,11 @@ def main() -> None:
             time.sleep(args.work_ms / 1e3)
             if args.scenario == "slow" and done == args.stop_after:
                 time.sleep(args.slow_ms / 1e3)  # a checkpoint save on every rank
+            if args.scenario == "normal" and rank == 0 and done > 0 and done % args.checkpoint_every == 0:
+                save_checkpoint(ddp, opt, args.out, args.checkpoint_s)
         done += 1
         _note(args.out, rank, "steps", done)
-        if args.scenario == "eval" and done == args.stop_after:
+        if args.scenario in ("eval", "normal") and done == args.stop_after:
             evaluate(ddp, args.eval_s, args.out, rank, done)
     if culprit and args.scenario == "skip":
         upload_checkpoint(args.out, rank, done)
@@ -153,6 +168,14 @@ def evaluate(model: nn.Module, seconds: float, out: Path, rank: int, steps: int)
     _note(out, rank, "evaluated", steps)
 
 
+def save_checkpoint(model: nn.Module, opt: torch.optim.Optimizer, out: Path, seconds: float) -> None:
+    """Rank 0's checkpoint: the state saved, and the save taking ``seconds`` in all (a large
+    model's write to shared storage)."""
+    end = time.monotonic() + seconds
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, out / "checkpoint.pt")
+    time.sleep(max(0.0, end - time.monotonic()))
+
+
 def upload_checkpoint(out: Path, rank: int, steps: int) -> None:
     _note(out, rank, "skip", steps)
     FOREVER.wait()
@@ -162,9 +185,10 @@ def hold_the_interpreter() -> None:
     re.match(r"(a+)+$", "a" * 64 + "!")  # exponential backtracking, without releasing the GIL
 
 
-def _note(out: Path, rank: int, what: str, steps: int) -> None:
-    """The job's own record of where it is, written before it stops (read by the tests)."""
-    path = out / f"rank{rank}.json"
+def _note(out: Path, rank: int, what: str, steps: int, name: str | None = None) -> None:
+    """The job's own record of where it is, written before it stops (read by the tests): in
+    ``rank<R>.json``, or a file ``name`` of its own that the next steps' notes leave alone."""
+    path = out / f"{name or f'rank{rank}'}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"what": what, "t": time.time(), "steps": steps, "pid": os.getpid()}))
     tmp.replace(path)
