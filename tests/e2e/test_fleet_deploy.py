@@ -199,6 +199,17 @@ def test_generated_rules_pass_promtool(path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_centre_keeps_a_rank_that_moved_shards_one_rank_of_one_run() -> None:
+    """The centre's promtool cases (deploy/fleet/tests/): a rank restarted on a node of
+    another shard is counted once and scored where it runs, with the same score."""
+    tests = sorted((CENTRAL_RULES.parent.parent / "tests").glob("*.test.yml"))
+    assert tests
+    result = subprocess.run([require_tool("promtool"), "test", "rules", *map(str, tests)],
+                            capture_output=True, text=True, timeout=120, cwd=tests[0].parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("SUCCESS") == len(tests), result.stdout
+
+
 def test_vmauth_routes_writes_and_reads() -> None:
     """The cluster's one address routes writes to vminsert and reads to vmselect (tenant 0).
     Structure only: Debian's vmauth (1.79) predates ``unauthorized_user``, which the compose
