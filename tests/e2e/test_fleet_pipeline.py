@@ -5,15 +5,20 @@ remote-writing to one VictoriaMetrics, the central vmalert evaluating the run-le
 those reductions and every alert, one Alertmanager behind both; all Debian's binaries, on
 127.0.0.1. The rule files are deploy/fleet/rules/, generated from alerts/ as shipped.
 
-A real 4-rank gloo DDP job (``torch.distributed.run --nproc-per-node 4``) sends each rank to a
-different agent — ranks 0 and 1 through shard A, 2 and 3 through shard B — and rank 3 sleeps in
-every forward, so its peers wait for it in each all-reduce. No agent and no shard holds more
-than two of the run's ranks: only the centre sees it whole. Agent 0 runs on the fake NVML with
-an XID 79, the node-level alert both the shard and the centre raise.
+A real 4-rank gloo DDP job, launched as two "nodes" (``torch.distributed.run --nnodes 2
+--nproc-per-node 2``, one launcher each), sends each rank to a different agent — ranks 0 and 1
+through shard A, 2 and 3 through shard B — and rank 3 sleeps in every forward, so its peers
+wait for it in each all-reduce. No agent and no shard holds more than two of the run's ranks:
+only the centre sees it whole. Agent 0 runs on the fake NVML with an XID 79, the node-level
+alert both the shard and the centre raise.
 
-Durations: the rules are the shipped ones (``[5m]`` windows, ``for: 15m``), evaluated every
-second; a 15-minute ``for:`` cannot pass in a test, so the straggler alert is read pending from
-vmalert's API. The ``[5m]`` windows hold the whole job.
+The second node's clock runs ``SKEW_S`` (2 s) ahead: its launcher, its ranks and its two
+agents run under libfaketime. The straggler score must not move for it (every rank is still
+scored as the job's own timings say, and nothing is dropped as skewed).
+
+Durations: the rules are the shipped ones (the straggler chain on ``[1m]`` windows, the rest
+on ``[5m]``), evaluated every second; the straggler alert is read from vmalert's API, pending or
+firing. The windows are read within a minute of the job's end.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import pytest
 import yaml
 
 from gpumon.testing import AgentProcess, agent_env, free_port, start_agent, wait_for
+from gpumon.testing.metrics import series
 from gpumon.testing.pipeline import (
     Service,
     start_alertmanager,
@@ -59,6 +65,8 @@ SLOW_MS = 120.0
 two loaded cores), so that its own exposed share, the run's least, stays well under
 GpumonCommunicationBound's 0.15 (with 60 ms it read 0.13)."""
 STEPS = 150
+SKEW_S = 2.0
+"""How far the second node's clock (agents 2 and 3, ranks 2 and 3) runs ahead."""
 INTERVAL = "1s"  # scrapes and rule evaluations
 SHARD_OF_RANK = {0: "a", 1: "a", 2: "b", 3: "b"}
 ALLOWED_EMPTY = {
@@ -95,18 +103,36 @@ def _compose_flags(service: str) -> list[str]:
     return list(compose["services"][service]["command"])
 
 
+def skewed(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a process of the second node, whose clock runs ``SKEW_S`` ahead (the wall
+    clock only: a node's monotonic clock is its own anyway)."""
+    import libfaketime
+
+    library = Path(libfaketime.__file__).parent / "vendor" / "libfaketime" / "src" / "libfaketime.so.1"
+    assert library.is_file(), library
+    return {**env, "LD_PRELOAD": str(library), "FAKETIME": f"+{SKEW_S:g}s",
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1", "FAKETIME_NO_CACHE": "1"}
+
+
 def _run_job(agents: list[AgentProcess], out: Path) -> None:
     env = {**os.environ, "GPUMON_RUN": RUN, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("GPUMON_SOCKET", None)
     env.pop("GPUMON_PURE_PYTHON", None)
     sockets = ",".join(str(agent.socket_path) for agent in agents)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-               str(JOBS / "rank_socket.py"), "--sockets", sockets, "--out", str(out),
-               "--model", "small", "--steps", str(STEPS), "--slow-rank", str(SLOW_RANK),
-               "--slow-forward-ms", str(SLOW_MS)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
-    assert done.returncode == 0, f"job failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    port = str(free_port())
+    nodes = []
+    for node in (0, 1):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                   "--node-rank", str(node), "--nproc-per-node", "2",
+                   "--master-addr", "127.0.0.1", "--master-port", port,
+                   str(JOBS / "rank_socket.py"), "--sockets", sockets, "--out", str(out),
+                   "--model", "small", "--steps", str(STEPS), "--slow-rank", str(SLOW_RANK),
+                   "--slow-forward-ms", str(SLOW_MS)]
+        nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=skewed(env) if node else env, cwd=ROOT))
+    for node, launcher in enumerate(nodes):
+        output, _ = launcher.communicate(timeout=180)
+        assert launcher.returncode == 0, f"node {node} failed:\n{output[-6000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +151,9 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory, fake_nvml_lib: Path  # no
         scenario.dump(scenario_path)
         xid_env = agent_env(fake_nvml_lib.parent, scenario_path)
         agents.append(start_agent(tmp, "--interval", "1", env=xid_env, wait_ready=False))
-        agents += [start_agent(tmp, "--simulate", "2", "--interval", "1", wait_ready=False)
-                   for _ in range(3)]
+        agents.append(start_agent(tmp, "--simulate", "2", "--interval", "1", wait_ready=False))
+        agents += [start_agent(tmp, "--simulate", "2", "--interval", "1", wait_ready=False,
+                               env=skewed(dict(os.environ))) for _ in range(2)]
         for agent in agents:
             wait_for(lambda agent=agent: agent.json("/readyz")[0] == 200, timeout=60,
                      what=f"agent on {agent.port}")
@@ -193,6 +220,26 @@ def test_the_central_straggler_score_sees_the_run_whole(pipeline: Pipeline) -> N
     (mean,) = [float(r["value"][1]) for r in run_mean]
     job_mean = statistics.mean(_median_step_s(pipeline, r) for r in range(4))
     assert mean == pytest.approx(job_mean, rel=0.3), (mean, job_mean)
+
+
+@pytest.mark.slow
+def test_a_node_clock_two_seconds_ahead_moves_nothing(pipeline: Pipeline) -> None:
+    """The second node's clock was 2 s ahead (the last steps of its ranks, which ended with
+    their peers' in the same all-reduce, read 2 s later), yet no step was dropped as skewed
+    and the scores above read as the job's own timings say: every rule reads rates of
+    counters on the scraper's clock, never a node's."""
+    last, dropped = {}, {}
+    for index, agent in enumerate(pipeline.agents):
+        metrics = agent.metrics()
+        for labels, value in series(metrics, "gpumon_step_last_timestamp_seconds", run=RUN):
+            last[int(labels["rank"])] = value
+        dropped[index] = {labels["reason"]: v for labels, v in series(metrics, "gpumon_ingest_dropped_total")}
+        steps = {int(labels["rank"]): v for labels, v in series(metrics, "gpumon_steps_total", run=RUN)}
+        assert all(v == STEPS for v in steps.values()), (index, steps)
+    ahead = statistics.mean([last[2], last[3]]) - statistics.mean([last[0], last[1]])
+    print(f"the second node's last steps read {ahead:+.2f} s from the first's; dropped {dropped}")
+    assert ahead == pytest.approx(SKEW_S, abs=0.5)
+    assert all(not reasons.get("clock_skew") for reasons in dropped.values()), dropped
 
 
 @pytest.mark.slow

@@ -23,6 +23,11 @@ side, one story each:
 * ``normal``: a healthy run of 0.5 s steps for 10 minutes, rank 0 saving a 5 s checkpoint
   every 50 steps (its peer waits for it), and a 2-minute evaluation pass. Nothing about it
   may arrive.
+* ``leak``: memory growing to the limit. CPU torch has no GPU memory to grow, so this one job
+  is the simulator's (``gpumon demo``'s node: simulated GPUs, a simulated job of 2 ranks whose
+  per-step peak grows from 60 % to 99 % of capacity over ``LEAK_S``, at real speed), scraped
+  by the same Prometheus with the same rules. A warning about its memory must arrive before
+  the peak reaches capacity (the end of the leak).
 
 The figures go in docs/reliability.md ("Time to know").
 """
@@ -46,7 +51,7 @@ import yaml
 from gpumon.testing import AgentProcess, free_port, start_agent
 from gpumon.testing.metrics import series
 from gpumon.testing.processes import kill_tree
-from tests.e2e.test_alert_pipeline import AlertmanagerProcess, Receiver
+from tests.e2e.test_alert_pipeline import AlertmanagerProcess, DemoNode, Receiver
 from tests.helpers import ROOT, launch_service, require_tool, start_prometheus, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.waits]
@@ -65,6 +70,19 @@ SLOWED_WITHIN_S = 180.0
 SLOW_AFTER_STEPS = 1000
 """About a minute of even steps first (50 ms of device work a step)."""
 NORMAL_S = 600.0
+MEMORY_ALERTS = {"GpumonOOMRiskHigh", "GpumonOOMPredicted"}
+LEAK_AFTER_S = 60.0
+LEAK_S = 480.0
+LEAK = f"""
+[[phase]]
+kind = "compute"
+seconds = {LEAK_AFTER_S:g}
+
+[[phase]]
+kind = "leak"
+seconds = {LEAK_S:g}
+peak_ratio = 0.99
+"""
 
 
 class Job:
@@ -108,6 +126,8 @@ class Pipeline:
     agent: AgentProcess
     receiver: Receiver
     jobs: dict[str, Job]
+    leak: DemoNode
+    leak_started: float
 
 
 def _shipped_alertmanager(tmp: Path, webhook_url: str) -> AlertmanagerProcess:
@@ -139,11 +159,13 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     tmp = tmp_path_factory.mktemp("ttk")
     agent = start_agent(tmp)
     receiver = Receiver(lambda: None)
-    alertmanager = prometheus = None
+    alertmanager = prometheus = leak = None
     jobs: dict[str, Job] = {}
     try:
+        leak = DemoNode.start(tmp, "leak", LEAK, "leak")
         alertmanager = _shipped_alertmanager(tmp, receiver.url)
-        prometheus = start_prometheus(tmp, [f"127.0.0.1:{agent.port}"], scrape_interval=shipped_interval(),
+        prometheus = start_prometheus(tmp, [f"127.0.0.1:{agent.port}", leak.target],
+                                      scrape_interval=shipped_interval(),
                                       rule_files=[RULES], alertmanager=f"127.0.0.1:{alertmanager.port}")
         jobs["killed"] = Job(agent, tmp, "killed", "--scenario", "slow", "--stop-after", "-1")
         jobs["stuck"] = Job(agent, tmp, "stuck", "--scenario", "lock", "--rank", "1",
@@ -155,8 +177,11 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
         jobs["normal"] = Job(agent, tmp, "normal", "--scenario", "normal", "--work-ms", "500",
                              "--stop-after", "100", "--eval-s", "120", "--checkpoint-every", "50",
                              "--checkpoint-s", "5")
-        yield Pipeline(agent, receiver, jobs)
+        leak.job.start()
+        yield Pipeline(agent, receiver, jobs, leak, time.time())
     finally:
+        if leak is not None:
+            leak.stop()
         for job in jobs.values():
             job.stop()
         for service in (prometheus, alertmanager):
@@ -259,7 +284,8 @@ def test_time_to_know_a_slowed_rank_and_a_normal_job(pipeline: Pipeline) -> None
 
     normal_states: set[tuple[str, str]] = set()
     saves = 0
-    while time.time() < normal.started + NORMAL_S:
+    leak_end = pipeline.leak_started + LEAK_AFTER_S + LEAK_S
+    while time.time() < max(normal.started + NORMAL_S, leak_end):
         normal_states |= set(_rank_states(agent, "normal").items())
         saves = max(saves, normal.note(0).get("steps", 0) // 50)
         time.sleep(1.0)
@@ -278,18 +304,28 @@ def test_time_to_know_a_slowed_rank_and_a_normal_job(pipeline: Pipeline) -> None
     others = [a["labels"]["alertname"] for _, a in about("slowed")
               if a["labels"]["alertname"] != "GpumonRankStraggler"]
 
+    # memory growing to the limit: a warning about it before the peak reaches capacity
+    memory = [(n, a) for n, a in about("leak") if a["labels"]["alertname"] in MEMORY_ALERTS]
+    assert memory, [(a["labels"]["alertname"], a["labels"].get("rank")) for _, a in about("leak")]
+    first, first_alert = min(memory, key=lambda pair: pair[0].arrived)
+    lead_s = leak_end - _unix(first.arrived)
+    leak_names = sorted({a["labels"]["alertname"] for _, a in memory})
+
     # a normal job for 10 minutes: checkpoints, an evaluation, and nothing arrives
     about_normal = [(a["labels"]["alertname"], a["labels"].get("rank")) for _, a in about("normal")]
     print(f"time to know: rank slowed 1.5x {slowed_s:.1f} s (goal {SLOWED_WITHIN_S:.0f}), "
           f"other alerts of that run {others}; normal job {NORMAL_S:.0f} s with {saves} "
           f"checkpoints and an evaluation: {len(about_normal)} alerts; its states "
-          f"{sorted(normal_states)}")
+          f"{sorted(normal_states)}; leak: {first_alert['labels']['alertname']} "
+          f"{_unix(first.arrived) - pipeline.leak_started - LEAK_AFTER_S:.0f} s into the "
+          f"{LEAK_S:.0f} s leak, {lead_s:.0f} s before capacity (then {leak_names})")
     assert slowed_note.get("what") == "steps"  # still stepping: it was slowed, not stopped
     assert 0 < slowed_s <= SLOWED_WITHIN_S
     assert others == []
     assert saves >= 8
     assert ("0", "evaluating") in normal_states and ("1", "evaluating") in normal_states
     assert about_normal == []
+    assert lead_s > 0
 
 
 def _slowed_at(job: Job) -> float:
