@@ -90,8 +90,8 @@ class Agent:
         """The senders' pids the owners collector has been told of: a new one wakes it, so a
         rank is attributed at its first step, not up to ``OWNERS_INTERVAL_S`` later (or never,
         for a process shorter than that)."""
-        self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
-                                         self.recording_status, self.ingest_status, self.owners)
+        self._collector = AgentCollector(self.state, self.rank_store, self.recording_status,
+                                         self.ingest_status, self.owners)
         # Every collector's families are named at registration, so a clash is refused there.
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self._collector)
@@ -339,4 +339,4 @@ class Agent:
     def snapshot(self) -> dict[str, Any]:
         """The current state as JSON-ready data (for /api/v1/snapshot and `gpumon top`)."""
         return snapshot_document(self.state.snapshot(time.time()), self.rank_store.ranks(),
-                                 self.analyzer.analyses(), self.owners.get())
+                                 self.owners.get())

@@ -58,9 +58,10 @@ class Node:
         self.analyzer.process(self.t, lambda index, t0, t1: [], [], {})
 
     def scrape(self, families: StepFamilies) -> bytes:
-        return render([*families.steps(self.store.ranks(), *self.store.counters(),
-                                       self.processes, self.resolved),
-                       *families.analyses(self.analyzer.analyses())])
+        ranks = self.store.ranks()
+        return render([*families.steps(ranks, *self.store.counters(), self.processes,
+                                       self.resolved),
+                       *families.analyses(ranks)])
 
 
 def step(run: str, rank: int, n: int, t_end: float, rng: random.Random) -> StepRecord:
