@@ -1,16 +1,17 @@
 """The step analyzer as the agent runs it: fed by ingest, advanced by housekeeping, read by scrapes.
 
 ``analysis.stream.StepAnalyzer`` is pure and not thread-safe; here it sits behind one lock
-shared by three threads. Data flows one way: ingest hands it accepted steps, housekeeping
-hands it a copy of the node's GPU samples taken once per pass, and scrapes take copies of its
-analyses. It never reads the node state itself.
+shared by three threads. Its per-rank state lives on the rank store's records, which the store
+keeps, expires and evicts (``state.ranks``). Data flows one way: ingest hands it accepted
+steps, housekeeping hands it a copy of the node's GPU samples taken once per pass, and scrapes
+read its analyses with the store's copies. It never reads the node state itself.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from gpumon.analysis.stream import RankAnalysis, RankKey, StepAnalyzer
 from gpumon.analysis.thresholds import Thresholds
@@ -18,14 +19,18 @@ from gpumon.collectors.samples import GpuSample
 from gpumon.state.gpu_history import Packed
 from gpumon.state.gpu_history import window as gpu_window
 from gpumon.state.node import NodeSnapshot
+from gpumon.state.ranks import RankStore
 from gpumon.wire import StepRecord
 
 
 class SharedAnalyzer:
-    """A ``StepAnalyzer`` behind a lock, with its passes cut into slices."""
+    """A ``StepAnalyzer`` behind a lock, with its passes cut into slices; ``ranks`` is the
+    store whose records hold its per-rank state (without one, a table of its own)."""
 
-    def __init__(self, resolution_s: float, thresholds: Thresholds) -> None:
-        self._analyzer = StepAnalyzer(resolution_s=resolution_s, thresholds=thresholds)
+    def __init__(self, resolution_s: float, thresholds: Thresholds,
+                 ranks: RankStore | None = None) -> None:
+        self._analyzer = StepAnalyzer(resolution_s=resolution_s, thresholds=thresholds,
+                                      ranks=ranks)
         self._lock = threading.Lock()
 
     @property
@@ -44,9 +49,9 @@ class SharedAnalyzer:
         with self._lock:
             self._analyzer.add(steps, received_t, pids)
 
-    def advance(self, now: float, expired: Iterable[RankKey], node: NodeSnapshot,
+    def advance(self, now: float, node: NodeSnapshot,
                 gpu_history: Mapping[int, Sequence[Packed]]) -> None:
-        """Forget expired ranks and analyse every step whose window is complete.
+        """Analyse every step whose window is complete.
 
         ``gpu_history`` is each GPU's recent samples, copied from the node state for this
         pass. A whole pass holds the GIL for 5-15 ms at 64 ranks. In slices of ~1 ms, with
@@ -59,7 +64,6 @@ class SharedAnalyzer:
             return gpu_window(gpu_history.get(index, ()), index, t0, t1)
 
         with self._lock:
-            self._analyzer.forget(expired)
             slices = self._analyzer.process_in_slices(
                 now, window, node.gpus, node.latest,
                 xid_gpus={gpu for (gpu, _), count in node.xid_counts.items() if count})
@@ -70,6 +74,6 @@ class SharedAnalyzer:
             time.sleep(0)
 
     def analyses(self) -> list[RankAnalysis]:
-        """Copies of every rank's current analysis."""
+        """Every rank's current analysis (never changed once handed out)."""
         with self._lock:
             return self._analyzer.analyses()

@@ -81,7 +81,8 @@ class Agent:
         self._liveness = ProcessLiveness()
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks,
                                     alive=self._liveness.alive)
-        self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds)
+        self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds,
+                                       ranks=self.rank_store)
         self.owners = OwnerState(config.node_name or socket.gethostname())
         self._owner_collector = OwnerCollector(self.owners, config.pod_resources_socket)
         self._owners_thread: Periodic | None = None
@@ -89,8 +90,8 @@ class Agent:
         """The senders' pids the owners collector has been told of: a new one wakes it, so a
         rank is attributed at its first step, not up to ``OWNERS_INTERVAL_S`` later (or never,
         for a process shorter than that)."""
-        self._collector = AgentCollector(self.state, self.rank_store, self.analyzer,
-                                         self.recording_status, self.ingest_status, self.owners)
+        self._collector = AgentCollector(self.state, self.rank_store, self.recording_status,
+                                         self.ingest_status, self.owners)
         # Every collector's families are named at registration, so a clash is refused there.
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self._collector)
@@ -301,13 +302,13 @@ class Agent:
             self._recorder.steps(accepted)
 
     def _housekeeping(self, now: float, monotonic: float) -> None:
-        expired = self.rank_store.expire(monotonic)
+        self.rank_store.expire(monotonic)  # each rank's analysis goes with it
         if monotonic - self._liveness_at >= LIVENESS_INTERVAL_S:
             self._liveness_at = monotonic
             ended = self._liveness.ended(set(self.rank_store.watched_pids()))
             if ended:
                 self.rank_store.mark_exited(ended, monotonic)
-        self.analyzer.advance(now, expired, self.state.snapshot(now), self.state.gpu_history())
+        self.analyzer.advance(now, self.state.snapshot(now), self.state.gpu_history())
         if self.traces is not None and self.config.trace_auto:
             self.traces.observe(self.analyzer.analyses())
         if self._recorder is not None:
@@ -338,4 +339,4 @@ class Agent:
     def snapshot(self) -> dict[str, Any]:
         """The current state as JSON-ready data (for /api/v1/snapshot and `gpumon top`)."""
         return snapshot_document(self.state.snapshot(time.time()), self.rank_store.ranks(),
-                                 self.analyzer.analyses(), self.owners.get())
+                                 self.owners.get())

@@ -1,6 +1,6 @@
 """What the agent shows: Prometheus families at scrape time, readiness, the JSON snapshot.
 
-Each view reads copies (a node snapshot, rank-store copies, the analyzer's analyses) and
+Each view reads copies (a node snapshot, rank-store copies, each with its rank's analysis) and
 renders outside every lock. The JSON snapshot is what ``/api/v1/snapshot`` serves and what
 ``gpumon top`` and ``gpumon demo`` read.
 """
@@ -15,7 +15,6 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from gpumon import __version__
-from gpumon.agent.analyzer import SharedAnalyzer
 from gpumon.analysis.stall import RankCondition, waits_on_label
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.ingest import IngestStatus
@@ -44,7 +43,7 @@ STUCK_AFTER_INTERVALS = 3
 class AgentCollector:
     """prometheus-client Collector: families are rendered from a snapshot at scrape time."""
 
-    def __init__(self, node: NodeState, rank_store: RankStore, analyzer: SharedAnalyzer,
+    def __init__(self, node: NodeState, rank_store: RankStore,
                  recording: Callable[[], RecorderStatus | None],
                  ingest: Callable[[], IngestStatus | None], owners: OwnerState) -> None:
         self._node = node
@@ -52,7 +51,6 @@ class AgentCollector:
         self._recording = recording
         self._ingest = ingest
         self._rank_store = rank_store
-        self._analyzer = analyzer
         self._step_families = StepFamilies()  # keeps each run's series rendered
         self._memory_families = MemoryFamilies()
 
@@ -61,10 +59,10 @@ class AgentCollector:
         snap = self._node.snapshot(time.time())
         yield from node_families(snap)
         records, dropped = self._rank_store.counters()
-        analyses = self._analyzer.analyses()
-        uuids = {g.index: g.uuid for g in snap.gpus}
-        resolved = {(a.run, a.rank): uuids[a.gpu] for a in analyses if a.gpu in uuids}
         ranks = self._rank_store.ranks()
+        uuids = {g.index: g.uuid for g in snap.gpus}
+        resolved = {(r.run, r.rank): uuids[r.analysis.gpu] for r in ranks
+                    if r.analysis is not None and r.analysis.gpu in uuids}
         ownership = self._owners.get()
         yield from self._step_families.steps(ranks, records, dropped, snap.processes, resolved,
                                              ownership)
@@ -73,8 +71,8 @@ class AgentCollector:
         yield from owner_families(ownership, snap.gpus, {
             index: sample.process_memory_bytes or {} for index, sample in snap.latest.items()},
             live)
-        yield from self._step_families.analyses(analyses)
-        yield from self._memory_families.families(ranks, analyses)
+        yield from self._step_families.analyses(ranks)
+        yield from self._memory_families.families(ranks)
         yield from rank_state_families(rank_conditions(ranks, time.monotonic()))
         yield from eviction_families(self._rank_store.evictions())
         yield from conflict_families(self._rank_store.conflicts())
@@ -89,7 +87,7 @@ class AgentCollector:
         steps = StepFamilies()
         return [*node_families(snap), *steps.steps([], {}, {}, {}, {}),
                 *owner_families(Ownership(), [], {}, {}), *steps.analyses([]),
-                *MemoryFamilies().families([], []), *rank_state_families({}),
+                *MemoryFamilies().families([]), *rank_state_families({}),
                 *eviction_families({}), *conflict_families({}),
                 *ingest_families(IngestStatus("", True, 0o660, "")),
                 *recording_families(RecorderStatus("", 0, 0, 0, 0, None))]
@@ -124,11 +122,10 @@ def readiness(snap: NodeSnapshot, ingest_problem: str | None, now_monotonic: flo
 
 
 def snapshot_document(snap: NodeSnapshot, ranks: list[RankTotals],
-                      analyses: list[RankAnalysis],
                       ownership: Ownership | None = None) -> dict[str, Any]:
-    """The node, its GPUs and its ranks (with whose each is) as JSON-ready data."""
+    """The node, its GPUs and its ranks (with their analyses and whose each is) as JSON-ready
+    data."""
     ownership = ownership or Ownership()
-    by_rank = {(a.run, a.rank): a for a in analyses}
     conditions = rank_conditions(ranks, time.monotonic())
     gpus = []
     for gpu in snap.gpus:
@@ -154,7 +151,7 @@ def snapshot_document(snap: NodeSnapshot, ranks: list[RankTotals],
             "memory_total_bytes": host.memory_total_bytes},
         "xid_errors": [{"gpu": g, "xid": x, "count": c}
                        for (g, x), c in sorted(snap.xid_counts.items())],
-        "ranks": [{**_rank_dict(r, by_rank.get((r.run, r.rank)), conditions.get((r.run, r.rank))),
+        "ranks": [{**_rank_dict(r, conditions.get((r.run, r.rank))),
                    "owner": asdict(ownership.of_pid(r.kernel_pid))}
                   for r in sorted(ranks, key=lambda r: (r.run, r.rank))],
     }
@@ -168,8 +165,8 @@ def _sample_dict(sample: GpuSample) -> dict[str, Any]:
     return data
 
 
-def _rank_dict(state: RankTotals, analysis: RankAnalysis | None,
-               condition: RankCondition | None) -> dict[str, Any]:
+def _rank_dict(state: RankTotals, condition: RankCondition | None) -> dict[str, Any]:
+    analysis = state.analysis
     return {
         "run": state.run, "rank": state.rank, "world": state.world,
         "local_rank": state.local_rank, "pid": state.pid, "gpu": state.gpu_hint,

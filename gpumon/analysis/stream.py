@@ -1,9 +1,11 @@
 """Streaming verdicts: steps and GPU samples in, per-rank verdicts and OOM risk out.
 
 The same engine serves the live agent and ``gpumon classify`` replaying a recording. It
-holds per-rank state (steps waiting for their GPU samples, recent own-work times for the
-straggler comparison, recent peaks for the OOM trend) but does no I/O and reads no clock: the
-caller passes "now" and a function returning a GPU's samples over a window.
+works on per-rank state (``RankTracker``: steps waiting for their GPU samples, recent own-work
+times for the straggler comparison, recent peaks for the OOM trend) kept where its ``Trackers``
+say: in the agent, on the rank store's record of each rank, so that a rank expires, is evicted
+or is forgotten in one place; in a replay, a table of its own. It does no I/O and reads no
+clock: the caller passes "now" and a function returning a GPU's samples over a window.
 
 A step is analysed once the GPU samples covering its window can have arrived (``lag_s``
 after it ended). Steps shorter than the sampler's resolution are merged with the following
@@ -18,6 +20,7 @@ import statistics
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from gpumon.analysis.bottleneck import Bottleneck, Flag, Verdict, classify
 from gpumon.analysis.device_timing import device_shares
@@ -58,7 +61,9 @@ _versions = itertools.count(1)
 
 @dataclass
 class RankAnalysis:
-    """What the analyzer currently says about one rank."""
+    """What the analyzer currently says about one rank. One handed out is never changed: the
+    analyzer replaces it (``RankTracker.conclude``), so a reader on another thread may take it
+    without the analyzer's lock."""
 
     run: str
     rank: int
@@ -92,9 +97,10 @@ class StepVerdict:
 
 
 @dataclass
-class _RankTracker:
+class RankTracker:
     """The analyzer's working state for one rank: steps waiting for their GPU samples and
-    the recent figures its verdicts and scores need; ``analysis`` is what it has concluded."""
+    the recent figures its verdicts and scores need; ``analysis`` is what it has concluded.
+    Only the analyzer reads or changes it, under its caller's lock, except ``analysis``."""
 
     analysis: RankAnalysis
     pending: list[StepRecord] = field(default_factory=list)
@@ -120,6 +126,48 @@ class _RankTracker:
     sm_clock_hz: float | None = None
     gpu_trouble: bool = False
 
+    def conclude(self, **changes: Any) -> None:
+        """Replace ``analysis`` by one with ``changes`` and a new version."""
+        self.analysis = replace(self.analysis, **changes, version=next(_versions))
+
+
+class Trackers(Protocol):
+    """Where the analyzer keeps its ``RankTracker``s: the agent's rank store (one record per
+    rank, which drops the tracker with the rank), or a ``TrackerTable``."""
+
+    def tracker(self, key: RankKey) -> RankTracker | None:
+        """The rank's tracker, made at its first step; None for a rank no longer held (its
+        steps are dropped)."""
+        ...
+
+    def trackers(self) -> list[RankTracker]:
+        """Every held rank's tracker."""
+        ...
+
+
+class TrackerTable:
+    """Trackers of their own, for an analyzer nothing else holds ranks for (a replay): kept
+    as long as the analyzer."""
+
+    def __init__(self) -> None:
+        self._trackers: dict[RankKey, RankTracker] = {}
+
+    def tracker(self, key: RankKey) -> RankTracker:
+        """The rank's tracker, made at its first step."""
+        tracker = self._trackers.get(key)
+        if tracker is None:
+            tracker = self._trackers[key] = new_tracker(key)
+        return tracker
+
+    def trackers(self) -> list[RankTracker]:
+        """Every rank's tracker."""
+        return list(self._trackers.values())
+
+
+def new_tracker(key: RankKey) -> RankTracker:
+    """A rank's tracker before its first step."""
+    return RankTracker(RankAnalysis(*key))
+
 
 def attribute_gpu(gpu: str | int | None, pid: int | None, statics: Sequence[GpuStatic],
                   latest: Mapping[int, GpuSample]) -> int | None:
@@ -141,34 +189,41 @@ def attribute_gpu(gpu: str | int | None, pid: int | None, statics: Sequence[GpuS
 
 
 class StepAnalyzer:
-    """Not thread-safe: a caller feeding it from several threads holds one lock around it."""
+    """Not thread-safe: a caller feeding it from several threads holds one lock around it
+    (``ranks``, the rank store in the agent, has its own for which ranks there are).
+
+    ``ranks`` holds the per-rank state; by default a table of the analyzer's own."""
 
     def __init__(self, resolution_s: float, thresholds: Thresholds = DEFAULT,
-                 peak_flops_override: float | None = None) -> None:
+                 peak_flops_override: float | None = None,
+                 ranks: Trackers | None = None) -> None:
         self.resolution_s = resolution_s
         self.lag_s = resolution_s + 0.5
         self.thresholds = thresholds
         self._peak_override = peak_flops_override
-        self._ranks: dict[RankKey, _RankTracker] = {}
+        self._ranks: Trackers = ranks if ranks is not None else TrackerTable()
 
     def add(self, steps: Iterable[StepRecord], received_t: float,
             pids: Mapping[RankKey, int | None] | None = None) -> None:
         """Queue steps; a step without ``t_start``, or one claiming to end well after it
-        was received (a client clock running ahead), is taken to have ended when received."""
-        full: list[_RankTracker] = []
+        was received (a client clock running ahead), is taken to have ended when received.
+        Steps of a rank ``ranks`` no longer holds are dropped."""
+        full: list[RankTracker] = []
+        key: RankKey | None = None
+        state: RankTracker | None = None
         for step in steps:
             end = step.t_end
             if end is None or end > received_t + CLOCK_SKEW_TOLERANCE_S:
                 step = replace(step, t_start=received_t - step.duration_s)
-            key = (step.run, step.rank)
-            state = self._ranks.get(key)
+            if (step.run, step.rank) != key:  # a batch is mostly one rank's: one look-up
+                key = (step.run, step.rank)
+                state = self._ranks.tracker(key)
             if state is None:
-                state = self._ranks[key] = _RankTracker(RankAnalysis(step.run, step.rank))
+                continue
             if step.world is not None and step.world != state.world:
                 if state.world is not None:
                     # A restarted (elastic) job: what this rank did before describes another run.
-                    state.analysis.world_changes += 1
-                    state.analysis.version = next(_versions)
+                    state.conclude(world_changes=state.analysis.world_changes + 1)
                     state.own_s.clear()
                     state.data_s.clear()
                     state.cpu_wait_s.clear()
@@ -192,11 +247,6 @@ class StepAnalyzer:
         # each one added); nothing reads them in between.
         for state in full:
             del state.pending[: len(state.pending) - MAX_PENDING]
-
-    def forget(self, keys: Iterable[RankKey]) -> None:
-        """Drop ranks the caller expired."""
-        for key in keys:
-            self._ranks.pop(key, None)
 
     def process(self, now_t: float, history: History, statics: Sequence[GpuStatic],
                 latest: Mapping[int, GpuSample]) -> list[StepVerdict]:
@@ -230,7 +280,7 @@ class StepAnalyzer:
         cutoff = now_t - self.lag_s
         done: list[StepVerdict] = []
         work = 0
-        for state in list(self._ranks.values()):
+        for state in self._ranks.trackers():
             # A rank's steps arrive in order: the ready ones are a prefix.
             k = 0
             for step in state.pending:
@@ -264,14 +314,13 @@ class StepAnalyzer:
         if done:
             yield done
 
-    def _analyse(self, state: _RankTracker, group: StepRecord, steps: int, last: StepRecord,
+    def _analyse(self, state: RankTracker, group: StepRecord, steps: int, last: StepRecord,
                  history: History, statics: Mapping[int, GpuStatic],
                  latest: Mapping[int, GpuSample], thresholds: Thresholds,
                  xid_gpus: Collection[int]) -> Verdict:
         analysis = state.analysis
         index = attribute_gpu(last.gpu, last.pid or state.last_pid, list(statics.values()),
                               latest)
-        analysis.gpu = index
         static = statics.get(index) if index is not None else None
         window = None
         if index is not None and group.t_start is not None and group.t_end is not None:
@@ -279,7 +328,7 @@ class StepAnalyzer:
                                           group.t_start, group.t_end)
         name = static.name if static else None
         previous = state.last
-        memory = analysis.memory = attribute_growth(list(state.breakdowns))
+        memory = attribute_growth(list(state.breakdowns))
         verdict = classify(
             group, window,
             peak_flops=resolve_peak_flops(name, self._peak_override),
@@ -297,19 +346,19 @@ class StepAnalyzer:
         )
         if verdict.fractions["other"] < 1.0:  # its shares were measured (phases or comm)
             state.comm_shares.append(verdict.fractions["comm"])
-        analysis.verdict = verdict
-        analysis.verdict_step = last.step
-        analysis.bottleneck_steps[verdict.primary.value] += steps
+        bottleneck_steps = Counter(analysis.bottleneck_steps)
+        bottleneck_steps[verdict.primary.value] += steps
         state.sm_clock_hz = window.sm_clock_hz if window is not None else None
         state.gpu_trouble = Flag.THROTTLED in verdict.flags or index in xid_gpus
         state.durations.append(group.duration_s / steps)
         if last.mem is not None and last.mem.peak_bytes is not None and last.t_end is not None:
             state.peaks.append((last.t_end, last.mem.peak_bytes))
         capacity = static.memory_total_bytes if static else None
+        oom = analysis.oom
         if capacity and (state.peaks or last.mem is not None):
             sample = latest.get(index) if index is not None else None
             mem = last.mem
-            analysis.oom = assess_oom_risk(
+            oom = assess_oom_risk(
                 list(state.peaks),
                 capacity_bytes=capacity,
                 nvml_used_bytes=sample.memory_used_bytes if sample else None,
@@ -319,19 +368,20 @@ class StepAnalyzer:
                 ooms_delta=_delta(previous, last, "ooms"),
                 step_period_s=statistics.median(state.durations) if state.durations else None,
             )
-            if memory is not None and analysis.oom.reasons:
+            if memory is not None and oom.reasons:
                 # What is at risk is only half the warning: say which part fills the memory.
-                analysis.oom = replace(analysis.oom, reasons=(*analysis.oom.reasons, memory.text))
+                oom = replace(oom, reasons=(*oom.reasons, memory.text))
         state.last = last
-        analysis.version = next(_versions)
+        state.conclude(gpu=index, memory=memory, verdict=verdict, verdict_step=last.step,
+                       bottleneck_steps=bottleneck_steps, oom=oom)
         return verdict
 
     def _compare_ranks(self, thresholds: Thresholds) -> None:
         """Each run's straggler comparison (``straggler.judge_run``), over the ranks that are
         still reporting at the run's current world size."""
-        runs: dict[str, list[_RankTracker]] = {}
-        for (run, _), state in self._ranks.items():
-            runs.setdefault(run, []).append(state)
+        runs: dict[str, list[RankTracker]] = {}
+        for state in self._ranks.trackers():
+            runs.setdefault(state.analysis.run, []).append(state)
         for states in runs.values():
             newest = max(states, key=lambda s: s.last_end_t)
             periods = [statistics.median(s.durations) for s in states if s.durations]
@@ -356,16 +406,15 @@ class StepAnalyzer:
                     if standing is not None else (None, None, None)
                 if update != (analysis.straggler_score, analysis.straggler_cause,
                               analysis.slower_rank):  # scores are positive: never -0.0 or NaN
-                    analysis.straggler_score, analysis.straggler_cause, analysis.slower_rank = update
-                    analysis.version = next(_versions)
+                    state.conclude(straggler_score=update[0], straggler_cause=update[1],
+                                   slower_rank=update[2])
 
     def analyses(self) -> list[RankAnalysis]:
-        """Copies of every rank's current analysis."""
-        return [replace(s.analysis, bottleneck_steps=Counter(s.analysis.bottleneck_steps))
-                for s in self._ranks.values()]
+        """Every rank's current analysis (never changed once handed out)."""
+        return [s.analysis for s in self._ranks.trackers()]
 
 
-def _rank_work(state: _RankTracker) -> RankWork:
+def _rank_work(state: RankTracker) -> RankWork:
     """A rank's latest steps, as the straggler comparison reads them."""
     own = list(state.own_s)
     low, high = (statistics.quantiles(own, n=4, method="inclusive")[::2] if len(own) > 1
@@ -386,4 +435,5 @@ def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:
     return max(0, now - (before or 0)) if before is not None else 0
 
 
-__all__ = ["Bottleneck", "RankAnalysis", "StepAnalyzer", "StepVerdict", "attribute_gpu"]
+__all__ = ["Bottleneck", "RankAnalysis", "RankTracker", "StepAnalyzer", "StepVerdict",
+           "TrackerTable", "Trackers", "attribute_gpu", "new_tracker"]

@@ -14,14 +14,11 @@ from typing import NamedTuple
 from prometheus_client.core import Metric
 
 from gpumon.analysis.memory import project_zero
-from gpumon.analysis.stream import RankAnalysis
 from gpumon.export.exposition import GaugeFamily, RenderCache
 from gpumon.state.ranks import RankTotals
 from gpumon.wire import MEMORY_COMPONENTS
 
 RANK_LABELS = ["run", "rank"]
-
-MemorySource = tuple[RankTotals, RankAnalysis | None]
 
 
 class _MemoryFamilySet(NamedTuple):
@@ -50,8 +47,8 @@ def _families() -> _MemoryFamilySet:
     )
 
 
-def _fill(families: _MemoryFamilySet, sources: list[MemorySource]) -> None:
-    for state, analysis in sources:
+def _fill(families: _MemoryFamilySet, ranks: list[RankTotals]) -> None:
+    for state in ranks:
         labels = [state.run, str(state.rank)]
         breakdown = state.memory_breakdown
         if breakdown is not None:
@@ -64,7 +61,7 @@ def _fill(families: _MemoryFamilySet, sources: list[MemorySource]) -> None:
                 families.projected.add_metric(
                     [*labels, str(projection.stage), str(projection.gpus)],
                     float(projection.total))
-        memory = analysis.memory if analysis is not None else None
+        memory = state.analysis.memory if state.analysis is not None else None
         if memory is not None:
             families.component.add_metric(
                 [*labels, memory.component, memory.cause, memory.remedy], float(memory.bytes))
@@ -76,15 +73,13 @@ class MemoryFamilies:
     def __init__(self) -> None:
         self._cache = RenderCache(_families, _fill)
 
-    def families(self, ranks: list[RankTotals], analyses: list[RankAnalysis]) -> Iterator[Metric]:
+    def families(self, ranks: list[RankTotals]) -> Iterator[Metric]:
         """Series for every rank that sent a breakdown."""
-        by_key = {(a.run, a.rank): a for a in analyses}
-        runs: dict[str, list[MemorySource]] = {}
+        runs: dict[str, list[RankTotals]] = {}
         for state in sorted(ranks, key=lambda s: (s.run, s.rank)):
-            if state.memory_breakdown is None:
-                continue
-            runs.setdefault(state.run, []).append((state, by_key.get((state.run, state.rank))))
+            if state.memory_breakdown is not None:
+                runs.setdefault(state.run, []).append(state)
         yield from self._cache.families(
-            (run, tuple((s.rank, s.world, s.memory_breakdown, a.memory if a else None)
-                        for s, a in sources), sources)
+            (run, tuple((s.rank, s.world, s.memory_breakdown,
+                         s.analysis.memory if s.analysis else None) for s in sources), sources)
             for run, sources in runs.items())

@@ -1,4 +1,5 @@
-"""Prometheus families for training steps, memory, communication and ingest, from RankStore copies.
+"""Prometheus families for training steps, memory, communication and ingest, from RankStore copies
+(each rank's totals and the analysis it carried).
 
 Nearly all of a scrape's series are per rank: 55 a rank, ~3,500 of ~3,770 at 8 GPUs × 64
 ranks. They are rendered as text in one block per run, kept with the versions of the states
@@ -83,11 +84,12 @@ class StepFamilies:
         yield records
         yield dropped
 
-    def analyses(self, analyses: list[RankAnalysis]) -> Iterator[Metric]:
-        """Verdict, MFU and OOM-risk families per (run, rank)."""
+    def analyses(self, ranks: list[RankTotals]) -> Iterator[Metric]:
+        """Verdict, MFU and OOM-risk families per (run, rank) the analyzer has said anything of."""
         runs: dict[str, list[RankAnalysis]] = {}
-        for analysis in sorted(analyses, key=lambda a: (a.run, a.rank)):
-            runs.setdefault(analysis.run, []).append(analysis)
+        for state in sorted(ranks, key=lambda s: (s.run, s.rank)):
+            if state.analysis is not None:
+                runs.setdefault(state.run, []).append(state.analysis)
         keyed = [(run, tuple(a.version for a in sources), sources) for run, sources in runs.items()]
         yield from self._analyses.families(keyed)
         yield from self._stragglers.families(keyed)

@@ -1,4 +1,9 @@
-"""The rank store: per-(run, rank) step totals, fed by the ingest socket and read by scrapes.
+"""The rank store: one record per (run, rank), fed by the ingest socket and read by scrapes.
+
+A record holds what ingest counted for the rank (its totals) and the analyzer's working state
+for it (``analysis.stream.RankTracker``), so the rank expires, is evicted or makes way for
+another job's process in one place, and a scrape reads one list: each rank's totals with the
+analysis it carried when copied.
 
 Bounded, and fair between the users and the processes that send: a (run, rank) that stops
 reporting expires after a TTL, and a cap on live pairs bounds the number of series. When
@@ -27,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from gpumon.analysis.comm import wait_s
-from gpumon.analysis.stream import RankKey
+from gpumon.analysis.stream import RankAnalysis, RankKey, RankTracker, new_tracker
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.collectors.sender_shares import SenderShares
 from gpumon.state.collectives import CommTotals
@@ -67,8 +72,8 @@ _versions = itertools.count(1)
 
 @dataclass
 class RankTotals:
-    """What ingest has counted for one rank of one run: its identity, running totals and
-    latest readings (what the analyzer concludes about it is ``RankAnalysis``)."""
+    """The record of one rank of one run: what ingest has counted for it (its identity,
+    running totals and latest readings) and the analyzer's state for it."""
 
     run: str
     rank: int
@@ -116,6 +121,13 @@ class RankTotals:
     """The ZeRO stage it runs, as its hello said."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does (RankStore stamps it)."""
+    tracker: RankTracker | None = field(default=None, compare=False, repr=False)
+    """In the store: the analyzer's state for the rank, from its first step on
+    (``RankStore.tracker``); it goes with the record. The analyzer's lock guards what is in
+    it. None in a copy."""
+    analysis: RankAnalysis | None = field(default=None, compare=False)
+    """In a copy (``RankStore.ranks``): what the analyzer said of the rank when it was taken,
+    if it has said anything (its ``version`` is its own)."""
 
     @property
     def ooms_total(self) -> int:
@@ -157,10 +169,14 @@ class RankTotals:
 
 
 class RankStore:
-    """Thread-safe map of (run, rank) to RankTotals with TTL expiry and a fair cap.
+    """Thread-safe map of (run, rank) to RankTotals with TTL expiry and a fair cap; the
+    analyzer's ``Trackers`` (``analysis.stream``), which go with their records.
 
     ``alive(pid)`` says whether a process the agent sees still runs, to tell a second job's
-    claim on a pair from a restart; without it every new process is a restart."""
+    claim on a pair from a restart; without it every new process is a restart.
+
+    Its lock guards which records there are and what ingest writes in them; an analyzer calls
+    ``tracker`` and ``trackers`` holding its own lock, never the other way round."""
 
     def __init__(self, ttl_s: float = 300.0, max_ranks: int = 1024,
                  alive: Callable[[int], bool] | None = None) -> None:
@@ -293,9 +309,25 @@ class RankStore:
         return stale
 
     def ranks(self) -> list[RankTotals]:
-        """Copies of every live rank's state (without step history), for rendering."""
+        """Copies of every live rank's state (without step history) and its analysis, for
+        rendering."""
         with self._lock:
             return [_copy(s) for s in self._ranks.values()]
+
+    def tracker(self, key: RankKey) -> RankTracker | None:
+        """The analyzer's state for a live rank, made at its first step; None once it has gone."""
+        with self._lock:
+            state = self._ranks.get(key)
+            if state is None:
+                return None
+            if state.tracker is None:
+                state.tracker = new_tracker(key)
+            return state.tracker
+
+    def trackers(self) -> list[RankTracker]:
+        """The analyzer's state for every live rank that has any."""
+        with self._lock:
+            return [s.tracker for s in self._ranks.values() if s.tracker is not None]
 
     def counters(self) -> tuple[dict[str, int], dict[str, int]]:
         """(records by kind, dropped by reason)."""
@@ -365,4 +397,6 @@ def _copy(state: RankTotals) -> RankTotals:
     clone.phase_seconds_total = defaultdict(float, state.phase_seconds_total)
     clone.duration_bucket_counts = list(state.duration_bucket_counts)
     clone.comm = state.comm.copy() if state.comm is not None else None
+    # Published analyses are never changed: taken as they are, without the analyzer's lock.
+    clone.tracker, clone.analysis = None, state.tracker.analysis if state.tracker else None
     return clone

@@ -46,7 +46,7 @@ def test_snapshot_lists_gpus_and_ranks_without_analysis_yet() -> None:
     store = RankStore()
     store.ingest([StepRecord(run="r", rank=1, step=3, duration_s=0.5)], SenderCredentials(pid=42),
                  monotonic=0.0, now_t=6.0)
-    doc = snapshot_document(node.snapshot(6.0), store.ranks(), [])
+    doc = snapshot_document(node.snapshot(6.0), store.ranks())
     assert doc["nvml"]["driver_version"] == "550.54"
     assert doc["gpus"][0]["utilization_ratio"] == 0.5
     assert doc["gpus"][0]["process_memory_bytes"] == {"42": 10}  # JSON keys are strings

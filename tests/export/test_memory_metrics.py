@@ -20,11 +20,11 @@ def test_breakdown_projection_and_named_component() -> None:
                               activations=10 * GIB, other=GIB)
     analysis = RankAnalysis("r", 0, memory=attribute_growth([(0.0, earlier), (5.0, breakdown)]))
     state = RankTotals(run="r", rank=0, last_seen_monotonic=0.0, world=4,
-                       memory_breakdown=breakdown)
+                       memory_breakdown=breakdown, analysis=analysis)
     quiet = RankTotals(run="r", rank=1, last_seen_monotonic=0.0, world=4)  # sent no breakdown
     families = MemoryFamilies()
-    text = render(list(families.families([state, quiet], [analysis]))).decode()
-    assert text == render(list(families.families([state, quiet], [analysis]))).decode()
+    text = render(list(families.families([state, quiet]))).decode()
+    assert text == render(list(families.families([state, quiet]))).decode()
     metrics = parse_metrics(text)
 
     def value(name: str, **labels: str) -> float | None:
@@ -46,8 +46,8 @@ def test_a_new_breakdown_renders_again() -> None:
     families = MemoryFamilies()
     state = RankTotals(run="r", rank=0, last_seen_monotonic=0.0,
                        memory_breakdown=MemoryBreakdown(parameters=1))
-    first = render(list(families.families([state], [])))
+    first = render(list(families.families([state])))
     state.memory_breakdown = MemoryBreakdown(parameters=2)
-    second = render(list(families.families([state], [])))
+    second = render(list(families.families([state])))
     series = b'gpumon_memory_bytes{component="parameters",rank="0",run="r"} '
     assert series + b"1.0" in first and series + b"2.0" in second

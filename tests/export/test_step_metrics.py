@@ -43,7 +43,7 @@ class Node:
 
     def __init__(self) -> None:
         self.store = RankStore(ttl_s=TTL_S)
-        self.analyzer = StepAnalyzer(resolution_s=1.0)
+        self.analyzer = StepAnalyzer(resolution_s=1.0, ranks=self.store)
         self.t = 1_000_000.0
         self.monotonic = 0.0
         self.processes: dict[int, ProcessSample] = {}
@@ -54,13 +54,14 @@ class Node:
         self.analyzer.add(accepted, self.t)
 
     def housekeeping(self) -> None:
-        self.analyzer.forget(self.store.expire(self.monotonic))
+        self.store.expire(self.monotonic)
         self.analyzer.process(self.t, lambda index, t0, t1: [], [], {})
 
     def scrape(self, families: StepFamilies) -> bytes:
-        return render([*families.steps(self.store.ranks(), *self.store.counters(),
-                                       self.processes, self.resolved),
-                       *families.analyses(self.analyzer.analyses())])
+        ranks = self.store.ranks()
+        return render([*families.steps(ranks, *self.store.counters(), self.processes,
+                                       self.resolved),
+                       *families.analyses(ranks)])
 
 
 def step(run: str, rank: int, n: int, t_end: float, rng: random.Random) -> StepRecord:
