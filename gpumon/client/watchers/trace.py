@@ -36,8 +36,8 @@ from time import perf_counter
 from typing import Any
 
 from gpumon.client.watchers.trace_clock import TraceClock
-from gpumon.client.watchers.trace_file import TracedStep, _step_number, _write_trace, unix_offset
-from gpumon.wire import StepRecord, decode_datagram
+from gpumon.client.watchers.trace_file import TracedStep, _step_number, _write_trace
+from gpumon.client.watchers.trace_tap import RecordTap
 from gpumon.wire.traces import MAX_TRACE_STEPS, channel_address, trace_file_name
 
 ARM_TIMEOUT_S = 60.0
@@ -70,7 +70,7 @@ class Tracer:
         self._steps: list[TracedStep] = []  # (seq, perf begin, perf end)
         self._range: Any = None
         self._begun = False
-        self._tap: _RecordTap | None = None
+        self._tap: RecordTap | None = None
         self._restore = False  # give the core its clock back at the next step's begin
 
     def quiet_until(self) -> float:
@@ -365,18 +365,18 @@ class TraceControl:
         passes everything through, until stamped steps are all resolved)."""
         self._core.set_cuda(self.cuda_clock())
 
-    def start_tap(self) -> _RecordTap:
+    def start_tap(self) -> RecordTap:
         """Keep this rank's step records as they are sent, for the steps being traced."""
-        tap = _RecordTap(self.run, self.rank)
+        tap = RecordTap(self.run, self.rank)
         self._sender.transport = tap.wrap(self._sender.transport)
         return tap
 
-    def stop_tap(self, tap: _RecordTap) -> None:
+    def stop_tap(self, tap: RecordTap) -> None:
         if self._sender.transport is tap:
             self._sender.transport = tap.inner
 
     def written(self, request: _Request, prof: Any, steps: list[TracedStep],
-                clock: TraceClock, tap: _RecordTap) -> None:
+                clock: TraceClock, tap: RecordTap) -> None:
         """Hand a stopped profiler to a writer thread (exporting costs the loop nothing)."""
         self._exports.set()
         thread = threading.Thread(target=self._write_then_free, name="gpumon-trace-writer",
@@ -389,14 +389,14 @@ class TraceControl:
         return self._exports.is_set()
 
     def _write_then_free(self, request: _Request, prof: Any, steps: list[TracedStep],
-                         clock: TraceClock, tap: _RecordTap) -> None:
+                         clock: TraceClock, tap: RecordTap) -> None:
         try:
             self._write(request, prof, steps, clock, tap)
         finally:
             self._exports.clear()
 
     def _write(self, request: _Request, prof: Any, steps: list[TracedStep],
-               clock: TraceClock, tap: _RecordTap) -> None:
+               clock: TraceClock, tap: RecordTap) -> None:
         first = steps[0].seq if steps else self.core_steps()
         deadline = perf_counter() + RECORDS_WAIT_S
         while steps and perf_counter() < deadline and not tap.covers(steps[-1]):
@@ -420,42 +420,6 @@ class TraceControl:
                        message=f"{type(exc).__name__}: {exc}"[:300])
             return
         self.reply(request, "done", path=path, bytes=size, first_step=first, steps=len(steps))
-
-
-class _RecordTap:
-    """Passes datagrams to the transport and keeps this rank's step records (while writing)."""
-
-    def __init__(self, run: str, rank: int) -> None:
-        self.run, self.rank = run, rank
-        self.inner: Any = None
-        self.records: list[StepRecord] = []
-        self._unix_offset = unix_offset()
-
-    def wrap(self, inner: Any) -> _RecordTap:
-        self.inner = inner
-        return self
-
-    def send(self, datagram: bytes) -> str | None:
-        reason: str | None = self.inner.send(datagram)
-        try:
-            for record in decode_datagram(datagram).records:
-                if isinstance(record, StepRecord) and record.run == self.run and record.rank == self.rank:
-                    self.records.append(record)
-        except Exception:
-            pass
-        return reason
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def covers(self, step: TracedStep) -> bool:
-        """Whether the record of ``step`` (the last traced) has been sent."""
-        end_unix = step.end + self._unix_offset
-        return any(r.step == step.seq or (r.t_start or 0.0) + r.duration_s >= end_unix
-                   for r in self.records)
-
-    def to_perf(self, unix: float) -> float:
-        return unix - self._unix_offset
 
 
 def _sender_uid(ancdata: list[Any]) -> int | None:
