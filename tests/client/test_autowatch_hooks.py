@@ -191,7 +191,7 @@ def test_uninstalled_the_hooks_leave_torch_as_it_was(transport: MemoryTransport)
 def uncompiled(monkeypatch: pytest.MonkeyPatch) -> None:
     # Other tests may have compiled code in this process; these learn their models as a job
     # that compiles nothing does.
-    monkeypatch.setattr(calls, "compiled", lambda: False)
+    monkeypatch.setattr(hooks, "torch_compiled", lambda: False)
 
 
 def train(model: nn.Module, optimizer: torch.optim.Optimizer, data: DataLoader[Any], steps: int) -> None:

@@ -8,7 +8,6 @@ that had no ``__call__`` of its own has none again.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -59,18 +58,6 @@ def unwrap() -> None:
     for restore in reversed(_restore):
         restore()
     _restore.clear()
-
-
-def compiled() -> bool:
-    """Whether ``torch.compile`` has traced code in this process: what it traced through a
-    module call wrapper is guarded on it, and would be compiled again if it changed."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    if utils is None:
-        return False
-    try:
-        return bool(utils.counters["frames"]["total"])
-    except Exception:
-        return True
 
 
 def _wrap_class_call(cls: type, original: Callable[..., Any], wrap: Wrap) -> None:

@@ -61,6 +61,8 @@ from gpumon.client import monitor as _monitor_module
 from gpumon.client.autowatch import calls, compiler, steps
 from gpumon.client.autowatch.state import State
 from gpumon.client.autowatch.steps import StepFinder, step_finder
+from gpumon.client.core.progress import PROGRESS as _PROGRESS
+from gpumon.client.core.progress import torch_compiled
 from gpumon.client.monitor import StepMonitor
 
 if TYPE_CHECKING or steps._CStepFinder is None:  # (the C hooks drive the C finder only)
@@ -167,7 +169,7 @@ def install() -> bool:
         compiler.run_as_python(dataloader._BaseDataLoaderIter, "__next__", next_)
 
     _patch(torch, "compile", lambda original: _wrap_compile(original, run_as_python))
-    if calls.compiled():  # the job compiled before the hooks went in
+    if torch_compiled():  # the job compiled before the hooks went in
         run_as_python()
     if _state.narrowed:  # put back after take_out(): the models are known
         _narrow()
@@ -232,7 +234,7 @@ def _narrow() -> None:
         if not state.met.classes:  # no model met yet (nothing to gain yet): learn on
             state.learning = LEARN_STEPS
             return
-        if calls.compiled():
+        if torch_compiled():
             state.learning = 0
             state.relearn = False
             return
@@ -247,7 +249,7 @@ def _relearn() -> None:
     """A backward with no forward seen before it: a model not learnt yet (first called once
     the wrap was narrowed) is trained; every module call is looked at again for a while."""
     state = _state
-    if calls.compiled():
+    if torch_compiled():
         state.relearn = False
         return
     state.classes_learnt = len(state.met.classes)
@@ -296,6 +298,7 @@ def _wrap_call(original: Callable[..., Any]) -> Callable[..., Any]:
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
         if _dynamo_compiling() or _compiler._is_compiling_flag:
             return original(self, *args, **kwargs)
+        _PROGRESS.noted += 1  # a model call: progress, for the stall watch
         return _state.call(original, self, args, kwargs)
 
     return __call__

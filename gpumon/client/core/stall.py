@@ -9,14 +9,14 @@ interval between step ends over its last ``TYPICAL_WINDOW`` observations: a 5 s 
 every 50 steps of 0.2 s is not a stall (20 s floor by default), a rank stepping every 5 s is
 reported after 50 s, a job paused in a debugger for two minutes is reported (it is stalled).
 
-A rank with no step for that long that still makes progress in PyTorch — its training thread
-seen, from one wake-up to the next, in another module call or DataLoader fetch (another
-outermost frame of torch's) or in and then out of one: an evaluation pass, forwards under
-``no_grad`` — is ``evaluating``, not stalled; one not seen so
-for the threshold (a forward that never returns, a wait in user code) is stalled. The training
-thread's stack is only sampled (``sys._current_frames()``) once no step has ended for
-``SAMPLE_FROM`` of the threshold, so a stepping rank pays nothing for it;
-the hooks' hot paths are untouched, and an evaluation loop no hook sees is told all the same.
+A rank with no step for that long that still makes progress — whose count of progress events
+(``progress``: collectives launched, module calls on the training thread, model calls and
+batches the hooks note) moved within the threshold: an evaluation pass, forwards under
+``no_grad`` — is ``evaluating``, not stalled; one whose count stood still for the threshold (a
+forward that never returns, a wait in user code) is stalled. The module-call probe is armed
+only once no step has ended for ``SAMPLE_FROM`` of the threshold, and takes itself out at its
+first call, so a stepping rank pays nothing for it and an evaluating one one hook call per
+wake-up.
 
 While stalled, every ``REPORT_EVERY_S`` it reads the training thread's Python stack
 (``sys._current_frames()``, only then), the open phase and the collective in flight
@@ -44,6 +44,7 @@ from typing import Protocol
 
 import gpumon
 from gpumon.client.core.comm_inflight import IN_FLIGHT, InFlightCollectives
+from gpumon.client.core.progress import PROGRESS
 from gpumon.wire import (
     MAX_DATAGRAM_BYTES,
     MAX_FRAME_TEXT_CHARS,
@@ -69,12 +70,18 @@ REPORT_EVERY_S = 2.0
 HEARTBEAT_S = 5.0
 """While stepping, the hook says it is alive this often (one ~250-byte datagram)."""
 SAMPLE_FROM = 0.5
-"""Share of the threshold: the stack is sampled once no step has ended for this long, so that
-a whole threshold of samples is behind the decision when it is reached."""
-MAX_SIGNATURE_FRAMES = 256
-TORCH_PROGRESS_FILES = ("torch/nn/modules/module.py", "torch/utils/data/dataloader.py")
-"""Where a training thread that progresses outside steps is seen: a module call (a forward),
-a DataLoader fetch (a batch)."""
+"""Share of the threshold: the module-call probe is armed once no step has ended for this
+long, so that half a threshold of module calls is behind the decision when it is reached."""
+
+
+class ProgressCount(Protocol):
+    """What the watch reads of the process's progress events (``ProgressEvents``)."""
+
+    def count(self) -> int: ...
+
+    def arm(self, thread: int | None) -> None: ...
+
+    def disarm(self) -> None: ...
 
 
 class CoreReadings(Protocol):
@@ -111,7 +118,7 @@ class StallWatch:
     def __init__(self, core: CoreReadings, run: str, rank: int, pid: int,
                  send: Callable[[StateRecord], None], min_s: float | None = None,
                  in_flight: InFlightCollectives = IN_FLIGHT,
-                 progress_sample: Callable[[int | None], Signature | None] | None = None) -> None:
+                 progress: ProgressCount = PROGRESS) -> None:
         self._core = core
         self._run, self._rank, self._pid = run, rank, pid
         self._send = send
@@ -125,9 +132,9 @@ class StallWatch:
         self._last_sent_s: float | None = None
         self._state = "stepping"
         self._closed = False
-        self._sample = progress_sample or torch_progress_sample
-        self._signature: Signature | None = None
-        self._active_s: float | None = None  # monotonic time it was last seen progressing in torch
+        self._progress = progress
+        self._events: int | None = None  # the progress count at the last tick
+        self._active_s: float | None = None  # monotonic time the progress count last moved
 
     @property
     def stalled(self) -> bool:
@@ -149,11 +156,17 @@ class StallWatch:
         if self._closed:
             return
         steps = self._core.steps
+        events = self._progress.count()
+        if events != self._events:
+            if self._events is not None:
+                self._active_s = now_s
+            self._events = events
         if steps != self._steps:
             if self._progress_s is not None and steps > self._steps:
                 self._intervals.append((now_s - self._progress_s) / (steps - self._steps))
             self._steps, self._progress_s = steps, now_s
-            self._signature = self._active_s = None
+            self._active_s = None
+            self._progress.disarm()
             if self._state != "stepping":  # steps again: say so now
                 self._state = "stepping"
                 self._emit("stepping", now_s, unix_s)
@@ -162,7 +175,7 @@ class StallWatch:
         threshold = self.threshold_s()
         waited = None if since_s is None else now_s - since_s
         if waited is not None and waited > SAMPLE_FROM * threshold:
-            self._look_for_progress(now_s)
+            self._progress.arm(self.training_thread)  # count the next module call
         state = "stepping"
         if waited is not None and waited > threshold:
             active = self._active_s
@@ -174,20 +187,10 @@ class StallWatch:
             self._state = state
             self._emit(state, now_s, unix_s)
 
-    def _look_for_progress(self, now_s: float) -> None:
-        """Sample the training thread: another point of PyTorch's than last time is progress."""
-        try:
-            signature = self._sample(self.training_thread)
-        except Exception:  # a bug here must cost the distinction, never the watch
-            signature = None
-        previous, self._signature = self._signature, signature
-        if (signature is not None and previous is not None and signature[0] is not previous[0]
-                and (signature[0] is not None or previous[0] is not None)):
-            self._active_s = now_s  # a call into PyTorch began or ended since the last sample
-
     def close(self, now_s: float, unix_s: float) -> None:
         """The monitor closed: say so once (the process may go on without steps)."""
         if not self._closed:
+            self._progress.disarm()
             self._emit("closed", now_s, unix_s)
             self._closed = True
 
@@ -225,40 +228,6 @@ def _with(record: StateRecord, phase: str | None, flight: InFlight | None,
           stack: tuple[StackFrame, ...]) -> StateRecord:
     return StateRecord(record.run, record.rank, record.state, record.t, record.steps, record.since,
                        record.threshold_s, record.pid, phase, record.launched, flight, stack)
-
-
-Signature = tuple[object | None]
-"""The outermost frame of the thread inside a module call or a DataLoader fetch (``None``:
-outside both). Kept until the next sample, so that a new call's frame cannot take its
-address: the same frame object means the same call, still going on."""
-
-
-def torch_progress_sample(thread: int | None) -> Signature | None:
-    """Where ``thread`` is in PyTorch now, to compare with the next sample (``None``: the
-    thread is not running)."""
-    frame = None if thread is None else sys._current_frames().get(thread)
-    if frame is None:
-        return None
-    outermost = None
-    depth = 0
-    while frame is not None and depth < MAX_SIGNATURE_FRAMES:
-        if _in_torch_progress(frame.f_code.co_filename):
-            outermost = frame
-        frame = frame.f_back
-        depth += 1
-    return (outermost,)
-
-
-_torch_cache: dict[str, bool] = {}
-
-
-def _in_torch_progress(filename: str) -> bool:
-    known = _torch_cache.get(filename)
-    if known is None:
-        known = filename.replace(os.sep, "/").endswith(TORCH_PROGRESS_FILES)
-        if len(_torch_cache) < 4096:
-            _torch_cache[filename] = known
-    return known
 
 
 def read_stack(frame: FrameType | None) -> tuple[StackFrame, ...]:
