@@ -286,7 +286,7 @@ class Agent:
                   for pid in sample.process_memory_bytes or ()}
         watched = set(self.rank_store.watched_pids())
         self._owner_pids = watched
-        self._owner_collector.collect(listed | watched)
+        self._owner_collector.collect(listed | watched, self.rank_store.exited_pids())
 
     def _on_records(self, records: list[Record], sender: SenderCredentials) -> None:
         now = time.time()
@@ -295,8 +295,16 @@ class Agent:
             return
         pids = {(r.run, r.rank): sender.pid or r.pid for r in accepted}
         if sender.pid and sender.pid not in self._owner_pids and self._owners_thread is not None:
+            # A new process is attributed before its first step is analysed (two small /proc
+            # reads, once per process): a job of a few seconds, or one that fails at once, is
+            # still someone's. A container not named yet wakes the cycle that reads the links.
             self._owner_pids.add(sender.pid)
-            self._owners_thread.wake()
+            try:
+                named = self._owner_collector.collect_one(sender.pid)
+            except Exception:  # the collector's own cycle tries again, and counts its errors
+                named = False
+            if not named:
+                self._owners_thread.wake()
         self.analyzer.add(accepted, now, pids)
         if self._recorder is not None:
             self._recorder.steps(accepted)

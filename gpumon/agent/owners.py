@@ -41,6 +41,7 @@ class OwnerCollector:
         self._containers_dir = containers_dir
         self._proc = proc
         self._timeout_s = timeout_s
+        self._names: Mapping[str, ContainerName] = {}  # the container links the last cycle read
 
     def poll_kubelet(self, now: float, monotonic: float) -> None:
         """One PodResources ``List``; on failure the allocations are forgotten and the error
@@ -58,14 +59,30 @@ class OwnerCollector:
             uuid: Owner(node=node, pod=h.pod, namespace=h.namespace, container=h.container)
             for uuid, h in holders.items()})
 
-    def collect(self, pids: Iterable[int]) -> None:
-        """Attribute every process in ``pids`` that is still there."""
-        node = self._state.get().node
+    def collect(self, pids: Iterable[int], ended: Iterable[int] = ()) -> None:
+        """Attribute every process in ``pids`` that is still there; keep the owner found before
+        of each of ``ended`` (processes seen to have exited whose ranks are still shown: their
+        pids may already be another process's) and of a process of ``pids`` gone since."""
+        before = self._state.get()
+        node = before.node
         facts = {pid: read_process(pid, self._proc) for pid in set(pids)}
         names = container_names(self._containers_dir) if any(
             f is not None and f.place.container_id for f in facts.values()) else {}
-        self._state.put_processes({pid: attribute(node, f, names)
-                                   for pid, f in facts.items() if f is not None})
+        self._names = names
+        by_pid = {pid: before.by_pid[pid] for pid in (*ended, *facts)
+                  if pid in before.by_pid and facts.get(pid) is None}
+        by_pid.update({pid: attribute(node, f, names) for pid, f in facts.items() if f is not None})
+        self._state.put_processes(by_pid)
+
+    def collect_one(self, pid: int) -> bool:
+        """Attribute ``pid`` now, a sender seen for the first time: its cgroup and uid, its
+        container named from the links the last cycle read. False when its container is not
+        among those yet (a cycle must look at the links again) or the process is gone."""
+        found = read_process(pid, self._proc)
+        if found is None:
+            return False
+        self._state.put_process(pid, attribute(self._state.get().node, found, self._names))
+        return not found.place.container_id or found.place.container_id in self._names
 
 
 def attribute(node: str, facts: ProcessFacts, names: Mapping[str, ContainerName]) -> Owner:

@@ -40,6 +40,11 @@ class OwnerState:
         with self._lock:
             self._ownership = replace(self._ownership, by_pid=by_pid)
 
+    def put_process(self, pid: int, owner: Owner) -> None:
+        """Add (or replace) one process's owner, keeping the others."""
+        with self._lock:
+            self._ownership = replace(self._ownership, by_pid={**self._ownership.by_pid, pid: owner})
+
     def put_allocations(self, allocated: dict[str, Owner]) -> None:
         """Replace the GPUs' allocations (empty when the kubelet could not be asked)."""
         with self._lock:

@@ -354,6 +354,13 @@ class RankStore:
                     pids.setdefault(s.kernel_pid, []).append(key)
             return pids
 
+    def exited_pids(self) -> set[int]:
+        """The pids (as the kernel gave them) of ranks seen to have exited, kept until they
+        expire."""
+        with self._lock:
+            return {s.kernel_pid for s in self._ranks.values()
+                    if s.kernel_pid is not None and s.exited_monotonic is not None}
+
     def mark_exited(self, pids: set[int], monotonic: float) -> None:
         """The processes ``pids`` ended: their ranks are ``exited`` (kept until they expire)."""
         with self._lock:

@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from gpumon.agent.lifecycle import OWNERS_INTERVAL_S
+from gpumon.collectors.process_owner import user_name
 from gpumon.testing import AgentProcess, values, wait_for
 from tests.helpers import ROOT
 
@@ -93,3 +96,34 @@ def test_a_process_after_the_last_one_exited_continues_the_rank(agent: AgentProc
     metrics = agent.metrics()
     assert values(metrics, "gpumon_rank_conflicts_total") == []
     assert values(metrics, "gpumon_rank_info", run=RUN, pid=str(second.pid))
+
+
+def owner_of_rank(agent: AgentProcess) -> str | None:
+    """The ``user`` label of the job's rank (None before the rank is shown)."""
+    for (name, labels_t), _ in agent.metrics().items():
+        labels = dict(labels_t)
+        if name == "gpumon_rank_info" and labels["run"] == RUN:
+            return labels["user"]
+    return None
+
+
+@pytest.mark.agent()
+def test_a_short_job_is_attributed_from_its_first_scrape_to_after_it_ended(
+        agent: AgentProcess) -> None:
+    """An agent as it runs, its owners cycle at its 5 s default; the job (60 x 50 ms) starts
+    3 s after it. Every scrape that shows the rank names its user, and so do scrapes after the
+    process exited and later owners cycles ran."""
+    me = user_name(os.getuid())
+    time.sleep(3.0)
+    job = watched(agent, 60, 0.05)
+    seen: list[str | None] = []
+    while job.poll() is None:
+        seen.append(owner_of_rank(agent))
+        time.sleep(0.1)
+    assert finished(job) == 60
+    shown = [u for u in seen if u is not None]
+    assert shown and set(shown) == {me}, seen
+    ended = time.monotonic()
+    while time.monotonic() - ended < 2 * OWNERS_INTERVAL_S + 1:  # two cycles after the exit
+        assert owner_of_rank(agent) == me
+        time.sleep(0.5)
