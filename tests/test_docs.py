@@ -90,3 +90,20 @@ def test_synthetic_accuracy_is_labelled_wherever_it_is_quoted() -> None:
         and "synthetic" not in line
     ]
     assert unlabelled == []
+
+
+def test_the_readme_install_lists_every_extra_a_command_asks_for() -> None:
+    """An extra the product tells a user to install (``gpumon report``: ``[report]``) is
+    listed where the README installs, and so is every other one a user may want."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    extras.discard("dev")  # the repository's own tests
+    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    asked = set(re.findall(r"gpumon\[(\w+)\]", "\n".join(
+        p.read_text() for p in (ROOT / "gpumon").rglob("*.py"))))
+    assert asked and asked <= extras, asked
+    missing = sorted(e for e in extras if f"[{e}]" not in install)
+    assert not missing, f"the README's install does not list {missing}"
+    # the demo draws the page when it stops: scripts/agent says what the page needs
+    assert "'.[report]'" in (ROOT / "scripts" / "agent").read_text()
