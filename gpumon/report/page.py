@@ -59,9 +59,15 @@ def _y(series: Mean | Peak, scale: float = 1.0) -> list[float | None]:
 
 def _layout(fig: go.Figure, title: str, y: str, height: int = 360, *,
             model: RunModel) -> go.Figure:
-    fig.update_layout(title=title, height=height, margin={"l": 70, "r": 30, "t": 50, "b": 50},
-                      legend={"orientation": "h", "y": -0.25}, template="plotly_white")
-    fig.update_xaxes(title_text=f"{_unit(model)[0]} since the run's start")
+    """The figures' common layout. The title is kept in the layout's ``meta`` and written
+    above the figure as text (``render``), where it wraps on a narrow screen instead of
+    running under the figure's buttons; the legend sits above the plot, clear of the x axis'
+    title at any height (plotly widens the margin to fit it)."""
+    fig.update_layout(meta={"caption": title}, height=height,
+                      margin={"l": 70, "r": 30, "t": 60, "b": 50},  # (the top: the buttons, the legend)
+                      legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
+                      template="plotly_white")
+    fig.update_xaxes(title_text=f"{_unit(model)[0]} since the run's start", title_standoff=8)
     fig.update_yaxes(title_text=y)
     return fig
 
@@ -114,6 +120,15 @@ def verdicts_figure(model: RunModel) -> go.Figure | None:
     return fig
 
 
+def _colour_bar(ranks: int, title: str) -> dict[str, object]:
+    """A colour bar legible beside a strip of a few ranks: as tall as the strip but at least
+    120 px, its title at its side, and as many ticks as fit one per 30 px."""
+    plot_px = _strip_height(ranks) - 120
+    length_px = max(plot_px, 120)
+    return {"title": {"text": title, "side": "right"}, "lenmode": "pixels", "len": length_px,
+            "nticks": max(2, length_px // 30), "tickformat": ".3~g", "thickness": 14}
+
+
 def step_heatmap(model: RunModel) -> go.Figure | None:
     if not model.step_time:
         return None
@@ -123,7 +138,7 @@ def step_heatmap(model: RunModel) -> go.Figure | None:
               for r in ranks]
     fig = go.Figure(go.Heatmap(
         x=_x(model), y=labels, z=[_y(model.step_time[r]) for r in ranks],
-        colorscale="Viridis", colorbar={"title": {"text": "s / step"}},
+        colorscale="Viridis", colorbar=_colour_bar(len(ranks), "s / step"),
         hovertemplate="%{y} · %{x}: %{z:.4f} s<extra></extra>"))
     _layout(fig, "Step time per rank (stragglers named with their cause)", "rank",
             _strip_height(len(ranks)), model=model)
@@ -145,9 +160,10 @@ def memory_figure(model: RunModel) -> go.Figure | None:
         mean = model.memory_components.get(name)
         if mean is None or not any(mean.counts):
             continue
-        fig.add_trace(go.Scatter(x=x, y=_y(mean, 1 / GIB),
+        held = [(t, v) for t, v in zip(x, _y(mean, 1 / GIB), strict=True) if v is not None]
+        fig.add_trace(go.Scatter(x=[t for t, _ in held], y=[v for _, v in held],
                                  name=f"rank {model.memory_rank}: {name}", stackgroup="memory",
-                                 mode="lines", line={"width": 0.5}, connectgaps=True))
+                                 mode="lines", line={"width": 0.5}))
     many = len(model.memory_peak) > 16
     for rank, peak in sorted(model.memory_peak.items()):
         fig.add_trace(go.Scatter(x=x, y=_y(peak, 1 / GIB),
@@ -162,25 +178,39 @@ def memory_figure(model: RunModel) -> go.Figure | None:
     return fig
 
 
+def _active(model: RunModel, metrics: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
+    """The metrics of ``metrics`` that some GPU read above zero in some bin."""
+    return [(k, title) for k, title in metrics
+            if any(v for mean in model.gpu.get(k, {}).values() for v in mean.values())]
+
+
+def gpu_idle(model: RunModel) -> bool:
+    """The run has GPU samples, and every one read no activity and no traffic."""
+    return bool(model.gpu) and not _active(model, GPU_METRICS) and not _active(model, LINK_METRICS)
+
+
 def gpu_figure(model: RunModel) -> go.Figure | None:
-    present = [(k, title) for k, title in GPU_METRICS if model.gpu.get(k)]
+    present = _active(model, GPU_METRICS)
     if not present:
         return None
-    fig = make_subplots(rows=1, cols=len(present), subplot_titles=[t for _, t in present],
-                        shared_yaxes=True)
-    for col, (key, _title) in enumerate(present, start=1):
+    cols = min(2, len(present))
+    rows = (len(present) + cols - 1) // cols
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[t for _, t in present],
+                        shared_yaxes=True, vertical_spacing=0.18)
+    for i, (key, _title) in enumerate(present):
         for gpu, mean in sorted(model.gpu[key].items()):
             fig.add_trace(go.Scatter(x=_x(model), y=_y(mean, 100),
                                      name=f"GPU {gpu}", legendgroup=f"gpu{gpu}",
-                                     showlegend=col == 1, mode="lines", line={"width": 1}),
-                          row=1, col=col)
-    _layout(fig, "GPU activity per GPU", "% of the time", 340, model=model)
-    fig.update_yaxes(title_text="% of the time", row=1, col=1)
+                                     showlegend=i == 0, mode="lines", line={"width": 1}),
+                          row=i // cols + 1, col=i % cols + 1)
+    _layout(fig, "GPU activity per GPU", "% of the time", 60 + 260 * rows, model=model)
+    fig.update_yaxes(range=[0, 105], title_text="")
+    fig.update_yaxes(title_text="% of the time", col=1)
     return fig
 
 
 def links_figure(model: RunModel) -> go.Figure | None:
-    present = [(k, title) for k, title in LINK_METRICS if model.gpu.get(k)]
+    present = _active(model, LINK_METRICS)
     if not present:
         return None
     fig = go.Figure()
@@ -212,6 +242,10 @@ def comm_figure(model: RunModel) -> go.Figure | None:
         fig.update_yaxes(title_text="bus bandwidth, GB/s", secondary_y=True)
     return fig
 
+
+GPU_SECTIONS = ("gpu-activity", "links")
+GPU_IDLE_NOTE = ("No GPU activity in this run: every GPU sample read 0 % busy and no NVLink or "
+                 "PCIe traffic (a simulated node, or GPUs the job never used).")
 
 FIGURES: tuple[tuple[str, str, Callable[[RunModel], go.Figure | None]], ...] = (
     ("step-phases", "Where the step time went", phases_figure),
@@ -262,24 +296,33 @@ def _summary(model: RunModel) -> str:
     return f'<table id="summary">{body}</table>'
 
 
-STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1400px;color:#222}
-table{border-collapse:collapse}th{text-align:left;padding:2px 1em 2px 0;color:#555;white-space:nowrap;
-font-weight:normal}td{padding:2px 0}.note{background:#fff3cd;padding:.5em 1em}
-h2{margin-top:1.5em;font-size:1.2em}"""
+STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:1400px;color:#222;
+padding:0 12px}table{border-collapse:collapse}th{text-align:left;padding:2px 1em 2px 0;color:#555;
+white-space:nowrap;font-weight:normal;vertical-align:top}td{padding:2px 0;overflow-wrap:anywhere}
+.note{background:#fff3cd;padding:.5em 1em}h2{margin-top:1.5em;font-size:1.2em}
+.caption{color:#444;margin:.2em 0}
+@media (max-width:600px){body{padding:0 6px}h1{font-size:1.3em}th{white-space:normal}}"""
 
 
 def render(model: RunModel) -> str:
     """The whole page as one string; ``#gpumon-report`` lists the figures drawn and the time
     bins (the run's start in unix seconds, their width), for whoever reads the figures' data."""
     sections, missing, drawn = [], [], []
+    idle = gpu_idle(model)
     for div_id, heading, build in FIGURES:
         fig = build(model)
         if fig is None:
-            missing.append(heading)
+            if idle and div_id in GPU_SECTIONS:
+                sections.append(f"<h2>{html.escape(heading)}</h2>"
+                                f'<p class="note">{html.escape(GPU_IDLE_NOTE)}</p>')
+            else:
+                missing.append(heading)
             continue
         drawn.append(div_id)
-        sections.append(f"<h2>{html.escape(heading)}</h2>" + fig.to_html(
-            full_html=False, include_plotlyjs=False, div_id=div_id, config=CONFIG))
+        caption = fig.layout.meta["caption"]
+        sections.append(f"<h2>{html.escape(heading)}</h2>"
+                        f'<p class="caption">{html.escape(caption)}</p>' + fig.to_html(
+                            full_html=False, include_plotlyjs=False, div_id=div_id, config=CONFIG))
     notes = list(model.notes)
     if missing:
         notes.append("Not in this run's data, so not drawn: " + ", ".join(missing) + ".")
@@ -287,6 +330,7 @@ def render(model: RunModel) -> str:
     meta = json.dumps({"run": model.run, "figures": drawn, "start": model.start,
                        "bin_s": model.width_s, "bins": model.bins})
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\">"
+            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
             f"<title>gpumon report: {html.escape(model.run)}</title><style>{STYLE}</style>"
             f"<script>{get_plotlyjs()}</script></head><body>"
             f"<h1>gpumon report: {html.escape(model.run)}</h1>{note_html}{_summary(model)}"

@@ -31,6 +31,9 @@ class Run:
     peak_growth: float = 32 * 2**20
     """Bytes each step adds to every rank's peak (towards ``CAPACITY``)."""
     seed: int = 7
+    gpus_active: bool = True
+    """False: every GPU sample reads no activity and no traffic (a node whose GPUs the job
+    never used)."""
 
 
 def step_line(run: Run, rank: int, step: int, rng: random.Random) -> dict[str, object]:
@@ -61,6 +64,13 @@ def step_line(run: Run, rank: int, step: int, rng: random.Random) -> dict[str, o
 
 
 def gpu_line(run: Run, gpu: int, t: float) -> dict[str, object]:
+    if not run.gpus_active:
+        return {"kind": "gpu", "t": t, "gpu": gpu, "uuid": f"GPU-{gpu}", "model": "NVIDIA H100",
+                **dict.fromkeys(("utilization", "memory_utilization", "sm_active", "sm_occupancy",
+                                 "tensor_active", "dram_active", "nvlink_tx_bytes_per_second",
+                                 "nvlink_rx_bytes_per_second", "pcie_tx_bytes_per_second",
+                                 "pcie_rx_bytes_per_second"), 0.0),
+                "memory_used_bytes": 0, "memory_total_bytes": CAPACITY, "power_watts": 70.0}
     return {"kind": "gpu", "t": t, "gpu": gpu, "uuid": f"GPU-{gpu}", "model": "NVIDIA H100",
             "utilization": 0.9, "memory_utilization": 0.5, "memory_used_bytes": 50 * GIB,
             "memory_total_bytes": CAPACITY, "sm_active": 0.7, "sm_occupancy": 0.4,

@@ -31,14 +31,21 @@ for(const div of document.querySelectorAll('.plotly-graph-div')){
  out.figures[div.id]={svg:div.querySelectorAll('svg.main-svg').length,
   drawn:div.querySelectorAll('g.trace, g.hm').length,
   heatmaps:div.querySelectorAll('g.hm image').length,
+  ticks:[...div.querySelectorAll('g.colorbar g.tick text, g.colorbar .cbaxis text')].map(t=>{
+   const r=t.getBoundingClientRect();return [r.top,r.bottom];}),
+  width:div.getBoundingClientRect().width,
   data:(div.data||[]).map(t=>({name:t.name,type:t.type,x:t.x,y:t.y,z:t.z,text:t.text}))};}
+out.overflow=document.documentElement.scrollWidth-window.innerWidth;out.inner=window.innerWidth;
 const pre=document.createElement('pre');pre.id='browser-check';
 pre.textContent=JSON.stringify(out);document.body.appendChild(pre);},100));</script>"""
 
 
-def open_page(page: Path, tmp: Path) -> dict[str, Any]:
-    """What the page drew in Chromium: ``errors`` (console), ``figures`` by div id, and
-    ``meta``, the page's own account of its figures and time bins."""
+def open_page(page: Path, tmp: Path, width: int = 1400) -> dict[str, Any]:
+    """What the page drew in Chromium, its window ``width`` px wide: ``errors`` (console),
+    ``figures`` by div id (with each colour bar's tick labels, top and bottom, and the
+    figure's width), ``inner`` (the window's inner width: headless Chromium opens no window
+    narrower than 500 px), ``overflow`` (how far the page is wider than it) and ``meta``,
+    the page's own account of its figures and time bins."""
     chromium = require_tool("chromium")
     text = page.read_text(encoding="utf-8")
     assert text.count("<head>") == 1 and text.count("</body>") == 1
@@ -46,7 +53,7 @@ def open_page(page: Path, tmp: Path) -> dict[str, Any]:
     probe.write_text(text.replace("<head>", "<head>" + CATCH, 1)
                      .replace("</body>", READ + "</body>", 1), encoding="utf-8")
     result = subprocess.run(
-        [chromium, *FLAGS, f"--user-data-dir={tmp / 'chromium-profile'}",
+        [chromium, *FLAGS, f"--user-data-dir={tmp / 'chromium-profile'}", f"--window-size={width},2000",
          "--virtual-time-budget=20000", "--dump-dom", probe.as_uri()],
         capture_output=True, text=True, timeout=120)
     dom = result.stdout

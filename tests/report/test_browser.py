@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -91,3 +92,31 @@ def test_memory_is_drawn_against_the_device(
     assert len({rank for rank, _ in parts}) == 1
     assert [part for _, part in parts] == [
         "parameters", "gradients", "optimizer_states", "activations", "other"]
+
+
+@pytest.mark.parametrize("width", [1400, 390], ids=["desktop", "phone"])
+def test_a_short_run_on_idle_gpus_says_so_and_draws_nothing_empty_or_overlapping(
+        tmp_path: Path, width: int) -> None:
+    """Ten seconds of two ranks on GPUs that never worked: no empty GPU or link plot (the page
+    says why), a colour bar whose labels do not overlap, nothing wider than the window."""
+    recording = write(tmp_path / "idle.jsonl", Run(steps=25, ranks=2, straggler=1,
+                                                   gpus_active=False))
+    page = tmp_path / "idle.html"
+    result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", str(recording),
+                             "-o", str(page)], capture_output=True, text=True, env=agent_env(),
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    drawn = open_page(page, tmp_path, width)
+    assert drawn["errors"] == []
+    assert set(drawn["figures"]) == FIGURES - {"gpu-activity", "links"}
+    text = page.read_text()
+    assert text.count("No GPU activity in this run") == 2  # in both sections, said once each
+    assert "Not in this run's data" not in text
+    ticks = sorted(drawn["figures"]["step-heatmap"]["ticks"])
+    assert len(ticks) >= 2, ticks
+    overlaps = [(a, b) for a, b in zip(ticks, ticks[1:], strict=False) if a[1] > b[0] + 0.5]
+    assert not overlaps, ticks
+    assert drawn["inner"] <= max(width, 500)  # (headless Chromium's narrowest window)
+    assert drawn["overflow"] <= 0
+    widths = {k: f["width"] for k, f in drawn["figures"].items()}
+    assert all(w <= drawn["inner"] for w in widths.values()), (drawn["inner"], widths)
