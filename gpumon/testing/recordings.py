@@ -63,20 +63,23 @@ def step_line(run: Run, rank: int, step: int, rng: random.Random) -> dict[str, o
     return line
 
 
+IDLE_ZERO = (  # what an idle GPU reads as 0
+    "utilization", "memory_utilization", "sm_active", "sm_occupancy", "tensor_active",
+    "dram_active", "nvlink_tx_bytes_per_second", "nvlink_rx_bytes_per_second",
+    "pcie_tx_bytes_per_second", "pcie_rx_bytes_per_second")
+
+
 def gpu_line(run: Run, gpu: int, t: float) -> dict[str, object]:
-    if not run.gpus_active:
-        return {"kind": "gpu", "t": t, "gpu": gpu, "uuid": f"GPU-{gpu}", "model": "NVIDIA H100",
-                **dict.fromkeys(("utilization", "memory_utilization", "sm_active", "sm_occupancy",
-                                 "tensor_active", "dram_active", "nvlink_tx_bytes_per_second",
-                                 "nvlink_rx_bytes_per_second", "pcie_tx_bytes_per_second",
-                                 "pcie_rx_bytes_per_second"), 0.0),
-                "memory_used_bytes": 0, "memory_total_bytes": CAPACITY, "power_watts": 70.0}
-    return {"kind": "gpu", "t": t, "gpu": gpu, "uuid": f"GPU-{gpu}", "model": "NVIDIA H100",
-            "utilization": 0.9, "memory_utilization": 0.5, "memory_used_bytes": 50 * GIB,
-            "memory_total_bytes": CAPACITY, "sm_active": 0.7, "sm_occupancy": 0.4,
-            "tensor_active": 0.5, "dram_active": 0.3, "nvlink_tx_bytes_per_second": 5e10,
-            "nvlink_rx_bytes_per_second": 5e10, "pcie_tx_bytes_per_second": 2e9,
-            "pcie_rx_bytes_per_second": 2e9, "power_watts": 500.0}
+    line: dict[str, object] = {
+        "kind": "gpu", "t": t, "gpu": gpu, "uuid": f"GPU-{gpu}", "model": "NVIDIA H100",
+        "utilization": 0.9, "memory_utilization": 0.5, "memory_used_bytes": 50 * GIB,
+        "memory_total_bytes": CAPACITY, "sm_active": 0.7, "sm_occupancy": 0.4,
+        "tensor_active": 0.5, "dram_active": 0.3, "nvlink_tx_bytes_per_second": 5e10,
+        "nvlink_rx_bytes_per_second": 5e10, "pcie_tx_bytes_per_second": 2e9,
+        "pcie_rx_bytes_per_second": 2e9, "power_watts": 500.0}
+    if not run.gpus_active:  # busy nowhere, no traffic, an idle GPU's power
+        line.update(dict.fromkeys(IDLE_ZERO, 0.0), memory_used_bytes=0, power_watts=70.0)
+    return line
 
 
 def lines(run: Run) -> Iterator[dict[str, object]]:

@@ -11,7 +11,7 @@ stood still is ``stalled``. The count adds up events that the hooks see as they 
   itself out at the first call it sees: torch's global forward pre-hook, registered again at
   the next wake-up (every 0.25 s) while the wait lasts. A stepping rank never has it; an
   evaluating one pays for one hook call per wake-up, not per module call;
-- **anything else a hook or an integration calls ``note()`` for**.
+- **model calls ``gpumon run``'s wrapper sees** (``noted``, one increment each).
 
 Counting beats looking: a forward launched on a GPU returns in microseconds and the thread then
 waits in ``.item()`` or a metric's sync, outside any module call, so a sample of the thread's
@@ -21,8 +21,8 @@ stalled a threshold later.
 
 The module probe is not armed in a process that has run ``torch.compile``: the compiler guards
 on torch's global hooks, and a hook coming and going would have it compile again. There a
-compiled model's evaluation is told by its collectives, by ``gpumon run``'s model-call wrapper
-(which notes each outermost call) and by ``note()``.
+compiled model's evaluation is told by its collectives and by ``gpumon run``'s model-call
+wrapper.
 """
 
 from __future__ import annotations
@@ -37,20 +37,17 @@ _get_ident = threading.get_ident
 
 
 class ProgressEvents:
-    """The process's count of progress events; ``note`` is safe from the training thread's hot
-    paths (one attribute increment), ``count``, ``arm`` and ``disarm`` are the watch's."""
+    """The process's count of progress events: hooks add to ``noted`` from the training
+    thread's hot paths (one attribute increment); ``count``, ``arm`` and ``disarm`` are the
+    watch's."""
 
     def __init__(self, in_flight: InFlightCollectives = IN_FLIGHT) -> None:
         self.noted = 0
-        """Events noted by hooks (``note``)."""
+        """Events the hooks noted (``gpumon run``'s model calls)."""
         self.module_calls = 0
         """Module calls the armed probe saw (at most one per arming)."""
         self._in_flight = in_flight
         self._handle: Any = None  # the registered probe's removable handle, while armed
-
-    def note(self) -> None:
-        """One event of progress (a batch, a model call, an evaluation step)."""
-        self.noted += 1
 
     def count(self) -> int:
         """Every event counted so far; only its changes mean anything."""

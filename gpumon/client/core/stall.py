@@ -10,8 +10,8 @@ every 50 steps of 0.2 s is not a stall (20 s floor by default), a rank stepping 
 reported after 50 s, a job paused in a debugger for two minutes is reported (it is stalled).
 
 A rank with no step for that long that still makes progress — whose count of progress events
-(``progress``: collectives launched, module calls on the training thread, model calls and
-batches the hooks note) moved within the threshold: an evaluation pass, forwards under
+(``progress``: collectives launched, module calls on the training thread, the model calls
+``gpumon run``'s wrapper sees) moved within the threshold: an evaluation pass, forwards under
 ``no_grad`` — is ``evaluating``, not stalled; one whose count stood still for the threshold (a
 forward that never returns, a wait in user code) is stalled. The module-call probe is armed
 only once no step has ended for ``SAMPLE_FROM`` of the threshold, and takes itself out at its
