@@ -1,8 +1,11 @@
 """Which wall a training step is hitting: input, host, communication, memory bandwidth, compute.
 
-``classify`` applies the rules of docs/architecture.md §7 in order to one step's record and the GPU window
-that overlaps it. It never raises on valid records; every input but the step itself may be
-missing, and a missing input lowers the confidence of the verdicts that would have used it.
+``classify`` reads one step's evidence (``StepEvidence``: its record, the GPU window that
+overlaps it, what the device can do, how the rank compares with its peers) as the figures the
+rules read (``Shares``), and tries the rules of docs/architecture.md §7 in order: each row of
+``RULES`` is one way a step shows a wall, with the threshold it fires from and its strength.
+It never raises on valid records; every input but the step itself may be missing, and a
+missing input lowers the confidence of the verdicts that would have used it.
 
 What "GPU busy" means here: NVML's ``utilization_ratio`` is the share of time *any* kernel ran,
 so a GPU running one small kernel at a time (or a NCCL kernel spinning on a peer) reads 100%
@@ -23,9 +26,10 @@ they wait for it. The hint texts a verdict carries live in ``hints``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -40,16 +44,22 @@ from gpumon.analysis.hints import (
     WAITING_HINT,
     WALL_HINTS,
 )
-from gpumon.analysis.straggler import SlowerRank, StragglerCause
+from gpumon.analysis.straggler import Standing, StragglerCause
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import GpuWindow
-from gpumon.wire import StepRecord
+from gpumon.wire import MemoryStats, StepRecord
 
 __all__ = [
     "DEFAULT",
     "FRACTION_KEYS",
+    "MODERATE_RULES",
+    "RULES",
     "Bottleneck",
+    "DeviceSpec",
     "Flag",
+    "Rule",
+    "Shares",
+    "StepEvidence",
     "Thresholds",
     "Verdict",
     "classify",
@@ -123,6 +133,152 @@ _USES: dict[Bottleneck, tuple[str, ...]] = {
     Bottleneck.UNKNOWN: _ALL_INPUTS,
 }
 
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """What the rank's GPU can do, by its NVML name (``devices``); ``None`` where unknown."""
+
+    peak_flops: float | None = None
+    memory_total_bytes: int | None = None
+    peak_dram_bytes_per_second: float | None = None
+    peak_nvlink_bytes_per_second: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvidence:
+    """Everything known about one step (or a window of merged steps) that the rules read.
+
+    Only ``step`` is required: every other input may be missing, and a missing input lowers
+    the confidence of the verdicts that would have used it.
+    """
+
+    step: StepRecord
+    gpu: GpuWindow | None = None
+    """The GPU's samples over the step."""
+    device: DeviceSpec = DeviceSpec()
+    standing: Standing = Standing()
+    """What comparing the rank with its run's peers said (``straggler.judge_run``): a cause
+    flags it as its run's straggler (a score alone does not: the comparison also weighs the
+    extra's share of the step and its persistence); ``slower_rank`` names the rank it waits
+    for when its verdict is communication. No score: it had no peers to compare with."""
+    previous_mem: MemoryStats | None = None
+    """The rank's allocator counters at its previous step: retries or OOMs *rising* signal
+    pressure (without a previous OOM count, any OOM so far does)."""
+    memory_remedy: str | None = None
+    """Replaces the generic memory-pressure hint when the rank's memory breakdown names what
+    fills it (``gpumon.analysis.memory.attribute_growth``)."""
+    recent_comm: Sequence[float] = ()
+    """The communication shares of the rank's previous windows: the rules read this window's
+    share at most at the median of those and this one (the shares reported stay as measured)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shares:
+    """What the rules read of a step: its measured shares and its GPU's activity over it."""
+
+    data: float | None
+    """Data-wait share of the step; ``None`` when it reported no phases."""
+    comm: float | None
+    """Exposed communication share, at most the rank's typical share (``recent_comm``)."""
+    busy: float | None
+    """GPU busy share over the part of the step not spent waiting (``_busy_excluding_waits``)."""
+    gpu_busy: bool
+    """The GPU was not seen to idle (unknown counts as busy: the GPU rows then decide)."""
+    sm: float | None
+    tensor: float | None
+    dram: float | None
+    mfu: float | None
+    below_ridge: bool
+    """Arithmetic intensity under the device's ridge point, at the bandwidth roof."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One row of docs/architecture.md §7: a figure of the step, the threshold from which it
+    shows a wall, and how strongly.
+
+    The row fires when ``reads`` gives a figure at or above ``low``; its strength is then
+    ``base + span × m``, ``m`` being where the figure lies between ``low`` (0) and ``high``
+    (1). A wall with two rows (bandwidth from GPM or from the roofline) takes the stronger
+    of those that fired.
+    """
+
+    wall: Bottleneck
+    reads: Callable[[Shares, Thresholds], float | None]
+    low: Callable[[Thresholds], float]
+    high: Callable[[Thresholds], float]
+    base: float = 0.6
+    span: float = 0.4
+
+    def strength(self, shares: Shares, th: Thresholds) -> float | None:
+        """The row's strength on ``shares``; ``None`` when it does not fire."""
+        value = self.reads(shares, th)
+        low = self.low(th)
+        if value is None or value < low:
+            return None
+        return self.base + self.span * _margin(value, low, self.high(th))
+
+
+def _idle(s: Shares, th: Thresholds) -> float | None:
+    """How far under the host line (rule 4) the GPU's busy share sat."""
+    if s.busy is None or s.busy >= th.host_busy_max:
+        return None
+    return th.host_busy_max - s.busy
+
+
+def _dram_not_math(s: Shares, th: Thresholds) -> float | None:
+    """DRAM activity of a busy GPU whose tensor cores idle (rule 5, from GPM)."""
+    if not s.gpu_busy or s.tensor is None or s.tensor >= th.membw_tensor_max:
+        return None
+    return s.dram
+
+
+def _dram_below_ridge(s: Shares, th: Thresholds) -> float | None:
+    """DRAM activity of a busy GPU under the roofline's ridge point (rule 5, from flops)."""
+    return s.dram if s.gpu_busy and s.below_ridge else None
+
+
+def _sm_and_tensor(s: Shares, th: Thresholds) -> float | None:
+    """How far both SM and tensor activity of a busy GPU are past their lines (rule 6, GPM)."""
+    if (not s.gpu_busy or s.sm is None or s.tensor is None
+            or s.sm < th.compute_sm_min or s.tensor < th.compute_tensor_min):
+        return None
+    return min(_margin(s.sm, th.compute_sm_min, 1.0),
+               _margin(s.tensor, th.compute_tensor_min, 0.9))
+
+
+def _mfu_of_busy(s: Shares, th: Thresholds) -> float | None:
+    """MFU of a busy GPU (rule 6, from flops)."""
+    return s.mfu if s.gpu_busy else None
+
+
+RULES: tuple[Rule, ...] = (
+    # wall, figure read, fires from, full strength at, strength base and span
+    Rule(Bottleneck.INPUT, lambda s, th: s.data, lambda th: th.input_high_fraction,
+         lambda th: 0.5),
+    Rule(Bottleneck.COMMUNICATION, lambda s, th: s.comm, lambda th: th.comm_high_fraction,
+         lambda th: 0.5),
+    Rule(Bottleneck.HOST, _idle, lambda th: 0.0, lambda th: th.host_busy_max),
+    Rule(Bottleneck.MEMORY_BANDWIDTH, _dram_not_math, lambda th: th.membw_dram_min,
+         lambda th: 0.9),
+    Rule(Bottleneck.MEMORY_BANDWIDTH, _dram_below_ridge, lambda th: th.roofline_dram_min,
+         lambda th: 0.9, base=0.55, span=0.35),
+    Rule(Bottleneck.COMPUTE, _sm_and_tensor, lambda th: 0.0, lambda th: 1.0),
+    Rule(Bottleneck.COMPUTE, _mfu_of_busy, lambda th: th.compute_mfu_min, lambda th: 0.6),
+)
+"""The walls of docs/architecture.md §7 rules 2–6, in the order they are tried."""
+
+MODERATE_RULES: tuple[Rule, ...] = (
+    Rule(Bottleneck.INPUT, lambda s, th: s.data, lambda th: th.input_moderate_fraction,
+         lambda th: th.input_high_fraction, base=0.3, span=0.2),
+    Rule(Bottleneck.COMMUNICATION, lambda s, th: s.comm, lambda th: th.comm_moderate_fraction,
+         lambda th: th.comm_high_fraction, base=0.3, span=0.2),
+)
+"""Tried when no row of ``RULES`` fired and the GPU was seen: the larger moderate share."""
+
+UNKNOWN_STRENGTH = 0.3
+"""The strength of an unknown verdict, before its missing inputs lower it."""
+
+
 def phase_fractions(step: StepRecord) -> dict[str, float] | None:
     """Share of the step per category, or ``None`` when it reported neither (positive)
     phases nor measured communication.
@@ -147,119 +303,39 @@ def phase_fractions(step: StepRecord) -> dict[str, float] | None:
     return shares
 
 
-def classify(
-    step: StepRecord,
-    gpu: GpuWindow | None,
-    *,
-    peak_flops: float | None,
-    memory_total_bytes: int | None,
-    peak_dram_bytes_per_second: float | None = None,
-    peak_nvlink_bytes_per_second: float | None = None,
-    straggler_score: float | None = None,
-    straggler_cause: StragglerCause | None = None,
-    slower_rank: SlowerRank | None = None,
-    previous_alloc_retries: int | None = None,
-    previous_ooms: int | None = None,
-    thresholds: Thresholds = DEFAULT,
-    memory_remedy: str | None = None,
-    recent_comm: Sequence[float] = (),
-) -> Verdict:
-    """Classify one step (docs/architecture.md §7): primary wall, confidence, time shares, flags and a hint.
-
-    ``previous_alloc_retries``/``previous_ooms`` are the rank's cumulative allocator counters at
-    its previous step: retries or OOMs *rising* signal pressure (without ``previous_ooms``, any
-    OOM so far does). ``straggler_score``, ``straggler_cause`` and ``slower_rank`` come from
-    comparing the run's ranks (``straggler.judge_run``): a cause flags this rank as its
-    run's straggler (a score alone does not: the comparison also weighs the extra's share
-    of the step and its persistence); ``slower_rank`` names the rank it waits for when its
-    verdict is communication. ``memory_remedy`` replaces the generic memory-pressure hint
-    when the rank's memory breakdown names what fills it
-    (``gpumon.analysis.memory.attribute_growth``). ``recent_comm`` are the communication shares
-    of the rank's previous windows: the rules read this window's share at most at the median of
-    those and this one (the shares reported stay as measured).
-    """
+def classify(evidence: StepEvidence, thresholds: Thresholds = DEFAULT) -> Verdict:
+    """Classify one step (docs/architecture.md §7): primary wall, confidence, time shares,
+    flags and a hint."""
     th = thresholds
+    step, gpu, device, standing = evidence.step, evidence.gpu, evidence.device, evidence.standing
     measured = phase_fractions(step)
     fractions = measured if measured is not None else {k: 0.0 for k in FRACTION_KEYS}
     if measured is None:
         fractions["other"] = 1.0
-    data = measured["input"] if measured is not None else None
-    comm = measured["comm"] if measured is not None else None
-    rule_comm = comm if comm is None or not recent_comm \
-        else min(comm, statistics.median([*recent_comm, comm]))
-
-    step_mfu = None
-    if (step.flops is not None and math.isfinite(step.flops) and step.flops >= 0
-            and peak_flops is not None and peak_flops > 0 and step.duration_s > 0):
-        step_mfu = mfu(step.flops, step.duration_s, peak_flops)
-
-    busy = _busy_excluding_waits(gpu, data or 0.0, comm or 0.0)
-    sm = gpu.sm_active_ratio if gpu is not None else None
-    tensor = gpu.tensor_active_ratio if gpu is not None else None
-    dram = gpu.dram_active_ratio if gpu is not None else None
-    gpu_busy = busy is None or busy >= th.host_busy_max
-    gpm_membw = (dram is not None and tensor is not None
-                 and dram >= th.membw_dram_min and tensor < th.membw_tensor_max)
-    roofline = _roofline_memory_bound(step, dram, peak_flops, peak_dram_bytes_per_second, th)
-    gpm_compute = (sm is not None and tensor is not None
-                   and sm >= th.compute_sm_min and tensor >= th.compute_tensor_min)
-    mfu_compute = step_mfu is not None and step_mfu >= th.compute_mfu_min
-
+    shares = _shares(evidence, measured, th)
+    comm = fractions["comm"]
     missing = {
         "phases": measured is None,
         "window": gpu is None,
         "gpm": gpu is None or not gpu.has_gpm,
-        "flops": step_mfu is None,
-        "peers": straggler_score is None,
+        "flops": shares.mfu is None,
+        "peers": standing.score is None,
         "samples": gpu is not None and gpu.sample_count < 2,
     }
 
-    primary = Bottleneck.UNKNOWN
-    strength = 0.3
-    moderate = False
-    if data is not None and data >= th.input_high_fraction:
-        primary = Bottleneck.INPUT
-        strength = 0.6 + 0.4 * _margin(data, th.input_high_fraction, 0.5)
-    elif rule_comm is not None and rule_comm >= th.comm_high_fraction:
-        primary = Bottleneck.COMMUNICATION
-        strength = 0.6 + 0.4 * _margin(rule_comm, th.comm_high_fraction, 0.5)
-    elif busy is not None and busy < th.host_busy_max:
-        primary = Bottleneck.HOST
-        strength = 0.6 + 0.4 * _margin(th.host_busy_max - busy, 0.0, th.host_busy_max)
-    elif gpu_busy and dram is not None and (gpm_membw or roofline):
-        primary = Bottleneck.MEMORY_BANDWIDTH
-        strength = 0.0
-        if gpm_membw:
-            strength = 0.6 + 0.4 * _margin(dram, th.membw_dram_min, 0.9)
-        if roofline:
-            strength = max(strength, 0.55 + 0.35 * _margin(dram, th.roofline_dram_min, 0.9))
-    elif gpu_busy and (gpm_compute or mfu_compute):
-        primary = Bottleneck.COMPUTE
-        strength = 0.0
-        if gpm_compute and sm is not None and tensor is not None:
-            strength = 0.6 + 0.4 * min(_margin(sm, th.compute_sm_min, 1.0),
-                                       _margin(tensor, th.compute_tensor_min, 0.9))
-        if mfu_compute and step_mfu is not None:
-            strength = max(strength, 0.6 + 0.4 * _margin(step_mfu, th.compute_mfu_min, 0.6))
-    elif gpu is not None:
+    primary, strength, moderate = Bottleneck.UNKNOWN, UNKNOWN_STRENGTH, False
+    fired = _strongest(RULES, shares, th)
+    if fired is None and gpu is not None:
         # No rule fired outright, and the GPU was seen not to be the explanation: a moderate
         # input or communication share, if any, is the best one left (the larger of the
         # two). Without a GPU window a moderate share is no evidence (a fast CPU step with a
         # small data wait would otherwise read as input-bound): the verdict stays unknown.
-        candidates = [
-            (value, bottleneck, low, high)
-            for value, bottleneck, low, high in (
-                (data, Bottleneck.INPUT, th.input_moderate_fraction, th.input_high_fraction),
-                (rule_comm, Bottleneck.COMMUNICATION, th.comm_moderate_fraction,
-                 th.comm_high_fraction),
-            )
-            if value is not None and value >= low
-        ]
-        if candidates:
-            value, primary, low, high = max(candidates, key=lambda c: c[0] or 0.0)
-            strength = 0.3 + 0.2 * _margin(value or 0.0, low, high)
-            moderate = True
+        fired = _largest_moderate(shares, th)
+        moderate = fired is not None
+    if fired is not None:
+        primary, strength = fired
 
+    slower_rank = standing.slower_rank
     waiting_on = None
     if primary is Bottleneck.COMMUNICATION and slower_rank is not None \
             and slower_rank.rank != step.rank:
@@ -268,7 +344,7 @@ def classify(
         hint = WAITING_HINT.format(
             rank=slower_rank.rank, silent=", which stopped reporting" if slower_rank.silent else "")
     elif primary is Bottleneck.COMMUNICATION:
-        hint, link_known = _comm_hint(gpu, comm or 0.0, peak_nvlink_bytes_per_second, th)
+        hint, link_known = _comm_hint(gpu, comm, device.peak_nvlink_bytes_per_second, th)
         if not link_known:
             strength *= _MISSING_LINK
     elif primary is Bottleneck.UNKNOWN:
@@ -285,31 +361,72 @@ def classify(
             confidence *= _PENALTIES[name]
     confidence = min(1.0, max(0.0, confidence))
 
-    flags = _flags(step, gpu, memory_total_bytes, straggler_cause, previous_alloc_retries,
-                   previous_ooms, th)
+    flags = _flags(evidence, th)
     cause = None
     for flag in (Flag.MEMORY_PRESSURE, Flag.THROTTLED, Flag.STRAGGLER):
         if flag in flags:
-            remedy = memory_remedy if flag is Flag.MEMORY_PRESSURE else None
+            remedy = evidence.memory_remedy if flag is Flag.MEMORY_PRESSURE else None
             hint += "; " + (f"memory pressure — {remedy}" if remedy else FLAG_HINTS[flag.value])
     if Flag.STRAGGLER in flags:
-        cause = straggler_cause or StragglerCause.UNKNOWN
+        cause = standing.cause or StragglerCause.UNKNOWN
         hint += f"; cause: {cause.value} — {CAUSE_HINTS[cause.value]}"
-    return Verdict(primary, confidence, fractions, frozenset(flags), hint, step_mfu, cause,
+    return Verdict(primary, confidence, fractions, frozenset(flags), hint, shares.mfu, cause,
                    waiting_on)
 
 
-def _flags(
-    step: StepRecord,
-    gpu: GpuWindow | None,
-    memory_total_bytes: int | None,
-    straggler_cause: StragglerCause | None,
-    previous_alloc_retries: int | None,
-    previous_ooms: int | None,
-    th: Thresholds,
-) -> set[Flag]:
+def _shares(evidence: StepEvidence, measured: Mapping[str, float] | None,
+            th: Thresholds) -> Shares:
+    step, gpu, device = evidence.step, evidence.gpu, evidence.device
+    data = measured["input"] if measured is not None else None
+    comm = measured["comm"] if measured is not None else None
+    recent = evidence.recent_comm
+    rule_comm = comm if comm is None or not recent \
+        else min(comm, statistics.median([*recent, comm]))
+    peak_flops = device.peak_flops
+    step_mfu = None
+    if (step.flops is not None and math.isfinite(step.flops) and step.flops >= 0
+            and peak_flops is not None and peak_flops > 0 and step.duration_s > 0):
+        step_mfu = mfu(step.flops, step.duration_s, peak_flops)
+    busy = _busy_excluding_waits(gpu, data or 0.0, comm or 0.0)
+    dram = gpu.dram_active_ratio if gpu is not None else None
+    return Shares(
+        data=data, comm=rule_comm, busy=busy,
+        gpu_busy=busy is None or busy >= th.host_busy_max,
+        sm=gpu.sm_active_ratio if gpu is not None else None,
+        tensor=gpu.tensor_active_ratio if gpu is not None else None,
+        dram=dram, mfu=step_mfu,
+        below_ridge=_roofline_memory_bound(step, dram, peak_flops,
+                                           device.peak_dram_bytes_per_second, th))
+
+
+def _strongest(rules: Sequence[Rule], shares: Shares,
+               th: Thresholds) -> tuple[Bottleneck, float] | None:
+    """The first wall (in the table's order) one of whose rows fired, with the strongest of
+    its rows' strengths."""
+    for wall, rows in itertools.groupby(rules, key=lambda rule: rule.wall):
+        strengths = [s for rule in rows if (s := rule.strength(shares, th)) is not None]
+        if strengths:
+            return wall, max(strengths)
+    return None
+
+
+def _largest_moderate(shares: Shares, th: Thresholds) -> tuple[Bottleneck, float] | None:
+    """Of the moderate rows that fired, the one reading the largest share."""
+    fired = [(rule.reads(shares, th) or 0.0, rule.wall, strength) for rule in MODERATE_RULES
+             if (strength := rule.strength(shares, th)) is not None]
+    if not fired:
+        return None
+    _, wall, strength = max(fired, key=lambda f: f[0])
+    return wall, strength
+
+
+def _flags(evidence: StepEvidence, th: Thresholds) -> set[Flag]:
+    step, gpu = evidence.step, evidence.gpu
+    previous = evidence.previous_mem
+    previous_ooms = previous.ooms if previous is not None else None
+    previous_alloc_retries = previous.alloc_retries if previous is not None else None
     flags: set[Flag] = set()
-    total = memory_total_bytes
+    total = evidence.device.memory_total_bytes
     if total is None and gpu is not None:
         total = gpu.memory_total_bytes
     mem = step.mem
@@ -331,7 +448,7 @@ def _flags(
         gpu.clock_event_fractions.get(reason, 0.0) > 0 for reason in th.throttle_reasons
     ):
         flags.add(Flag.THROTTLED)
-    if straggler_cause is not None:
+    if evidence.standing.cause is not None:
         # The comparison decided (score, share of the step, persistence); a score alone may
         # be low on a rank that is not worth flagging.
         flags.add(Flag.STRAGGLER)

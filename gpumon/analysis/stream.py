@@ -20,9 +20,17 @@ import statistics
 from collections import Counter, deque
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Protocol
 
-from gpumon.analysis.bottleneck import Bottleneck, Flag, Verdict, classify
+from gpumon.analysis.bottleneck import (
+    Bottleneck,
+    DeviceSpec,
+    Flag,
+    StepEvidence,
+    Verdict,
+    classify,
+)
 from gpumon.analysis.device_timing import device_shares
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
 from gpumon.analysis.memory import MemoryAttribution, attribute_growth
@@ -30,6 +38,7 @@ from gpumon.analysis.oom import OomRisk, assess_oom_risk
 from gpumon.analysis.straggler import (
     RankWork,
     SlowerRank,
+    Standing,
     StragglerCause,
     judge_run,
     own_work_s,
@@ -59,7 +68,7 @@ SLICE_WORK = 256  # ~1 ms of a pass: 8 verdicts of a few steps each
 _versions = itertools.count(1)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankAnalysis:
     """What the analyzer currently says about one rank. One handed out is never changed: the
     analyzer replaces it (``RankTracker.conclude``), so a reader on another thread may take it
@@ -70,7 +79,8 @@ class RankAnalysis:
     gpu: int | None = None
     verdict: Verdict | None = None
     verdict_step: int | None = None
-    bottleneck_steps: Counter[str] = field(default_factory=Counter)
+    bottleneck_steps: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """Steps analysed so far, by the wall of their verdict."""
     oom: OomRisk | None = None
     straggler_score: float | None = None
     """Its peers' mean own work per step ÷ its own (``straggler.straggler_scores``)."""
@@ -82,8 +92,19 @@ class RankAnalysis:
     """Times the world size this rank reports changed (its comparison history restarts)."""
     memory: MemoryAttribution | None = None
     """Which memory component the rank's sampled breakdowns blame, when it sends them."""
+    step_period_s: float | None = None
+    """Median time per step over its latest analysed windows."""
+    sm_clock_hz: float | None = None
+    """Mean SM clock of its GPU over its latest verdict's window."""
+    gpu_trouble: bool = False
+    """Its GPU throttled over its latest verdict's window, or has reported XID errors."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does."""
+
+    @property
+    def standing(self) -> Standing:
+        """What the latest comparison with its peers said."""
+        return Standing(self.straggler_score, self.straggler_cause, self.slower_rank)
 
 
 @dataclass(frozen=True)
@@ -97,34 +118,66 @@ class StepVerdict:
 
 
 @dataclass
-class RankTracker:
-    """The analyzer's working state for one rank: steps waiting for their GPU samples and
-    the recent figures its verdicts and scores need; ``analysis`` is what it has concluded.
-    Only the analyzer reads or changes it, under its caller's lock, except ``analysis``."""
+class Received:
+    """A rank's steps as they arrive: written by ``StepAnalyzer.add`` only. The comparison
+    reads the figures of its latest steps; a pass takes the pending steps it analyses."""
 
-    analysis: RankAnalysis
     pending: list[StepRecord] = field(default_factory=list)
     own_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    """Own work of its latest steps received (analysed or not)."""
+    """Own work of its latest steps."""
     data_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     cpu_wait_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
     step_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    """Durations of its latest steps received: the share of the step a straggler costs."""
-    peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
+    """Durations of its latest steps: the share of the step a straggler costs."""
     breakdowns: deque[tuple[float, MemoryBreakdown]] = field(
         default_factory=lambda: deque(maxlen=BREAKDOWN_HISTORY))
-    durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    comm_shares: deque[float] = field(default_factory=lambda: deque(maxlen=COMM_HISTORY))
-    """Communication shares of its latest windows analysed (``classify``'s ``recent_comm``)."""
-    last: StepRecord | None = None
-    device_shares: dict[str, float] | None = None
-    """Phase shares of its latest GPU-timed steps (``device_timing``), for windows without any."""
     last_pid: int | None = None
     world: int | None = None
     last_end_t: float = -math.inf
     """When its newest step (analysed or waiting) ended."""
-    sm_clock_hz: float | None = None
-    gpu_trouble: bool = False
+
+    def take(self, step: StepRecord) -> None:
+        """Note one step's figures for the comparison, and queue it for analysis."""
+        self.own_s.append(own_work_s(step))
+        self.data_s.append(step.phases_s.get("data", 0.0) if step.phases_s else None)
+        self.cpu_wait_s.append(step.cpu_wait_s)
+        self.step_s.append(step.duration_s)
+        self.pending.append(step)
+
+    def restart(self) -> None:
+        """Forget the comparison's figures: they describe a run that no longer exists."""
+        self.own_s.clear()
+        self.data_s.clear()
+        self.cpu_wait_s.clear()
+        self.step_s.clear()
+
+
+@dataclass
+class Analysed:
+    """What a rank's analysed windows leave for its next ones: written by its analysis only."""
+
+    last: StepRecord | None = None
+    """The newest step analysed: allocator counters rising since it signal pressure."""
+    device_shares: dict[str, float] | None = None
+    """Phase shares of its latest GPU-timed steps (``device_timing``), for windows without any."""
+    comm_shares: deque[float] = field(default_factory=lambda: deque(maxlen=COMM_HISTORY))
+    """Communication shares of its latest windows (``StepEvidence.recent_comm``)."""
+    peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
+    durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
+    """Time per step of its latest windows."""
+
+
+@dataclass
+class RankTracker:
+    """The analyzer's state for one rank. The data flows one way: ``add`` writes what was
+    received; a pass compares the run's ranks from what they received and concluded last,
+    then analyses each rank's pending steps with that comparison and its own window history,
+    and publishes the result as ``analysis``. Only the analyzer reads or changes it, under
+    its caller's lock, except ``analysis``, which is replaced, never changed."""
+
+    analysis: RankAnalysis
+    received: Received = field(default_factory=Received)
+    analysed: Analysed = field(default_factory=Analysed)
 
     def conclude(self, **changes: Any) -> None:
         """Replace ``analysis`` by one with ``changes`` and a new version."""
@@ -208,7 +261,7 @@ class StepAnalyzer:
         """Queue steps; a step without ``t_start``, or one claiming to end well after it
         was received (a client clock running ahead), is taken to have ended when received.
         Steps of a rank ``ranks`` no longer holds are dropped."""
-        full: list[RankTracker] = []
+        full: list[Received] = []
         key: RankKey | None = None
         state: RankTracker | None = None
         for step in steps:
@@ -220,33 +273,27 @@ class StepAnalyzer:
                 state = self._ranks.tracker(key)
             if state is None:
                 continue
-            if step.world is not None and step.world != state.world:
-                if state.world is not None:
+            received = state.received
+            if step.world is not None and step.world != received.world:
+                if received.world is not None:
                     # A restarted (elastic) job: what this rank did before describes another run.
                     state.conclude(world_changes=state.analysis.world_changes + 1)
-                    state.own_s.clear()
-                    state.data_s.clear()
-                    state.cpu_wait_s.clear()
-                    state.step_s.clear()
-                state.world = step.world
-            state.last_end_t = max(state.last_end_t, step.t_end or received_t)
+                    received.restart()
+                received.world = step.world
+            received.last_end_t = max(received.last_end_t, step.t_end or received_t)
             # The comparison reads only the records, so it keeps up with them rather than
             # with the analysis, which waits for the GPU samples.
-            state.own_s.append(own_work_s(step))
-            state.data_s.append(step.phases_s.get("data", 0.0) if step.phases_s else None)
-            state.cpu_wait_s.append(step.cpu_wait_s)
-            state.step_s.append(step.duration_s)
-            state.pending.append(step)
+            received.take(step)
             if step.memory_breakdown is not None:
-                state.breakdowns.append((step.t_end or received_t, step.memory_breakdown))
+                received.breakdowns.append((step.t_end or received_t, step.memory_breakdown))
             if pids and pids.get(key) is not None:
-                state.last_pid = pids[key]
-            if len(state.pending) == MAX_PENDING + 1:
-                full.append(state)
+                received.last_pid = pids[key]
+            if len(received.pending) == MAX_PENDING + 1:
+                full.append(received)
         # Trimmed once per call rather than per step (a flood would move 4,096 steps for
         # each one added); nothing reads them in between.
-        for state in full:
-            del state.pending[: len(state.pending) - MAX_PENDING]
+        for received in full:
+            del received.pending[: len(received.pending) - MAX_PENDING]
 
     def process(self, now_t: float, history: History, statics: Sequence[GpuStatic],
                 latest: Mapping[int, GpuSample]) -> list[StepVerdict]:
@@ -281,15 +328,16 @@ class StepAnalyzer:
         done: list[StepVerdict] = []
         work = 0
         for state in self._ranks.trackers():
+            pending = state.received.pending
             # A rank's steps arrive in order: the ready ones are a prefix.
             k = 0
-            for step in state.pending:
+            for step in pending:
                 if step.t_end is None or step.t_end > cutoff:
                     break
                 k += 1
             if k == 0:
                 continue
-            groups = group_steps(state.pending[:k], self.resolution_s)
+            groups = group_steps(pending[:k], self.resolution_s)
             last = groups[-1]
             # Hold back a recent last group shorter than the resolution: its next step may
             # still come, or be waiting. An old one (the job stopped) is analysed as it is.
@@ -298,13 +346,15 @@ class StepAnalyzer:
                 groups.pop()
                 k -= len(last)
             # Taken off before the first yield: steps added meanwhile land after these.
-            del state.pending[:k]
+            del pending[:k]
             work += k
             for members in groups:
-                state.device_shares = device_shares(members) or state.device_shares
-                merged = merge_steps(members, state.device_shares)
-                verdict = self._analyse(state, merged, len(members), members[-1], history,
-                                        by_index, latest, thresholds, xid_gpus)
+                analysed = state.analysed
+                analysed.device_shares = device_shares(members) or analysed.device_shares
+                merged = merge_steps(members, analysed.device_shares)
+                verdict, state.analysis = self._analyse(
+                    state, merged, len(members), members[-1], history, by_index, latest,
+                    thresholds, xid_gpus)
                 done.append(StepVerdict(merged.run, merged.rank,
                                         tuple(m.step for m in members), verdict))
                 work += VERDICT_WORK
@@ -317,64 +367,67 @@ class StepAnalyzer:
     def _analyse(self, state: RankTracker, group: StepRecord, steps: int, last: StepRecord,
                  history: History, statics: Mapping[int, GpuStatic],
                  latest: Mapping[int, GpuSample], thresholds: Thresholds,
-                 xid_gpus: Collection[int]) -> Verdict:
-        analysis = state.analysis
-        index = attribute_gpu(last.gpu, last.pid or state.last_pid, list(statics.values()),
-                              latest)
+                 xid_gpus: Collection[int]) -> tuple[Verdict, RankAnalysis]:
+        """The verdict on ``group`` (``steps`` steps merged, ``last`` the newest) and the
+        rank's analysis after it: reads what the rank received, its window history (which it
+        extends) and its standing among its peers; returns what the rank is now said to be."""
+        analysis, analysed = state.analysis, state.analysed
+        index = attribute_gpu(last.gpu, last.pid or state.received.last_pid,
+                              list(statics.values()), latest)
         static = statics.get(index) if index is not None else None
         window = None
         if index is not None and group.t_start is not None and group.t_end is not None:
             window = summarize_gpu_window(history(index, group.t_start, group.t_end),
                                           group.t_start, group.t_end)
         name = static.name if static else None
-        previous = state.last
-        memory = attribute_growth(list(state.breakdowns))
-        verdict = classify(
+        previous = analysed.last
+        memory = attribute_growth(list(state.received.breakdowns))
+        verdict = classify(StepEvidence(
             group, window,
-            peak_flops=resolve_peak_flops(name, self._peak_override),
-            memory_total_bytes=static.memory_total_bytes if static else None,
-            peak_dram_bytes_per_second=resolve_peak_dram(name),
-            peak_nvlink_bytes_per_second=resolve_peak_nvlink(name),
-            straggler_score=analysis.straggler_score,
-            straggler_cause=analysis.straggler_cause,
-            slower_rank=analysis.slower_rank,
-            previous_alloc_retries=previous.mem.alloc_retries if previous and previous.mem else None,
-            previous_ooms=previous.mem.ooms if previous and previous.mem else None,
-            thresholds=thresholds,
+            device=DeviceSpec(
+                peak_flops=resolve_peak_flops(name, self._peak_override),
+                memory_total_bytes=static.memory_total_bytes if static else None,
+                peak_dram_bytes_per_second=resolve_peak_dram(name),
+                peak_nvlink_bytes_per_second=resolve_peak_nvlink(name)),
+            standing=analysis.standing,
+            previous_mem=previous.mem if previous else None,
             memory_remedy=memory.text if memory is not None else None,
-            recent_comm=state.comm_shares,
-        )
+            recent_comm=tuple(analysed.comm_shares),
+        ), thresholds)
         if verdict.fractions["other"] < 1.0:  # its shares were measured (phases or comm)
-            state.comm_shares.append(verdict.fractions["comm"])
+            analysed.comm_shares.append(verdict.fractions["comm"])
         bottleneck_steps = Counter(analysis.bottleneck_steps)
         bottleneck_steps[verdict.primary.value] += steps
-        state.sm_clock_hz = window.sm_clock_hz if window is not None else None
-        state.gpu_trouble = Flag.THROTTLED in verdict.flags or index in xid_gpus
-        state.durations.append(group.duration_s / steps)
+        analysed.durations.append(group.duration_s / steps)
         if last.mem is not None and last.mem.peak_bytes is not None and last.t_end is not None:
-            state.peaks.append((last.t_end, last.mem.peak_bytes))
+            analysed.peaks.append((last.t_end, last.mem.peak_bytes))
         capacity = static.memory_total_bytes if static else None
+        period = statistics.median(analysed.durations)
         oom = analysis.oom
-        if capacity and (state.peaks or last.mem is not None):
+        if capacity and (analysed.peaks or last.mem is not None):
             sample = latest.get(index) if index is not None else None
             mem = last.mem
             oom = assess_oom_risk(
-                list(state.peaks),
+                list(analysed.peaks),
                 capacity_bytes=capacity,
                 nvml_used_bytes=sample.memory_used_bytes if sample else None,
                 reserved_bytes=mem.reserved_bytes if mem else None,
                 allocated_bytes=mem.allocated_bytes if mem else None,
                 alloc_retries_delta=_delta(previous, last, "alloc_retries"),
                 ooms_delta=_delta(previous, last, "ooms"),
-                step_period_s=statistics.median(state.durations) if state.durations else None,
+                step_period_s=period,
             )
             if memory is not None and oom.reasons:
                 # What is at risk is only half the warning: say which part fills the memory.
                 oom = replace(oom, reasons=(*oom.reasons, memory.text))
-        state.last = last
-        state.conclude(gpu=index, memory=memory, verdict=verdict, verdict_step=last.step,
-                       bottleneck_steps=bottleneck_steps, oom=oom)
-        return verdict
+        analysed.last = last
+        return verdict, replace(
+            analysis, gpu=index, memory=memory, verdict=verdict, verdict_step=last.step,
+            bottleneck_steps=MappingProxyType(dict(bottleneck_steps)), oom=oom,
+            step_period_s=period,
+            sm_clock_hz=window.sm_clock_hz if window is not None else None,
+            gpu_trouble=Flag.THROTTLED in verdict.flags or index in xid_gpus,
+            version=next(_versions))
 
     def _compare_ranks(self, thresholds: Thresholds) -> None:
         """Each run's straggler comparison (``straggler.judge_run``), over the ranks that are
@@ -383,21 +436,22 @@ class StepAnalyzer:
         for state in self._ranks.trackers():
             runs.setdefault(state.analysis.run, []).append(state)
         for states in runs.values():
-            newest = max(states, key=lambda s: s.last_end_t)
-            periods = [statistics.median(s.durations) for s in states if s.durations]
+            newest = max(states, key=lambda s: s.received.last_end_t).received
+            periods = [s.analysis.step_period_s for s in states
+                       if s.analysis.step_period_s is not None]
             behind_s = max(SILENT_MIN_S, SILENT_STEPS * statistics.median(periods)
                            if periods else 0.0)
             works: dict[int, RankWork] = {}
             silent: set[int] = set()
             for state in states:
-                rank = state.analysis.rank
-                if newest.world is not None and (state.world != newest.world
+                rank, received = state.analysis.rank, state.received
+                if newest.world is not None and (received.world != newest.world
                                                  or rank >= newest.world):
                     continue  # a rank of an earlier world size
-                if newest.last_end_t - state.last_end_t > behind_s:
+                if newest.last_end_t - received.last_end_t > behind_s:
                     silent.add(rank)
-                elif state.own_s:
-                    works[rank] = _rank_work(state)
+                elif received.own_s:
+                    works[rank] = _rank_work(received, state.analysis)
             standings = judge_run(works, frozenset(silent), thresholds)
             for state in states:
                 analysis = state.analysis
@@ -414,16 +468,17 @@ class StepAnalyzer:
         return [s.analysis for s in self._ranks.trackers()]
 
 
-def _rank_work(state: RankTracker) -> RankWork:
-    """A rank's latest steps, as the straggler comparison reads them."""
-    own = list(state.own_s)
+def _rank_work(received: Received, analysis: RankAnalysis) -> RankWork:
+    """A rank's latest steps, as the straggler comparison reads them, with its GPU's state
+    over its latest verdict's window."""
+    own = list(received.own_s)
     low, high = (statistics.quantiles(own, n=4, method="inclusive")[::2] if len(own) > 1
                  else (own[0], own[0]))
-    data = [d for d in state.data_s if d is not None]
-    waits = [w for w in state.cpu_wait_s if w is not None]
+    data = [d for d in received.data_s if d is not None]
+    waits = [w for w in received.cpu_wait_s if w is not None]
     return RankWork(statistics.median(own), statistics.median(data) if data else None,
-                    state.sm_clock_hz, state.gpu_trouble, own_low_s=low, own_high_s=high,
-                    step_s=statistics.median(state.step_s), steps=len(own),
+                    analysis.sm_clock_hz, analysis.gpu_trouble, own_low_s=low, own_high_s=high,
+                    step_s=statistics.median(received.step_s), steps=len(own),
                     cpu_wait_s=statistics.median(waits) if waits else None)
 
 
@@ -435,5 +490,5 @@ def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:
     return max(0, now - (before or 0)) if before is not None else 0
 
 
-__all__ = ["Bottleneck", "RankAnalysis", "RankTracker", "StepAnalyzer", "StepVerdict",
+__all__ = ["Analysed", "Bottleneck", "RankAnalysis", "RankTracker", "Received", "StepAnalyzer", "StepVerdict",
            "TrackerTable", "Trackers", "attribute_gpu", "new_tracker"]

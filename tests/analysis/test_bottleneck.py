@@ -16,13 +16,15 @@ from gpumon.analysis.bottleneck import (
     DEFAULT,
     FRACTION_KEYS,
     Bottleneck,
+    DeviceSpec,
     Flag,
+    StepEvidence,
     Thresholds,
     Verdict,
     classify,
     phase_fractions,
 )
-from gpumon.analysis.straggler import StragglerCause
+from gpumon.analysis.straggler import Standing, StragglerCause
 from gpumon.analysis.window import GpuWindow
 from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 
@@ -63,13 +65,26 @@ def make_window(fields: dict[str, Any] | None = None, **more: Any) -> GpuWindow:
     return GpuWindow(t0=0.0, t1=1.0, **values)
 
 
-def run(step: StepRecord, gpu: GpuWindow | None, **kw: Any) -> Verdict:
-    args: dict[str, Any] = {
-        "peak_flops": PEAK, "memory_total_bytes": TOTAL, "peak_dram_bytes_per_second": HBM,
-        "peak_nvlink_bytes_per_second": NVLINK, "straggler_score": 1.0,
-    }
-    args.update(kw)
-    return classify(step, gpu, **args)
+H100 = DeviceSpec(peak_flops=PEAK, memory_total_bytes=TOTAL, peak_dram_bytes_per_second=HBM,
+                  peak_nvlink_bytes_per_second=NVLINK)
+
+
+def evidence(step: StepRecord, gpu: GpuWindow | None, *, straggler_score: float | None = 1.0,
+             straggler_cause: StragglerCause | None = None,
+             previous_alloc_retries: int | None = None, previous_ooms: int | None = None,
+             **device: Any) -> StepEvidence:
+    """``step`` on an H100 (``device`` overrides its figures) beside a peer like it."""
+    previous = None
+    if previous_alloc_retries is not None or previous_ooms is not None:
+        previous = MemoryStats(alloc_retries=previous_alloc_retries, ooms=previous_ooms)
+    return StepEvidence(step, gpu, device=dataclasses.replace(H100, **device),
+                        standing=Standing(straggler_score, straggler_cause),
+                        previous_mem=previous)
+
+
+def run(step: StepRecord, gpu: GpuWindow | None, *, thresholds: Thresholds = DEFAULT,
+        **kw: Any) -> Verdict:
+    return classify(evidence(step, gpu, **kw), thresholds)
 
 
 def mfu_flops(ratio: float) -> float:
@@ -443,9 +458,10 @@ def test_any_valid_input_gives_a_bounded_verdict(
     step: StepRecord, gpu: GpuWindow | None, peak_flops: float | None, total: int | None,
     dram: float | None, nvlink: float | None, score: float | None, previous: int | None,
 ) -> None:
-    verdict = classify(step, gpu, peak_flops=peak_flops, memory_total_bytes=total,
-                       peak_dram_bytes_per_second=dram, peak_nvlink_bytes_per_second=nvlink,
-                       straggler_score=score, previous_alloc_retries=previous)
+    verdict = classify(evidence(step, gpu, peak_flops=peak_flops, memory_total_bytes=total,
+                                peak_dram_bytes_per_second=dram,
+                                peak_nvlink_bytes_per_second=nvlink, straggler_score=score,
+                                previous_alloc_retries=previous))
     assert isinstance(verdict.primary, Bottleneck)
     assert 0.0 <= verdict.confidence <= 1.0
     assert set(verdict.fractions) == set(FRACTION_KEYS)

@@ -8,17 +8,23 @@ optimizer phases, the data wait from the loader): the exposed all-reduce wait si
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
-from gpumon.analysis.bottleneck import Bottleneck, Verdict, classify, phase_fractions
+from gpumon.analysis.bottleneck import (
+    Bottleneck,
+    DeviceSpec,
+    StepEvidence,
+    Verdict,
+    classify,
+    phase_fractions,
+)
 from gpumon.analysis.comm import (
     attributed_phases,
     bus_bandwidth_factor,
     overlapped_s,
     wait_s,
 )
+from gpumon.analysis.straggler import Standing
 from gpumon.analysis.window import GpuWindow, merge_steps
 from gpumon.wire import CollectiveOp, CommStats, StepRecord
 
@@ -38,11 +44,9 @@ def ddp_step(duration_s: float, phases: dict[str, float], exposed_s: float | Non
                       phases_s=phases, comm=comm)
 
 
-def verdict(step: StepRecord, gpu: GpuWindow | None = None, **kw: Any) -> Verdict:
-    args: dict[str, Any] = {"peak_flops": PEAK, "memory_total_bytes": None,
-                            "straggler_score": 1.0}
-    args.update(kw)
-    return classify(step, gpu, **args)
+def verdict(step: StepRecord, gpu: GpuWindow | None = None) -> Verdict:
+    return classify(StepEvidence(step, gpu, device=DeviceSpec(peak_flops=PEAK),
+                                 standing=Standing(1.0)))
 
 
 # A comm-heavy DDP step as measured on 2 CPU ranks (gloo): 120 ms, of which 75 ms blocked on

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpumon.analysis.bottleneck import Bottleneck, Flag, Verdict, classify
+from gpumon.analysis.bottleneck import Bottleneck, Flag, StepEvidence, Verdict, classify
 from gpumon.analysis.straggler import (
     STRAGGLER_MIN_STEPS,
     RankWork,
@@ -168,9 +168,7 @@ def test_own_work_is_never_negative() -> None:
 
 
 def verdict(step: StepRecord, standing: Standing) -> Verdict:
-    return classify(step, None, peak_flops=None, memory_total_bytes=None,
-                    straggler_score=standing.score, straggler_cause=standing.cause,
-                    slower_rank=standing.slower_rank)
+    return classify(StepEvidence(step, standing=standing))
 
 
 @pytest.mark.parametrize(

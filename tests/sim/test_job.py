@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.analysis.bottleneck import Bottleneck, Flag, classify
+from gpumon.analysis.bottleneck import Bottleneck, DeviceSpec, Flag, StepEvidence, classify
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
 from gpumon.analysis.straggler import RankWork, judge_run, own_work_s
 from gpumon.analysis.window import summarize_gpu_window
@@ -154,12 +154,11 @@ def test_each_phase_kind_classifies_as_intended(kind: PhaseKind, model: str) -> 
     for rank, record in enumerate(records):
         standing = standings[rank]
         window = summarize_gpu_window([s[rank] for s in samples[1:]], 1000.1, 1000.7)
-        verdict = classify(record, window, peak_flops=resolve_peak_flops(gpu.name),
-                           memory_total_bytes=gpu.memory_total_bytes,
-                           peak_dram_bytes_per_second=resolve_peak_dram(gpu.name),
-                           peak_nvlink_bytes_per_second=resolve_peak_nvlink(gpu.name),
-                           straggler_score=standing.score,
-                           straggler_cause=standing.cause, slower_rank=standing.slower_rank)
+        device = DeviceSpec(peak_flops=resolve_peak_flops(gpu.name),
+                            memory_total_bytes=gpu.memory_total_bytes,
+                            peak_dram_bytes_per_second=resolve_peak_dram(gpu.name),
+                            peak_nvlink_bytes_per_second=resolve_peak_nvlink(gpu.name))
+        verdict = classify(StepEvidence(record, window, device=device, standing=standing))
         expected = EXPECTED[kind]
         if kind is PhaseKind.STRAGGLER and rank == SLOW:
             expected = Bottleneck.COMPUTE
