@@ -39,12 +39,12 @@ _FI_NVLINK_LINK_COUNT = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
 _FIELD_VALUES = tuple((f, getattr(pynvml, f.nvml)) for f in GPU_FIELDS if f.field_value)
 _CONVERT = {f.name: f.convert for f in GPU_FIELDS}
 
-# GPM metric id -> GpuSample field; all are percentages converted to ratios.
+# GPM metric id -> its conversion from the GpuSample field's row (percent to ratio).
 _GPM_METRICS = {
-    pynvml.NVML_GPM_METRIC_SM_UTIL: "sm_active_ratio",
-    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: "sm_occupancy_ratio",
-    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: "tensor_active_ratio",
-    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: "dram_active_ratio",
+    pynvml.NVML_GPM_METRIC_SM_UTIL: FIELDS_BY_NAME["sm_active_ratio"].convert,
+    pynvml.NVML_GPM_METRIC_SM_OCCUPANCY: FIELDS_BY_NAME["sm_occupancy_ratio"].convert,
+    pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL: FIELDS_BY_NAME["tensor_active_ratio"].convert,
+    pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL: FIELDS_BY_NAME["dram_active_ratio"].convert,
 }
 
 # Clock event ("throttle") reason bits, named as exported in the `reason` label.
@@ -125,10 +125,18 @@ def _describe(exc: pynvml.NVMLError) -> str:
 
 @dataclass
 class _Counters:
-    """Previous counter reading, for bytes/s rates."""
+    """Previous counter reading (bytes by field id), for bytes/s rates."""
 
     t: float
-    values: dict[str, int] = field(default_factory=dict)
+    values: dict[int, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class _SlowReadings:
+    """The readings taken every SLOW_INTERVAL_S, repeated in the samples between."""
+
+    process_memory_bytes: dict[int, int] | None = None
+    ecc_errors_total: dict[str, int] | None = None
 
 
 class NvmlDevice:
@@ -143,11 +151,11 @@ class NvmlDevice:
         self._gpm_metrics: GpmMetrics | None = None
         self._gpm_next = 0  # which of the two samples the next reading goes into
         self._gpm_t = 0.0
-        self._gpm_values: dict[str, float] = {}
+        self._gpm_values: dict[int, float] = {}
         self._counters: _Counters | None = None
         self._counter_batch: FieldBatch | None = None
         self._slow_t = float("-inf")
-        self._slow: dict[str, Any] = {}
+        self._slow = _SlowReadings()
         self.lost = False
         self.static = self._read_static()
 
@@ -261,72 +269,91 @@ class NvmlDevice:
             return GpuSample(index=self.index, t=now, up=False, error="gpu_is_lost")
 
     def _sample(self, now: float, monotonic: float) -> GpuSample:
-        values: dict[str, Any] = {}
         memory = self._memory_info()
-        if memory is not None:
-            values["memory_used_bytes"] = int(memory.used)
-            values["memory_total_bytes"] = int(memory.total)
         util = self._optional("utilization", pynvml.nvmlDeviceGetUtilizationRates)
-        if util is not None:
-            values["utilization_ratio"] = _CONVERT["utilization_ratio"](util.gpu)
-            values["memory_utilization_ratio"] = _CONVERT["memory_utilization_ratio"](util.memory)
         power_mw = self._optional("power", pynvml.nvmlDeviceGetPowerUsage)
-        if power_mw is not None:
-            values["power_watts"] = _CONVERT["power_watts"](power_mw)
         temp = self._optional("temperature", versions.TEMPERATURE)
-        if temp is not None:
-            values["temperature_celsius"] = _CONVERT["temperature_celsius"](temp)
         clock = self._optional("clock", pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM)
-        if clock is not None:
-            values["sm_clock_hz"] = _CONVERT["sm_clock_hz"](clock)
         reasons = self._optional("clock_events", versions.CLOCK_EVENT_REASONS_CALL)
-        if reasons is not None:
-            values["clock_event_reasons"] = {
-                name: bool(reasons & bit) for name, bit in CLOCK_EVENT_REASONS.items()
-            }
-        values.update(self._plain_field_values())
-        values.update(self._counter_values(monotonic))
-        values.update(self._gpm(monotonic))
+        field_values = self._plain_field_values()
+        totals, rates = self._counter_values(monotonic)
+        gpm = self._gpm(monotonic)
         if monotonic - self._slow_t >= SLOW_INTERVAL_S:
             self._slow_t = monotonic
             self._slow = self._slow_values()
-        values.update(self._slow)
-        return GpuSample(index=self.index, t=now, **values)
+        # Each reading by its keyword, so that a misspelt field fails the type check, not a
+        # poll. The table's generic field values go by the table's names (each a GpuSample
+        # attribute, as tests/collectors/test_gpu_fields.py holds); with every other field
+        # named here, the type check also holds that they land only on float fields.
+        return GpuSample(
+            index=self.index,
+            t=now,
+            up=True,
+            error=None,
+            utilization_ratio=(None if util is None
+                               else _CONVERT["utilization_ratio"](util.gpu)),
+            memory_utilization_ratio=(None if util is None
+                                      else _CONVERT["memory_utilization_ratio"](util.memory)),
+            memory_used_bytes=None if memory is None else int(memory.used),
+            memory_total_bytes=None if memory is None else int(memory.total),
+            pcie_tx_bytes_total=totals.get(_FI_PCIE_TX_BYTES),
+            pcie_rx_bytes_total=totals.get(_FI_PCIE_RX_BYTES),
+            nvlink_tx_bytes_total=totals.get(_FI_NVLINK_TX_KIB),
+            nvlink_rx_bytes_total=totals.get(_FI_NVLINK_RX_KIB),
+            sm_active_ratio=gpm.get(pynvml.NVML_GPM_METRIC_SM_UTIL),
+            sm_occupancy_ratio=gpm.get(pynvml.NVML_GPM_METRIC_SM_OCCUPANCY),
+            tensor_active_ratio=gpm.get(pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL),
+            dram_active_ratio=gpm.get(pynvml.NVML_GPM_METRIC_DRAM_BW_UTIL),
+            power_watts=None if power_mw is None else _CONVERT["power_watts"](power_mw),
+            temperature_celsius=(None if temp is None
+                                 else _CONVERT["temperature_celsius"](temp)),
+            sm_clock_hz=None if clock is None else _CONVERT["sm_clock_hz"](clock),
+            clock_event_reasons=None if reasons is None else {
+                name: bool(reasons & bit) for name, bit in CLOCK_EVENT_REASONS.items()},
+            ecc_errors_total=self._slow.ecc_errors_total,
+            process_memory_bytes=self._slow.process_memory_bytes,
+            nvlink_tx_bytes_per_second=rates.get(_FI_NVLINK_TX_KIB),
+            nvlink_rx_bytes_per_second=rates.get(_FI_NVLINK_RX_KIB),
+            pcie_tx_bytes_per_second=rates.get(_FI_PCIE_TX_BYTES),
+            pcie_rx_bytes_per_second=rates.get(_FI_PCIE_RX_BYTES),
+            **field_values,
+        )
 
-    def _counter_values(self, monotonic: float) -> dict[str, Any]:
+    def _counter_values(self, monotonic: float) -> tuple[dict[int, int], dict[int, float]]:
+        """The byte counters read now and their rates since the previous reading (bytes/s),
+        by field id; a counter the GPU does not give is left out of both."""
         ids: list[tuple[int, int]] = []
         if "nvlink" not in self._unsupported:
             ids += [(_FI_NVLINK_TX_KIB, ALL_LINKS_SCOPE), (_FI_NVLINK_RX_KIB, ALL_LINKS_SCOPE)]
         if "pcie_counters" not in self._unsupported:
             ids += [(_FI_PCIE_TX_BYTES, 0), (_FI_PCIE_RX_BYTES, 0)]
         if not ids:
-            return {}
+            return {}, {}
         batch = self._counter_batch
         if batch is None or batch.fields != ids:  # built once; again only when a group goes
             batch = self._counter_batch = FieldBatch(self._handle, ids)
         answers = self._optional("counters", _read_batch, batch)
         if answers is None:
-            return {}
-        counters: dict[str, int] = {}
+            return {}, {}
+        totals: dict[int, int] = {}
         for (field_id, _scope), (ret, value) in zip(ids, answers, strict=True):
             if ret == pynvml.NVML_SUCCESS:
-                name, convert = _COUNTER_NAMES[field_id]
-                counters[name] = int(convert(value))
+                totals[field_id] = int(_COUNTER_TO_BYTES[field_id](value))
             elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
                 raise GpuLost(f"GPU {self.index} is lost")
-        if not any(k.startswith("nvlink") for k in counters):
+        if totals.keys().isdisjoint(_NVLINK_COUNTERS):
             self._unsupported.add("nvlink")
-        if not any(k.startswith("pcie") for k in counters):
+        if totals.keys().isdisjoint(_PCIE_COUNTERS):
             self._unsupported.add("pcie_counters")
-        out: dict[str, Any] = {f"{k}_bytes_total": v for k, v in counters.items()}
-        previous, self._counters = self._counters, _Counters(monotonic, counters)
+        rates: dict[int, float] = {}
+        previous, self._counters = self._counters, _Counters(monotonic, totals)
         if previous is not None and monotonic > previous.t:
             dt = monotonic - previous.t
-            for name, value in counters.items():
-                before = previous.values.get(name)
+            for field_id, value in totals.items():
+                before = previous.values.get(field_id)
                 if before is not None and value >= before:
-                    out[f"{name}_bytes_per_second"] = (value - before) / dt
-        return out
+                    rates[field_id] = (value - before) / dt
+        return totals, rates
 
     def _plain_field_values(self) -> dict[str, float]:
         """The table's field values in one call; one a GPU does not support is not asked again."""
@@ -346,8 +373,9 @@ class NvmlDevice:
                 self._unsupported.add(row.name)
         return out
 
-    def _gpm(self, monotonic: float) -> dict[str, float]:
-        """GPM metrics between the previous sample and now, taken at most every 100 ms."""
+    def _gpm(self, monotonic: float) -> dict[int, float]:
+        """GPM metrics (ratios by metric id) between the previous sample and now, taken at
+        most every 100 ms."""
         if not self._gpm_samples or "gpm" in self._unsupported:
             return {}
         if monotonic - self._gpm_t < GPM_MIN_INTERVAL_S:
@@ -363,19 +391,15 @@ class NvmlDevice:
         readings = self._optional("gpm", _read_gpm, self._gpm_metrics, current == 1)
         if readings is None:
             return {}
-        values = {name: min(max(_CONVERT[name](reading), 0.0), 1.0)
-                  for name, reading in zip(_GPM_METRICS.values(), readings, strict=True)
+        values = {metric: min(max(convert(reading), 0.0), 1.0)
+                  for (metric, convert), reading in zip(_GPM_METRICS.items(), readings,
+                                                        strict=True)
                   if reading is not None}
         self._gpm_values = values
         return values
 
-    def _slow_values(self) -> dict[str, Any]:
-        values: dict[str, Any] = {}
+    def _slow_values(self) -> _SlowReadings:
         processes = self._optional("processes", versions.PROCESSES)
-        if processes is not None:
-            values["process_memory_bytes"] = {
-                p.pid: int(p.usedGpuMemory) for p in processes if p.usedGpuMemory is not None
-            }
         ecc: dict[str, int] = {}
         for kind, error_type in (("corrected", pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED),
                                  ("uncorrected", pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
@@ -383,9 +407,11 @@ class NvmlDevice:
                                    error_type, pynvml.NVML_VOLATILE_ECC)
             if count is not None:
                 ecc[kind] = int(count)
-        if ecc:
-            values["ecc_errors_total"] = ecc
-        return values
+        return _SlowReadings(
+            process_memory_bytes=None if processes is None else {
+                p.pid: int(p.usedGpuMemory) for p in processes if p.usedGpuMemory is not None},
+            ecc_errors_total=ecc or None,
+        )
 
     def supports(self, group: str) -> bool:
         """Whether a metric group has answered (so far) on this GPU."""
@@ -401,12 +427,15 @@ class NvmlDevice:
         self._gpm_samples = None
 
 
-# Field id -> (counter, its conversion to bytes); the sample's field is <counter>_bytes_total.
-_COUNTER_NAMES = {field_id: (name, FIELDS_BY_NAME[f"{name}_bytes_total"].convert)
-                  for field_id, name in ((_FI_NVLINK_TX_KIB, "nvlink_tx"),
-                                         (_FI_NVLINK_RX_KIB, "nvlink_rx"),
-                                         (_FI_PCIE_TX_BYTES, "pcie_tx"),
-                                         (_FI_PCIE_RX_BYTES, "pcie_rx"))}
+# Counter field id -> its conversion to bytes, from the GpuSample field's row.
+_COUNTER_TO_BYTES = {
+    _FI_NVLINK_TX_KIB: FIELDS_BY_NAME["nvlink_tx_bytes_total"].convert,
+    _FI_NVLINK_RX_KIB: FIELDS_BY_NAME["nvlink_rx_bytes_total"].convert,
+    _FI_PCIE_TX_BYTES: FIELDS_BY_NAME["pcie_tx_bytes_total"].convert,
+    _FI_PCIE_RX_BYTES: FIELDS_BY_NAME["pcie_rx_bytes_total"].convert,
+}
+_NVLINK_COUNTERS = frozenset((_FI_NVLINK_TX_KIB, _FI_NVLINK_RX_KIB))
+_PCIE_COUNTERS = frozenset((_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES))
 
 
 def _read_batch(_handle: Any, batch: FieldBatch) -> list[tuple[int, int]]:
