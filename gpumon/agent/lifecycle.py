@@ -148,8 +148,9 @@ class Agent:
         log.info("gpumon %s serving on http://%s:%d/metrics", __version__, host,
                  self._server.port)
         # What exists now (imported modules, the agent's own objects) lives as long as the
-        # agent: frozen, the ~25,000 objects are no longer walked by every full collection
-        # (3-20 ms each, landing in whichever scrape or ingest is running).
+        # agent: frozen, its tens of thousands of objects are no longer walked by every full
+        # collection, which would land in whichever scrape or ingest is running
+        # (benchmarks/bench_internals.py measures what a collection costs before and after).
         gc.collect()
         gc.freeze()
 

@@ -61,8 +61,9 @@ PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
 BREAKDOWN_HISTORY = 16  # sampled memory breakdowns per rank: ~80 s at the client's 5 s
 MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
 CLOCK_SKEW_TOLERANCE_S = 5.0  # a step "ending" later than this after receipt is re-based
-VERDICT_WORK = 32  # a verdict costs about as much as merging 32 steps (~0.1 ms)
-SLICE_WORK = 256  # ~1 ms of a pass: 8 verdicts of a few steps each
+VERDICT_WORK = 32  # a verdict costs about what grouping and merging this many steps does
+SLICE_WORK = 256  # under a millisecond of a pass: a few verdicts of ten steps each
+# (both measured by benchmarks/bench_internals.py; figures in benchmarks/RESULTS.md)
 # Process-wide, so that no two analyses of a (run, rank), even across a forget or two
 # analyzers, ever carry the same version: a renderer may reuse its text for a version it has seen.
 _versions = itertools.count(1)

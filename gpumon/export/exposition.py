@@ -1,12 +1,13 @@
 """The text exposition format (0.0.4), rendered fast: the same bytes as prometheus_client's
-``generate_latest`` at about a seventh of its cost; and OpenMetrics from the same series.
+``generate_latest`` at a fraction of its cost; and OpenMetrics from the same series.
 
-At 8 GPUs × 64 ranks a scrape holds ~3,900 series. prometheus_client spends ~1.5 µs building
-each (a ``Sample`` and a label dict) and ~4 µs formatting it (label names re-validated on every
-sample): 23 ms a scrape. The families here keep each series as a row of label values; the
-renderer keeps the formatted label sets and values between scrapes (the same ranks and GPUs
-come back every time, and most values with them): 3 ms. Other families (prometheus_client's,
-e.g. the process collector's) are rendered sample by sample by the same rules.
+At 8 GPUs × 64 ranks a scrape holds thousands of series. prometheus_client builds a ``Sample``
+and a label dict for each, and formats it re-validating its label names on every sample. The
+families here keep each series as a row of label values; the renderer keeps the formatted
+label sets and values between scrapes (the same ranks and GPUs come back every time, and most
+values with them). Other families (prometheus_client's, e.g. the process collector's) are
+rendered sample by sample by the same rules. The costs, measured: benchmarks/RESULTS.md,
+"Causes and fixes", Scrape.
 
 A ``RenderCache`` goes further for families fed by many sources that mostly stand still
 between scrapes (the ranks of training runs): it keeps each source's rendered lines with a

@@ -1,12 +1,12 @@
 """Prometheus families for training steps, memory, communication and ingest, from RankStore copies
 (each rank's totals and the analysis it carried).
 
-Nearly all of a scrape's series are per rank: 55 a rank, ~3,500 of ~3,770 at 8 GPUs × 64
-ranks. They are rendered as text in one block per run, kept with the versions of the states
-they came from (``RankTotals.version``, ``RankAnalysis.version``), and a run is rendered again
-only when one of its ranks has changed. A run rather than a rank, because a run's ranks
-step together: blocks per rank made a scrape in which every rank had changed a third slower
-(+0.7 ms at 64 ranks), and at a 15 s scrape interval that is every scrape.
+Nearly all of a scrape's series are per rank. They are rendered as text in one block per run,
+kept with the versions of the states they came from (``RankTotals.version``,
+``RankAnalysis.version``), and a run is rendered again only when one of its ranks has changed.
+A run rather than a rank, because a run's ranks step together: blocks per rank made a scrape in
+which every rank had changed slower, and at a 15 s scrape interval that is every scrape
+(benchmarks/RESULTS.md, "Figures behind internal choices").
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from prometheus_client.core import Metric
 from gpumon.analysis.bottleneck import Bottleneck, Flag
 from gpumon.analysis.straggler import StragglerCause
 from gpumon.analysis.stream import RankAnalysis, RankKey
+from gpumon.analysis.thresholds import DEFAULT
 from gpumon.collectors.samples import OWNER_LABELS, Owner, ProcessSample
 from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily, RenderCache
+from gpumon.state.collectives import BANDWIDTH_STEPS
 from gpumon.state.owners import Ownership
 from gpumon.state.ranks import DURATION_BUCKETS_S, RankTotals
 
@@ -230,7 +232,9 @@ def _analysis_families() -> _AnalysisFamilySet:
                     "Model FLOPs utilisation of the latest analysed step.", labels=RANK_LABELS),
         GaugeFamily("gpumon_rank_straggler_score",
                     "Mean own work per step (step time less collective wait) of the run's "
-                    "other ranks on this node / this rank's (below 0.75: straggler).",
+                    "other ranks on this node / this rank's (a straggler below the "
+                    "straggler_score_max threshold, by default "
+                    f"{DEFAULT.straggler_score_max}).",
                     labels=RANK_LABELS),
         GaugeFamily("gpumon_oom_risk_ratio",
                     "Composite out-of-memory risk, 0-1.", labels=RANK_LABELS),
@@ -303,7 +307,8 @@ def _comm_families() -> _CommFamilySet:
                       "Summed duration of collectives (launch to completion), by kind.",
                       labels=op_labels),
         GaugeFamily("gpumon_collective_bus_bandwidth_bytes_per_second",
-                    "Achieved bus bandwidth over the rank's last 16 steps that ran the kind: "
+                    f"Achieved bus bandwidth over the rank's last {BANDWIDTH_STEPS} steps that "
+                    "ran the kind: "
                     "bytes / seconds x nccl-tests' factor (all-reduce 2(n-1)/n).",
                     labels=op_labels),
     )
