@@ -107,3 +107,21 @@ def test_the_readme_install_lists_every_extra_a_command_asks_for() -> None:
     assert not missing, f"the README's install does not list {missing}"
     # the demo draws the page when it stops: scripts/agent says what the page needs
     assert "'.[report]'" in (ROOT / "scripts" / "agent").read_text()
+
+
+def test_the_analysis_index_names_every_module_and_every_import_from_outside() -> None:
+    """``gpumon/analysis/__init__.py`` is the room's index: a module missing from it, or an
+    import from another room it does not admit to, is what a newcomer would not find."""
+    room = ROOT / "gpumon" / "analysis"
+    index = ast.get_docstring(ast.parse((room / "__init__.py").read_text())) or ""
+    named = set(re.findall(r"``([\w.]+)``", index))
+    modules = {p.stem for p in room.glob("*.py") if p.stem != "__init__"}
+    assert modules - named == set()
+    outside = set()
+    for path in room.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module \
+                    and node.module.startswith("gpumon.") \
+                    and not node.module.startswith("gpumon.analysis"):
+                outside.add(node.module)
+    assert outside - named == set()
