@@ -1,7 +1,7 @@
 """The one compiled part: the hook's hot path in C (``gpumon.client.core._hook``).
 
 Optional: where it does not build (no compiler, not Linux) gpumon installs without it and the
-hook runs its pure-Python twins, ``gpumon.client.core._core`` first of them. The C twin of each
+hook runs its pure-Python twins, ``gpumon.client.core.step_core`` first of them. The C twin of each
 Python module is a file of its own in ``gpumon/client/core/hook/`` (``hook.h`` lists them);
 ``module.c``, the module itself, comes first.
 """

@@ -39,7 +39,7 @@ from gpumon.client.monitor import IMPLEMENTATION  # noqa: E402
 
 def native() -> Any:
     """The hook's CUDA runtime events (None: the C core or the runtime's symbols are missing)."""
-    from gpumon.client.core._cuda import native_runtime
+    from gpumon.client.core.cuda_clock import native_runtime
 
     return native_runtime(0, getattr(torch._C, "_cuda_getCurrentRawStream", None))
 

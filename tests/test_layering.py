@@ -111,6 +111,8 @@ class Import:
     """"module" (runs when the module is imported), "lazy" (inside a function) or "typing"
     (under ``if TYPE_CHECKING:``)."""
     line: int
+    names: tuple[str, ...] = ()
+    """What a ``from`` import takes from the module, submodules aside (each its own Import)."""
 
 
 class _Imports(ast.NodeVisitor):
@@ -150,11 +152,12 @@ class _Imports(ast.NodeVisitor):
             parts = self.module.split(".")[: len(self.module.split(".")) - node.level
                                            + self.is_package]
             base = ".".join(parts + ([base] if base else []))
-        # "from gpumon.client.core import _core" names the module gpumon.client.core._core.
-        names = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
-        if len(names) < len(node.names):
-            names.append(base)
-        self.found += [Import(name, self._kind, node.lineno) for name in names]
+        # "from gpumon.client.core import step_core" names the module gpumon.client.core.step_core.
+        modules = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES]
+        self.found += [Import(name, self._kind, node.lineno) for name in modules]
+        taken = tuple(a.name for a in node.names if f"{base}.{a.name}" not in MODULES)
+        if taken:
+            self.found.append(Import(base, self._kind, node.lineno, taken))
 
 
 def _modules() -> dict[str, Path]:
@@ -341,6 +344,46 @@ def test_each_room_of_the_client_imports_only_the_rooms_below_it() -> None:
              for m, i in arrows
              if room_of(i.name) != room_of(m) and room_of(i.name) not in ROOMS[room_of(m)]]
     assert wrong == [], "\n".join(wrong)
+
+
+CORE = "gpumon.client.core"
+
+
+def private_to_the_core(found: Import) -> bool:
+    """Whether an import takes what the client's core keeps to itself: a module of it, or a name
+    from one, starting with ``_``. The compiled twin (``_hook``, from setup.py) keeps the
+    underscore of a C accelerator, not of a private module: it may be absent, and each of its
+    importers falls back to the Python twin."""
+    if found.name != CORE and not found.name.startswith(CORE + "."):
+        return False
+    compiled = found.name in MODULES and MODULES[found.name].suffix != ".py"
+    inner = found.name.removeprefix(CORE).split(".")[1:]
+    return ((not compiled and any(part.startswith("_") for part in inner))
+            or any(name.startswith("_") and not name.endswith("__") for name in found.names))
+
+
+def test_nothing_outside_the_client_core_imports_what_it_keeps_private() -> None:
+    # The watchers, the hall, the integrations, gpumon run's hooks and the rest of gpumon
+    # reach the core through its public modules and names, so the core can change its own.
+    arrows = [(m, i) for m, i in all_imports()
+              if m != CORE and not m.startswith(CORE + ".") and i.name.startswith(CORE + ".")]
+    assert len(arrows) >= 20
+    assert {room_of(m) for m, _ in arrows if m.startswith("gpumon.client")} == set(ROOMS) - {
+        "client.core"}
+    private = [f"{MODULES[m].relative_to(PACKAGE.parent)}:{i.line} imports {i.name} "
+               f"{', '.join(i.names)}" for m, i in arrows if private_to_the_core(i)]
+    assert private == [], "\n".join(private)
+
+
+def test_the_walk_sees_what_an_import_takes_from_the_core() -> None:
+    walk = _Imports("gpumon.client.watchers.x", False)
+    walk.visit(ast.parse("from gpumon.client.core import _hook, seam\n"
+                         "from gpumon.client.core.stall import StallWatch, _own\n"
+                         "from ..core._private import Public\n"))
+    assert [(i.name, i.names, private_to_the_core(i)) for i in walk.found] == [
+        ("gpumon.client.core._hook", (), False), ("gpumon.client.core.seam", (), False),
+        ("gpumon.client.core.stall", ("StallWatch", "_own"), True),
+        ("gpumon.client.core._private", ("Public",), True)]
 
 
 def import_graph() -> dict[str, list[str]]:

@@ -1,13 +1,13 @@
 """``StepMonitor``: times training steps and their phases and reports them to the gpumon agent.
 
-The monitor holds a core (``HookCore``: in C where it was built, else ``_core``'s pure
+The monitor holds a core (``HookCore``: in C where it was built, else ``step_core``'s pure
 Python) that the training thread runs through: it only reads clocks and appends one tuple per
-step to a bounded buffer. A daemon thread (``_sender``) encodes and sends them. Nothing here
-ever blocks the training loop or raises from the transport.
+step to a bounded buffer. A daemon thread (``core/sender.py``) encodes and sends them. Nothing
+here ever blocks the training loop or raises from the transport.
 
 Watchers (``watch()``, the memory sampler, the simulator's ranks) add measured fields to each
 step through ``monitor.extensions`` alone (``attach(Kind, factory)``, ``device_clock()``;
-``gpumon.client.core._extensions``), never through the monitor's private attributes.
+``gpumon.client.core.extensions``), never through the monitor's private attributes.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import gpumon
-from gpumon.client.core import _core, _cuda
-from gpumon.client.core._extensions import Extensions
-from gpumon.client.core._sender import Sender
-from gpumon.client.core._step_tuple import StepTuple
+from gpumon.client.core import cuda_clock, step_core
+from gpumon.client.core.extensions import Extensions
 from gpumon.client.core.identity import resolve_identity, resolve_socket_path
+from gpumon.client.core.sender import Sender
 from gpumon.client.core.stall import StallWatch, monotonic_and_unix
+from gpumon.client.core.step_tuple import StepTuple
 from gpumon.client.core.transport import Transport, UnixDatagramTransport
 from gpumon.wire import (
     MAX_GPU_CHARS,
@@ -43,14 +43,14 @@ from gpumon.wire import (
 )
 
 if TYPE_CHECKING or os.environ.get("GPUMON_PURE_PYTHON"):
-    from gpumon.client.core._core import HookCore, Phase, Step
+    from gpumon.client.core.step_core import HookCore, Phase, Step
 else:
     try:
         from gpumon.client.core._hook import HookCore, Phase, Step
     except ImportError:  # not built here: no compiler at install time, or not Linux
-        from gpumon.client.core._core import HookCore, Phase, Step
+        from gpumon.client.core.step_core import HookCore, Phase, Step
 
-IMPLEMENTATION = "c" if HookCore is not _core.HookCore else "python"
+IMPLEMENTATION = "c" if HookCore is not step_core.HookCore else "python"
 """Which ``HookCore`` runs the hot path: ``"c"``, or ``"python"`` (``GPUMON_PURE_PYTHON=1``
 forces it)."""
 
@@ -155,7 +155,7 @@ class StepMonitor:
             transport = UnixDatagramTransport(self.socket_path)
         self._reset_peak = reset_peak_memory
         self._closed = False
-        self._cuda: _cuda.CudaClock | None = None
+        self._cuda: cuda_clock.CudaClock | None = None
         self._buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         # The hot-path state, touched only by the training thread.
         self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
@@ -163,7 +163,7 @@ class StepMonitor:
                                      self._core.set_quiet_until)
         """Where watchers attach what they measure in each step:
         ``extensions.attach(Kind, factory)`` and ``extensions.device_clock()`` (see
-        ``gpumon.client.core._extensions``)."""
+        ``gpumon.client.core.extensions``)."""
         # The three calls of the loop go straight to the core: a Python method in between
         # would add a frame to each, a fair share of the C core's own cost
         # (benchmarks/RESULTS.md §4). The methods below carry the documentation and serve
@@ -299,7 +299,7 @@ class StepMonitor:
             # allocator counted an OOM since the last step, that is what ended it.
             mem = self._cuda.read_memory()
             last_ooms = core.last_ooms
-            if mem is not None and last_ooms is not None and mem[_cuda.MEMORY_OOMS] > last_ooms:
+            if mem is not None and last_ooms is not None and mem[cuda_clock.MEMORY_OOMS] > last_ooms:
                 self._event("oom", "an out-of-memory error ended the last step", core.steps)
         self._closed = True
         if self._trace is not None:
@@ -341,7 +341,7 @@ class StepMonitor:
         self._find_cuda(final=True)
 
     def _find_cuda(self, final: bool) -> None:
-        clock = _cuda.detect(self._reset_peak)
+        clock = cuda_clock.detect(self._reset_peak)
         if clock is None:
             return
         self._cuda = clock
@@ -363,7 +363,7 @@ class StepMonitor:
         self._sender.add_control(hello)
 
     def _step_failed(self, exc: BaseException | None, step: int | None) -> None:
-        if _cuda.is_out_of_memory(exc):
+        if cuda_clock.is_out_of_memory(exc):
             self._event("oom", str(exc), self._core.steps if step is None else step)
 
 
@@ -377,12 +377,12 @@ def _trace_control(monitor: StepMonitor) -> Any:
     assert monitor.socket_path is not None
     ref = weakref.ref(monitor)  # the sender's thread must never keep the monitor alive
 
-    def cuda_clock() -> _cuda.CudaClock | None:
+    def monitor_clock() -> cuda_clock.CudaClock | None:
         live = ref()
         return None if live is None else live._cuda
 
     return TraceControl(monitor.socket_path, monitor.run, monitor.rank, monitor.world, monitor._core,
-                        monitor._sender, monitor.extensions, cuda_clock)
+                        monitor._sender, monitor.extensions, monitor_clock)
 
 
 def _phase_clock(name: Any) -> bool:

@@ -49,8 +49,8 @@ def test_gpumon_run_uses_the_c_finder_on_a_c_core() -> None:
 
 def test_the_c_finder_refuses_a_monitor_on_the_python_core(monkeypatch: pytest.MonkeyPatch) -> None:
     from gpumon.client import monitor
-    from gpumon.client.core import _core
-    monkeypatch.setattr(monitor, "HookCore", _core.HookCore)
+    from gpumon.client.core import step_core
+    monkeypatch.setattr(monitor, "HookCore", step_core.HookCore)
     mon = StepMonitor(run="autowatch", transport=MemoryTransport(), rank=0, world=1)
     with pytest.raises(TypeError, match="core"):
         _hook.StepFinder(mon)

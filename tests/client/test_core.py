@@ -1,5 +1,5 @@
 """The hook's hot path in C (``gpumon.client.core._hook``) against its pure-Python reference
-(``gpumon.client.core._core``): the same calls must leave the same records and state.
+(``gpumon.client.core.step_core``): the same calls must leave the same records and state.
 
 Both cores are driven directly here, with a stand-in CUDA clock (events are plain objects,
 the allocator statistics a counter), since no GPU runs here. The rest of the client tests run
@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from gpumon.client import StepMonitor, monitor
-from gpumon.client.core import _core
-from gpumon.client.core._step_tuple import StepFields
+from gpumon.client.core import step_core
+from gpumon.client.core.step_tuple import StepFields
 from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.wire import EventRecord, MemoryStats, StateRecord, StepRecord
@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeClock:
-    """Stands in for ``_cuda.CudaClock``: numbered events, and memory whose OOM count grows."""
+    """Stands in for ``cuda_clock.CudaClock``: numbered events, and memory whose OOM count grows."""
 
     share_gap_s = 1.0  # adjacent phases always share here, however slow the machine
     device_interval_s = 0.0  # every step is timed on the GPU unless a test says otherwise
@@ -96,7 +96,7 @@ def harness_of(core: Any) -> Harness:
     return _harnesses[id(core)]
 
 
-CORES = [pytest.param(_core.HookCore, id="python"), pytest.param(_hook.HookCore, id="c")]
+CORES = [pytest.param(step_core.HookCore, id="python"), pytest.param(_hook.HookCore, id="c")]
 
 
 def records_of(core: Any) -> list[StepFields]:
@@ -180,7 +180,7 @@ def test_scenario_records(base: type) -> None:
 
 
 class FixedFields:
-    """Stands in for ``_extensions.StepExtensions``: the same measured fields every step."""
+    """Stands in for ``extensions.StepExtensions``: the same measured fields every step."""
 
     def begin(self) -> None:
         pass
@@ -218,7 +218,7 @@ def test_each_core_appends_the_fields_step_fields_names(base: type) -> None:
 
 
 def test_both_cores_leave_the_same_records() -> None:
-    python, c = make_core(_core.HookCore), make_core(_hook.HookCore)
+    python, c = make_core(step_core.HookCore), make_core(_hook.HookCore)
     scenario(python)
     scenario(c)
     assert normalised(c) == normalised(python)
@@ -362,10 +362,10 @@ def test_both_cores_offer_the_same_surface() -> None:
     expected = {"step", "phase", "loader", "data_wait", "set_cuda", "set_extensions", "set_quiet_until",
                 "stop", "steps", "in_step", "last_ooms", "open_phase",
                 "step_origin"}
-    assert surface(_core.HookCore) == surface(_hook.HookCore) == expected
+    assert surface(step_core.HookCore) == surface(_hook.HookCore) == expected
     assert not [name for name in dir(_hook.HookCore) if name.startswith("_") and not name.startswith("__")]
-    assert surface(_core.Step) == surface(_hook.Step) == {"set_counts"}
-    assert surface(_core.Phase) == surface(_hook.Phase) == set()
+    assert surface(step_core.Step) == surface(_hook.Step) == {"set_counts"}
+    assert surface(step_core.Phase) == surface(_hook.Phase) == set()
 
 
 def test_c_clock_is_perf_counter() -> None:
@@ -423,7 +423,7 @@ def test_client_tests_pass_on_the_pure_python_core() -> None:
 
 
 class LoggedExtensions:
-    """Stands in for ``_extensions.StepExtensions``: logs the calls, numbers the fields."""
+    """Stands in for ``extensions.StepExtensions``: logs the calls, numbers the fields."""
 
     def __init__(self) -> None:
         self.calls: list[object] = []
@@ -476,7 +476,7 @@ def test_while_the_extensions_are_quiet_a_step_calls_none_of_them(base: type) ->
 
 
 def test_both_cores_pass_the_same_extension_fields() -> None:
-    python, c = make_core(_core.HookCore), make_core(_hook.HookCore)
+    python, c = make_core(step_core.HookCore), make_core(_hook.HookCore)
     logs = []
     for core in (python, c):
         logs.append(LoggedExtensions())
@@ -543,7 +543,7 @@ def comparable(record: Any) -> Any:
 
 def test_both_cores_under_a_monitor_send_the_same_records(monkeypatch: pytest.MonkeyPatch) -> None:
     sent = {}
-    for name, core in (("python", _core.HookCore), ("c", _hook.HookCore)):
+    for name, core in (("python", step_core.HookCore), ("c", _hook.HookCore)):
         monkeypatch.setattr(monitor, "HookCore", core)
         transport = MemoryTransport()
         mon = StepMonitor(run="twins", transport=transport, rank=1, world=2)
@@ -627,8 +627,8 @@ def sampled_as_the_rule_says(records: list[StepFields], interval_s: float) -> li
 
 def test_the_first_step_after_the_interval_is_timed_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     # The pure-Python core on a clock the test moves: the exact steps.
-    clock = ManualClock().install(monkeypatch, "gpumon.client.core._core")
-    core = make_core(_core.HookCore)
+    clock = ManualClock().install(monkeypatch, "gpumon.client.core.step_core")
+    core = make_core(step_core.HookCore)
     sampled = SampledClock(interval_s=1 / 16)  # binary fractions: sums without rounding
     core.set_cuda(sampled)
     for gap_s in (1 / 64, 1 / 32, 1 / 32, 0.0, 1 / 16, 0.0):  # before each step
@@ -641,7 +641,7 @@ def test_the_first_step_after_the_interval_is_timed_on_the_gpu(monkeypatch: pyte
         True, False, False, True, False, True]
     assert sampled.reads == 3
     # A zero interval times every step on the GPU, as before sampling.
-    every = make_core(_core.HookCore)
+    every = make_core(step_core.HookCore)
     every.set_cuda(SampledClock(interval_s=0.0))
     cuda_steps(every, 3)
     assert [len(r.marks) for r in records_of(every)] == [2, 2, 2]
@@ -661,7 +661,7 @@ def test_the_c_core_samples_by_the_same_rule() -> None:
 
 
 def test_both_cores_sample_the_same_steps() -> None:
-    python, c = make_core(_core.HookCore), make_core(_hook.HookCore)
+    python, c = make_core(step_core.HookCore), make_core(_hook.HookCore)
     for core in (python, c):
         core.set_cuda(SampledClock(interval_s=3600.0))
         cuda_steps(core, 4)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from gpumon.client import StepMonitor
-from gpumon.client.core import _cuda
+from gpumon.client.core import cuda_clock
 from gpumon.client.core.transport import MemoryTransport
 from gpumon.wire import StepRecord
 from tests.client.test_cuda_timing import FakeCuda
@@ -41,10 +41,10 @@ def test_no_runtime_loaded_here_means_none_and_the_torch_path() -> None:
     assert not torch.cuda.is_available()
     assert all(not hasattr(ctypes.CDLL(None), name) for name in SYMBOLS)
     assert _hook.cuda_runtime(0, None) is None
-    assert _cuda.native_runtime(0, None) is None
-    clock = _cuda.CudaClock(FakeCuda(), 0, True)
+    assert cuda_clock.native_runtime(0, None) is None
+    clock = cuda_clock.CudaClock(FakeCuda(), 0, True)
     assert clock.runtime is None and clock.event() is not None  # torch's events
-    assert _cuda.detect(True) is None  # no CUDA at all: host clocks
+    assert cuda_clock.detect(True) is None  # no CUDA at all: host clocks
 
 
 def test_bad_arguments_are_clear_errors() -> None:
@@ -112,7 +112,7 @@ def test_the_hook_times_phases_through_the_runtime(
         fake_runtime: ctypes.CDLL, monkeypatch: pytest.MonkeyPatch) -> None:
     fake = FakeCuda()  # torch.cuda's other parts (allocator statistics, device properties)
     runtime = _hook.cuda_runtime(0, None)
-    monkeypatch.setattr(_cuda, "detect", lambda reset_peak: _cuda.CudaClock(
+    monkeypatch.setattr(cuda_clock, "detect", lambda reset_peak: cuda_clock.CudaClock(
         fake, 0, reset_peak, memory_interval_s=0.0, device_interval_s=0.0, runtime=runtime))
     transport = MemoryTransport()
     mon = StepMonitor(run="native", transport=transport)
@@ -163,9 +163,9 @@ def test_detect_picks_the_runtime_when_torch_runs_on_cuda(
     torch = SimpleNamespace(cuda=cuda, _C=SimpleNamespace(_cuda_getCurrentRawStream=lambda d: 0x42))
     monkeypatch.setitem(sys.modules, "torch", torch)
     monkeypatch.delenv("GPUMON_PURE_PYTHON", raising=False)  # the C core may be used
-    clock = _cuda.detect(True)
+    clock = cuda_clock.detect(True)
     assert clock is not None and clock.runtime is not None
     assert isinstance(clock.event(), int) and fake_runtime.fake_last_stream() == 0x42
     monkeypatch.setenv("GPUMON_PURE_PYTHON", "1")  # no C: torch's events
-    clock = _cuda.detect(True)
+    clock = cuda_clock.detect(True)
     assert clock is not None and clock.runtime is None

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from gpumon.client import StepMonitor
-from gpumon.client.core import _cuda
-from gpumon.client.core._sender import EVENT_DEADLINE_S
+from gpumon.client.core import cuda_clock
+from gpumon.client.core.sender import EVENT_DEADLINE_S
 from gpumon.client.core.transport import MemoryTransport
 from gpumon.wire import EventRecord, HelloRecord, MemoryStats
 from tests.client.conftest import ManualClock
@@ -83,7 +83,7 @@ class FakeCuda:
 def cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
     fake = FakeCuda()
     # Every step timed on the GPU and reading the allocator: the sampling has tests of its own.
-    monkeypatch.setattr(_cuda, "detect", lambda reset_peak: _cuda.CudaClock(
+    monkeypatch.setattr(cuda_clock, "detect", lambda reset_peak: cuda_clock.CudaClock(
         fake, 0, reset_peak, memory_interval_s=0.0, device_interval_s=0.0))
     return fake
 
@@ -255,7 +255,7 @@ def test_events_record_on_a_kept_stream_object(transport: MemoryTransport) -> No
             raise RuntimeError("CUDA error")
         return current[0]
 
-    clock = _cuda.CudaClock(fake, 0, True, current_stream=current_stream)
+    clock = cuda_clock.CudaClock(fake, 0, True, current_stream=current_stream)
     events = [clock.event() for _ in range(5)]
     assert fake.streams_built == 1 and len(calls) == 5
     assert all(stream is fake.recorded_on[0] for stream in fake.recorded_on)
@@ -271,9 +271,9 @@ def test_events_record_on_a_kept_stream_object(transport: MemoryTransport) -> No
 
 
 def test_allocator_statistics_are_read_at_most_every_interval(monkeypatch: pytest.MonkeyPatch) -> None:
-    now = ManualClock().install(monkeypatch, "gpumon.client.core._cuda")
+    now = ManualClock().install(monkeypatch, "gpumon.client.core.cuda_clock")
     fake = FakeCuda()
-    clock = _cuda.CudaClock(fake, 0, True, memory_interval_s=0.05)
+    clock = cuda_clock.CudaClock(fake, 0, True, memory_interval_s=0.05)
     readings = []
     for _ in range(10):
         readings.append(clock.memory())
@@ -300,15 +300,15 @@ def test_no_cuda_on_this_machine_means_host_clocks() -> None:
     import torch
 
     assert not torch.cuda.is_available()
-    assert _cuda.detect(True) is None
+    assert cuda_clock.detect(True) is None
 
 
 def test_cuda_first_used_after_start_gets_a_second_hello(
     monkeypatch: pytest.MonkeyPatch, transport: MemoryTransport
 ) -> None:
     fake = FakeCuda()
-    clocks = iter([None, _cuda.CudaClock(fake, 0, True)])  # at construction, at the first step
-    monkeypatch.setattr(_cuda, "detect", lambda reset_peak: next(clocks))
+    clocks = iter([None, cuda_clock.CudaClock(fake, 0, True)])  # at construction, at the first step
+    monkeypatch.setattr(cuda_clock, "detect", lambda reset_peak: next(clocks))
     with StepMonitor(run="late-cuda", transport=transport) as mon:
         gpu_step(mon, fake, host_s=0)
     hellos = [r for r in transport.records() if isinstance(r, HelloRecord)]

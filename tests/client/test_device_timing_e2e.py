@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpumon.client import StepMonitor
-from gpumon.client.core import _cuda
+from gpumon.client.core import cuda_clock
 from tests.client.test_cuda_timing import FakeCuda
 from tests.helpers import ROOT, start_agent, wait_for
 
@@ -27,7 +27,7 @@ FORWARD_GPU_S, BACKWARD_GPU_S = 0.004, 0.006
 def test_sampled_gpu_timing_reaches_the_recording_and_classify(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake = FakeCuda()
-    monkeypatch.setattr(_cuda, "detect", lambda reset_peak: _cuda.CudaClock(
+    monkeypatch.setattr(cuda_clock, "detect", lambda reset_peak: cuda_clock.CudaClock(
         fake, 0, reset_peak, memory_interval_s=0.0, device_interval_s=0.03))
     recording = tmp_path / "run.jsonl"
     agent = start_agent(tmp_path, "--simulate", "1", "--interval", "0.2",

@@ -18,7 +18,7 @@ from types import FrameType
 import pytest
 
 from gpumon.client import StepMonitor
-from gpumon.client.core._extensions import MAX_CONSECUTIVE_FAILURES
+from gpumon.client.core.extensions import MAX_CONSECUTIVE_FAILURES
 from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.wire import CollectiveOp, CommStats, MemoryBreakdown
@@ -227,19 +227,19 @@ def python_calls_during(fn: object) -> list[str]:
 def test_no_extension_no_calls(mon: StepMonitor) -> None:
     run_steps(mon, 2)  # past the first step's one-off CUDA check
     calls = python_calls_during(lambda: run_steps(mon, 50))
-    assert not [c for c in calls if c.startswith("_extensions.py")]
+    assert not [c for c in calls if c.startswith("extensions.py")]
     if IMPLEMENTATION == "c":  # the C core calls into Python for nothing at all
         assert calls == [c for c in calls if c.startswith("test_extensions.py")]
     mon.extensions.attach(Counting)
     calls = python_calls_during(lambda: run_steps(mon, 50))
-    assert calls.count("_extensions.py:StepExtensions.begin") == 50
+    assert calls.count("extensions.py:StepExtensions.begin") == 50
 
 
 def test_all_extensions_switched_off_means_no_calls_again(mon: StepMonitor) -> None:
     mon.extensions.attach(Failing, lambda: Failing("begin"))
     run_steps(mon, MAX_CONSECUTIVE_FAILURES)
     calls = python_calls_during(lambda: run_steps(mon, 20))
-    assert not [c for c in calls if c.startswith("_extensions.py")]
+    assert not [c for c in calls if c.startswith("extensions.py")]
 
 
 def test_closed_monitor_calls_no_extension(mon: StepMonitor) -> None:

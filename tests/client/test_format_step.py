@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumon.client.core import _hook, _sender
+from gpumon.client.core import _hook, sender
 from gpumon.client.monitor import IMPLEMENTATION
 from gpumon.wire import MAX_PHASES, StepEncoder, decode_datagram
 from gpumon.wire.step_encoder import LIMITS
@@ -19,7 +19,7 @@ _hook.set_step_limits(*LIMITS)  # as the sender does (not with GPUMON_PURE_PYTHO
 
 
 def test_the_sender_writes_with_it_where_the_core_is_c() -> None:
-    assert _sender._formatter is (_hook.format_step if IMPLEMENTATION == "c" else None)
+    assert sender._formatter is (_hook.format_step if IMPLEMENTATION == "c" else None)
 
 MAX_STEP, MAX_COUNT, MAX_FLOPS, _ = LIMITS
 names = st.sampled_from(["data", "forward", "backward", "optimizer", "comm", "eval", "a.b:c/d-e_f"])

@@ -286,7 +286,7 @@ def test_numbers_of_every_kind_become_valid_records(mon: StepMonitor, transport:
 
 def test_a_long_flush_lets_go_of_the_gil_every_few_records(transport: MemoryTransport,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpumon.client.core import _sender
+    from gpumon.client.core import sender
 
     slept: list[float] = []
 
@@ -298,12 +298,12 @@ def test_a_long_flush_lets_go_of_the_gil_every_few_records(transport: MemoryTran
             slept.append(seconds)
 
     mon = StepMonitor(run="unit", transport=transport)
-    steps = 5 * _sender.GIL_YIELD_RECORDS + 3
+    steps = 5 * sender.GIL_YIELD_RECORDS + 3
     with mon._sender._lock:  # no background flush meanwhile
         for _ in range(steps):
             with mon.step():
                 pass
-    monkeypatch.setattr(_sender, "time", Clock())
+    monkeypatch.setattr(sender, "time", Clock())
     mon.flush()
     assert len(steps_of(transport)) == steps
     assert slept == [0] * 5  # one every GIL_YIELD_RECORDS records encoded, the hello among them

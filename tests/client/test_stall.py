@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gpumon.client.core import _core
 from gpumon.client.core import progress as progress_module
+from gpumon.client.core import step_core
 from gpumon.client.core.comm_inflight import InFlightCollectives
 from gpumon.client.core.progress import ProgressEvents
 from gpumon.client.core.stall import STALL_AFTER_ENV, StallWatch, is_own_code, read_stack, stall_after_min_s
@@ -21,9 +21,9 @@ from gpumon.wire import StateRecord, decode_datagram, encode_record
 if sys.platform == "linux":
     from gpumon.client.core import _hook
 
-    CORES = [_core.HookCore, _hook.HookCore]
+    CORES = [step_core.HookCore, _hook.HookCore]
 else:  # pragma: no cover
-    CORES = [_core.HookCore]
+    CORES = [step_core.HookCore]
 
 
 class FakeCore:

@@ -1,7 +1,7 @@
 """The monitor as its watchers see it: what ``StepMonitor.watch`` hands a watcher.
 
 A watcher reaches the monitor only through this seam, its extension point
-(``core/_extensions.py``) and its step and phase timers, so no watcher imports the monitor and
+(``core/extensions.py``) and its step and phase timers, so no watcher imports the monitor and
 the monitor can import the watchers without closing a circle.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from gpumon.client.core._core import Phase, Step
-    from gpumon.client.core._extensions import Extensions
+    from gpumon.client.core.extensions import Extensions
+    from gpumon.client.core.step_core import Phase, Step
 
 
 class Watched(Protocol):

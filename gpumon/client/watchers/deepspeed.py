@@ -44,8 +44,8 @@ from gpumon.client.watchers.comm import CommLedger
 from gpumon.client.watchers.memory import MemoryBreakdownSampler
 
 if TYPE_CHECKING:
-    from gpumon.client.core._core import Step
     from gpumon.client.core.seam import Watched
+    from gpumon.client.core.step_core import Step
 
 log = logging.getLogger("gpumon.client")
 

@@ -160,7 +160,7 @@ class MemoryBreakdownSampler:
 
     def quiet_until(self) -> float:
         """When the next sample is due (``perf_counter``): until then the core need not call
-        this sampler (``_extensions``), so an unsampled step costs it nothing."""
+        this sampler (``extensions``), so an unsampled step costs it nothing."""
         return self._next_t if self._clock is perf_counter and not self._sampling else -math.inf
 
     def step_begin(self) -> None:

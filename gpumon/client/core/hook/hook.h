@@ -1,8 +1,8 @@
 /* Declarations the parts of gpumon.client.core._hook share: the C twins of the client's Python
  * modules, one file each, built as one extension (setup.py):
  *
- *   step_core.c    HookCore, Step, Phase, Loader      gpumon/client/core/_core.py
- *   cuda_runtime.c CudaRuntime, cuda_runtime()        gpumon/client/core/_cuda.py (CudaClock's events)
+ *   step_core.c    HookCore, Step, Phase, Loader      gpumon/client/core/step_core.py
+ *   cuda_runtime.c CudaRuntime, cuda_runtime()        gpumon/client/core/cuda_clock.py (CudaClock's events)
  *   format_step.c  format_step(), set_step_limits()   gpumon/wire/step_encoder.py (Formatter)
  *   step_finder.c  StepFinder                         gpumon/client/autowatch/steps.py
  *   run_hooks.c    HookState, Hooked                  gpumon/client/autowatch/state.py (PythonState)
@@ -40,7 +40,7 @@ extern PyObject *str_give_up, *str_python_call, *str_python_backward, *str_pytho
     *str_python_optimizer_pre, *str_python_optimizer_post, *str_is_compiling_flag;
 
 #define OR_NONE(x) ((x) == NULL ? Py_None : (x))
-/* Where CudaClock.memory()'s tuple holds the OOM count: _cuda.MEMORY_OOMS, the index of "ooms"
+/* Where CudaClock.memory()'s tuple holds the OOM count: cuda_clock.MEMORY_OOMS, the index of "ooms"
    in the wire's MEM_WIRE_NAMES (tests/client/test_core.py holds both cores to it). */
 #define MEMORY_OOMS 4
 

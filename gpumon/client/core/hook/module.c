@@ -37,7 +37,7 @@ static PyMethodDef module_methods[] = {
 static struct PyModuleDef hook_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "gpumon.client.core._hook",
-    .m_doc = "The training thread's half of StepMonitor, in C (see gpumon.client.core._core).",
+    .m_doc = "The training thread's half of StepMonitor, in C (see gpumon.client.core.step_core).",
     .m_size = -1,
     .m_methods = module_methods,
 };

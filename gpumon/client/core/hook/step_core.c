@@ -1,11 +1,11 @@
 /* HookCore, Step, Phase, Loader: the training thread's half of StepMonitor, the C twin of
- * gpumon/client/core/_core.py, which is the reference: every method here follows its Python twin
+ * gpumon/client/core/step_core.py, which is the reference: every method here follows its Python twin
  * statement by statement, and tests/client/test_core.py drives both through the same script and
  * compares every record. On a CPU-sized step most of the hook's cost is the interpreter's work at
  * the points the loop passes through each step (loader, step, phase boundaries), on caches the
  * step's kernels have evicted; C does the same work in a fraction of the instructions.
  *
- * The monitor holds a core and talks to it only through its methods (see _core.py's module
+ * The monitor holds a core and talks to it only through its methods (see step_core.py's module
  * docstring for the surface and the three callbacks). */
 #include "hook.h"
 
@@ -539,7 +539,7 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *start = PyFloat_FromDouble(t0);
         PyObject *end = PyFloat_FromDouble(t1);
         PyObject *record = NULL;
-        /* A StepTuple: the fields of gpumon.client.core._step_tuple.StepFields, in its order. */
+        /* A StepTuple: the fields of gpumon.client.core.step_tuple.StepFields, in its order. */
         if (seq != NULL && start != NULL && end != NULL)
             record = PyTuple_Pack(11, seq, OR_NONE(self->step), start, end, phases,
                                   OR_NONE(self->samples), OR_NONE(self->tokens),

@@ -29,12 +29,12 @@ from time import perf_counter
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumon.client.core._cuda import MEMORY_OOMS
+from gpumon.client.core.cuda_clock import MEMORY_OOMS
 
 if TYPE_CHECKING:
-    from gpumon.client.core._cuda import CudaClock, Mark, MemoryTuple
-    from gpumon.client.core._extensions import StepExtensions
-    from gpumon.client.core._step_tuple import StepTuple
+    from gpumon.client.core.cuda_clock import CudaClock, Mark, MemoryTuple
+    from gpumon.client.core.extensions import StepExtensions
+    from gpumon.client.core.step_tuple import StepTuple
 
 T = TypeVar("T")
 
@@ -258,7 +258,7 @@ class Step:
             m._device = t1 >= m._next_device_t
         if mem is None:
             mem = self._memory
-        if m._enabled:  # a StepTuple: the fields of _step_tuple.StepFields, in its order
+        if m._enabled:  # a StepTuple: the fields of step_tuple.StepFields, in its order
             m._buffer.append(
                 (m._seq, self._step, t0, t1, phases, self._samples, self._tokens, self._flops, mem, marks,
                  fields)

@@ -1,6 +1,6 @@
 """The tuple a core appends to the monitor's buffer for each recorded step, and its fields.
 
-Both cores (``hook/step_core.c`` and ``_core.py``) build it as a plain tuple, the cheapest object the
+Both cores (``hook/step_core.c`` and ``step_core.py``) build it as a plain tuple, the cheapest object the
 training thread can make, with ``StepFields``' fields in ``StepFields``' order; the sender
 reads it by the indices below, derived from that one definition, and
 ``tests/client/test_core.py`` holds both cores to it.
@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from gpumon.client.core._cuda import Mark, MemoryTuple
+    from gpumon.client.core.cuda_clock import Mark, MemoryTuple
 
 StepTuple = tuple[Any, ...]
 """What a core appends: ``StepFields``' fields, in order, as a plain tuple."""

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
-    from gpumon.client.core._cuda import CudaClock
+    from gpumon.client.core.cuda_clock import CudaClock
 
 E = TypeVar("E", bound="StepExtension")
 

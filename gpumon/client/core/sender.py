@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable
 from time import perf_counter
 from typing import Any
 
-from gpumon.client.core._cuda import CudaClock
-from gpumon.client.core._step_tuple import (
+from gpumon.client.core.backlog import Backlog
+from gpumon.client.core.cuda_clock import CudaClock
+from gpumon.client.core.step_tuple import (
     FLOPS,
     MARKS,
     MEASURED,
@@ -35,7 +36,6 @@ from gpumon.client.core._step_tuple import (
     TOKENS,
     StepTuple,
 )
-from gpumon.client.core.backlog import Backlog
 from gpumon.client.core.transport import Transport
 from gpumon.wire import EventRecord, HelloRecord, StateRecord, StepEncoder, encode_record, pack_datagrams
 from gpumon.wire.step_encoder import LIMITS, Formatter
