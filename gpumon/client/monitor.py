@@ -42,6 +42,9 @@ from gpumon.wire import (
     is_label,
 )
 
+if TYPE_CHECKING:
+    from gpumon.client.trace_control import TraceControl
+
 if TYPE_CHECKING or os.environ.get("GPUMON_PURE_PYTHON"):
     from gpumon.client.core.step_core import HookCore, Phase, Step
 else:
@@ -367,12 +370,12 @@ class StepMonitor:
             self._event("oom", str(exc), self._core.steps if step is None else step)
 
 
-def _trace_control(monitor: StepMonitor) -> Any:
-    """The monitor's channel for profiler traces the agent asks for (``client/watchers/trace.py``);
+def _trace_control(monitor: StepMonitor) -> TraceControl | None:
+    """The monitor's channel for profiler traces the agent asks for (``client/trace_control.py``);
     ``GPUMON_TRACE=0`` turns it off."""
     if os.environ.get("GPUMON_TRACE") == "0":
         return None
-    from gpumon.client.watchers.trace import TraceControl
+    from gpumon.client.trace_control import TraceControl
 
     assert monitor.socket_path is not None
     ref = weakref.ref(monitor)  # the sender's thread must never keep the monitor alive

@@ -1,4 +1,4 @@
-"""A rank's trace channel (``gpumon.client.watchers.trace``) asked directly, as the agent asks it: a hooked
+"""A rank's trace channel (``gpumon.client.trace_control``) asked directly, as the agent asks it: a hooked
 CPU loop profiled for K whole steps without a change to its losses, two requests at once giving
 one trace, and what a request gets from a process without torch, from a profiler that raises
 and from a disk that takes no more (the file-size limit of the job's process): an answer that

@@ -51,7 +51,9 @@ def unix_offset() -> float:
     return max(time.time() - perf_counter() for _ in range(5))
 
 
-def _step_number(records: list[StepRecord], first: TracedStep) -> int:
+def step_number(records: list[StepRecord], first: TracedStep) -> int:
+    """The number of the first traced step, for the file's name: its record's, where one is
+    matched, else the core's count."""
     match = _matching(records, first, unix_offset())
     return first.seq if match is None else int(match.step)
 
@@ -80,9 +82,9 @@ def _matching(records: list[StepRecord], step: TracedStep,
     return next((r for r in near if misfit(r) <= MATCH_SLACK_S), None)
 
 
-def _write_trace(prof: Any, path: str, steps: list[TracedStep],
-                 ranges: list[tuple[str, float, float]], records: list[StepRecord], rank: int,
-                 world: int | None) -> int:
+def write_trace(prof: Any, path: str, steps: list[TracedStep],
+                ranges: list[tuple[str, float, float]], records: list[StepRecord], rank: int,
+                world: int | None) -> int:
     """Export ``prof``, add gpumon's ranges, write ``path`` (gzip, 0600); returns its size."""
     directory = os.path.dirname(path)
     fd, raw = tempfile.mkstemp(prefix=".gpumon-trace-", suffix=".json", dir=directory)
