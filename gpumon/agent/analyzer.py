@@ -31,6 +31,7 @@ class SharedAnalyzer:
                  ranks: RankStore | None = None) -> None:
         self._analyzer = StepAnalyzer(resolution_s=resolution_s, thresholds=thresholds,
                                       ranks=ranks)
+        self._store = ranks
         self._lock = threading.Lock()
 
     @property
@@ -54,19 +55,22 @@ class SharedAnalyzer:
         """Analyse every step whose window is complete.
 
         ``gpu_history`` is each GPU's recent samples, copied from the node state for this
-        pass. A whole pass holds the GIL for 5-15 ms at 64 ranks. In slices of ~1 ms, with
-        the lock released and the GIL offered (sleep) between them, a scrape or an ingest
-        waits for one slice instead; the results are the same (see
+        pass; the ranks' layouts are read from the store once per pass. A whole pass at 64
+        ranks holds the GIL for milliseconds (benchmarks/RESULTS.md, "Causes and fixes"). In
+        slices, with the lock released and the GIL offered (sleep) between them, a scrape or an
+        ingest waits for one slice instead; the results are the same (see
         ``StepAnalyzer.process_in_slices``).
         """
 
         def window(index: int, t0: float, t1: float) -> list[GpuSample]:
             return gpu_window(gpu_history.get(index, ()), index, t0, t1)
 
+        layouts = self._store.layouts() if self._store is not None else {}
         with self._lock:
             slices = self._analyzer.process_in_slices(
                 now, window, node.gpus, node.latest,
-                xid_gpus={gpu for (gpu, _), count in node.xid_counts.items() if count})
+                xid_gpus={gpu for (gpu, _), count in node.xid_counts.items() if count},
+                layouts=layouts)
         while True:
             with self._lock:
                 if next(slices, None) is None:

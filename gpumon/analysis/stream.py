@@ -46,7 +46,7 @@ from gpumon.analysis.straggler import (
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
 from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.wire import MemoryBreakdown, StepRecord
+from gpumon.wire import MemoryBreakdown, ParallelLayout, StepRecord
 
 RankKey = tuple[str, int]
 """(run, rank): how a rank of a run is named everywhere in the agent."""
@@ -95,6 +95,12 @@ class RankAnalysis:
     """Which memory component the rank's sampled breakdowns blame, when it sends them."""
     step_period_s: float | None = None
     """Median time per step over its latest analysed windows."""
+    own_work_s: float | None = None
+    """Median own work per step (step time less collective wait) in the latest comparison."""
+    parallel: ParallelLayout | None = None
+    """Its place in the job's parallelism in the latest comparison: it was compared with its
+    data-parallel replicas. ``None``: not known, it was compared with every rank of its run
+    whose layout was not known either."""
     sm_clock_hz: float | None = None
     """Mean SM clock of its GPU over its latest verdict's window."""
     gpu_trouble: bool = False
@@ -304,12 +310,15 @@ class StepAnalyzer:
     def process_in_slices(self, now_t: float, history: History, statics: Sequence[GpuStatic],
                           latest: Mapping[int, GpuSample],
                           slice_work: float = SLICE_WORK,
-                          xid_gpus: Collection[int] = ()) -> Iterator[list[StepVerdict]]:
+                          xid_gpus: Collection[int] = (),
+                          layouts: Mapping[RankKey, ParallelLayout] | None = None,
+                          ) -> Iterator[list[StepVerdict]]:
         """``process`` a little at a time: yields the verdicts of each slice of about
         ``slice_work`` units (a step grouped is one, a verdict ``VERDICT_WORK``).
 
         ``xid_gpus`` are the local GPUs that have reported XID errors: a straggler on one of
-        them has its GPU as the cause.
+        them has its GPU as the cause. ``layouts`` are the ranks' places in their jobs'
+        parallelism, where known: a rank is compared with its data-parallel replicas.
 
         Between slices the caller may release its lock, so that ``add`` and ``analyses`` wait
         for one slice rather than for the whole pass. The verdicts are those of an unsliced
@@ -323,8 +332,9 @@ class StepAnalyzer:
         others' old ones, all with this pass's comparison.
         """
         by_index = {s.index: s for s in statics}
+        layouts = layouts or {}
         thresholds = self.thresholds  # one pass, one set, even if reloaded between slices
-        self._compare_ranks(thresholds)
+        self._compare_ranks(thresholds, layouts)
         cutoff = now_t - self.lag_s
         done: list[StepVerdict] = []
         work = 0
@@ -430,9 +440,12 @@ class StepAnalyzer:
             gpu_trouble=Flag.THROTTLED in verdict.flags or index in xid_gpus,
             version=next(_versions))
 
-    def _compare_ranks(self, thresholds: Thresholds) -> None:
+    def _compare_ranks(self, thresholds: Thresholds,
+                       layouts: Mapping[RankKey, ParallelLayout]) -> None:
         """Each run's straggler comparison (``straggler.judge_run``), over the ranks that are
-        still reporting at the run's current world size."""
+        still reporting at the run's current world size, each compared with the ranks that do
+        the same work: its data-parallel replicas where its layout is known (``layouts``),
+        else every rank of its run whose layout is not known either."""
         runs: dict[str, list[RankTracker]] = {}
         for state in self._ranks.trackers():
             runs.setdefault(state.analysis.run, []).append(state)
@@ -442,27 +455,35 @@ class StepAnalyzer:
                        if s.analysis.step_period_s is not None]
             behind_s = max(SILENT_MIN_S, SILENT_STEPS * statistics.median(periods)
                            if periods else 0.0)
-            works: dict[int, RankWork] = {}
-            silent: set[int] = set()
+            groups: dict[object, tuple[dict[int, RankWork], set[int]]] = {}
+            own: dict[int, float] = {}
             for state in states:
                 rank, received = state.analysis.rank, state.received
                 if newest.world is not None and (received.world != newest.world
                                                  or rank >= newest.world):
                     continue  # a rank of an earlier world size
+                layout = layouts.get((state.analysis.run, rank))
+                works, silent = groups.setdefault(
+                    layout.peers_key if layout is not None else None, ({}, set()))
                 if newest.last_end_t - received.last_end_t > behind_s:
                     silent.add(rank)
                 elif received.own_s:
                     works[rank] = _rank_work(received, state.analysis)
-            standings = judge_run(works, frozenset(silent), thresholds)
+                    own[rank] = works[rank].own_s
+            standings: dict[int, Standing] = {}
+            for works, silent in groups.values():
+                standings.update(judge_run(works, frozenset(silent), thresholds))
             for state in states:
                 analysis = state.analysis
-                standing = standings.get(analysis.rank)
-                update = (standing.score, standing.cause, standing.slower_rank) \
-                    if standing is not None else (None, None, None)
-                if update != (analysis.straggler_score, analysis.straggler_cause,
-                              analysis.slower_rank):  # scores are positive: never -0.0 or NaN
-                    state.conclude(straggler_score=update[0], straggler_cause=update[1],
-                                   slower_rank=update[2])
+                standing = standings.get(analysis.rank, Standing())
+                key = (analysis.run, analysis.rank)
+                update = {"straggler_score": standing.score,
+                          "straggler_cause": standing.cause,
+                          "slower_rank": standing.slower_rank,
+                          "own_work_s": own.get(analysis.rank),
+                          "parallel": layouts.get(key)}
+                if any(getattr(analysis, name) != value for name, value in update.items()):
+                    state.conclude(**update)  # scores are positive: never -0.0 or NaN
 
     def analyses(self) -> list[RankAnalysis]:
         """Every rank's current analysis (never changed once handed out)."""

@@ -42,6 +42,7 @@ from gpumon.wire import (
     EventRecord,
     HelloRecord,
     MemoryBreakdown,
+    ParallelLayout,
     Record,
     StateRecord,
     StepRecord,
@@ -119,6 +120,8 @@ class RankTotals:
     """What drives the rank's loop, as its hello said (``deepspeed``)."""
     zero_stage: int | None = None
     """The ZeRO stage it runs, as its hello said."""
+    parallel: ParallelLayout | None = None
+    """Its place in the job's parallelism, as its latest hello said (``None``: not known)."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does (RankStore stamps it)."""
     tracker: RankTracker | None = field(default=None, compare=False, repr=False)
@@ -254,6 +257,8 @@ class RankStore:
                     _note_identity(state, record.world, record.local_rank, record.gpu)
                     if record.framework is not None:
                         state.framework, state.zero_stage = record.framework, record.zero_stage
+                    if record.parallel is not None:
+                        state.parallel = record.parallel
                 state.version = next(_versions)
         return accepted
 
@@ -367,6 +372,11 @@ class RankStore:
             for s in self._ranks.values():
                 if s.kernel_pid in pids and s.exited_monotonic is None:
                     s.exited_monotonic = monotonic
+
+    def layouts(self) -> dict[RankKey, ParallelLayout]:
+        """(run, rank) -> its place in its job's parallelism, of every rank whose hello said."""
+        with self._lock:
+            return {k: s.parallel for k, s in self._ranks.items() if s.parallel is not None}
 
     def pids(self) -> dict[int, RankKey]:
         """pid -> (run, rank) of every live rank whose pid is known."""

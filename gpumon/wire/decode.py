@@ -26,6 +26,7 @@ from gpumon.wire.fields import (
     check_label,
     check_memory_breakdown,
     check_number,
+    check_parallel,
 )
 from gpumon.wire.limits import (
     FIELD_LIMITS,
@@ -230,11 +231,13 @@ def _fast_comm(comm: object, slack: float) -> CommStats | None:
     if type(comm) is not dict:
         return None
     exposed, busy, ops = comm.get("exposed"), comm.get("busy"), comm.get("ops")
+    bubble = comm.get("bubble")
     if not (type(exposed) is float and 0.0 <= exposed <= slack
-            and type(busy) is float and 0.0 <= busy <= slack):
+            and type(busy) is float and 0.0 <= busy <= slack
+            and (bubble is None or (type(bubble) is float and 0.0 <= bubble <= slack))):
         return None
     if ops is None:
-        return CommStats(exposed, busy, ())
+        return CommStats(exposed, busy, (), bubble)
     if type(ops) is not dict or len(ops) > MAX_COLLECTIVE_KINDS:
         return None
     parsed = []
@@ -248,7 +251,7 @@ def _fast_comm(comm: object, slack: float) -> CommStats | None:
                 and type(seconds) is float and 0.0 <= seconds <= _OP_SECONDS_HIGH):
             return None
         parsed.append(CollectiveOp(name, count, size, seconds))
-    return CommStats(exposed, busy, tuple(parsed))
+    return CommStats(exposed, busy, tuple(parsed), bubble)
 
 
 # --- the full check -------------------------------------------------------------------
@@ -321,6 +324,7 @@ def _check_hello(obj: Mapping[str, object]) -> HelloRecord:
         client_version=None if version is None else check_label(version, "client_version"),
         framework=None if framework is None else check_label(framework, "framework"),
         zero_stage=_opt_int(obj, "zero_stage"),
+        parallel=None if obj.get("parallel") is None else check_parallel(obj["parallel"]),
     )
 
 

@@ -13,12 +13,13 @@ import json
 from collections.abc import Iterable, Mapping
 
 from gpumon.wire.fields import check_comm, check_memory_breakdown, check_number
-from gpumon.wire.limits import MAX_DATAGRAM_BYTES, MEMORY_COMPONENTS, PROTOCOL_VERSION
+from gpumon.wire.limits import MAX_DATAGRAM_BYTES, MEMORY_COMPONENTS, PARALLEL_DIMS, PROTOCOL_VERSION
 from gpumon.wire.records import (
     MEM_WIRE_NAMES,
     CommStats,
     EventRecord,
     MemoryBreakdown,
+    ParallelLayout,
     ProtocolError,
     Record,
     StateRecord,
@@ -87,6 +88,7 @@ def to_wire(record: Record) -> dict[str, object]:
             "client_version": record.client_version,
             "framework": record.framework,
             "zero_stage": record.zero_stage,
+            "parallel": _parallel_wire(record.parallel) if record.parallel else None,
         }
     out.update((k, v) for k, v in fields.items() if v is not None)
     return out
@@ -171,6 +173,18 @@ def _comm_wire(comm: CommStats) -> dict[str, object]:
     out: dict[str, object] = {"exposed": comm.exposed_s, "busy": comm.busy_s}
     if comm.ops:
         out["ops"] = {op.name: [op.count, op.bytes, op.seconds] for op in comm.ops}
+    if comm.bubble_s is not None:
+        out["bubble"] = comm.bubble_s
+    return out
+
+
+def _parallel_wire(layout: ParallelLayout) -> dict[str, object]:
+    out: dict[str, object] = {dim: getattr(layout, dim) for dim in PARALLEL_DIMS
+                              if getattr(layout, dim) is not None}
+    if layout.source is not None:
+        out["source"] = layout.source
+    if layout.other:
+        out["other"] = dict(layout.other)
     return out
 
 

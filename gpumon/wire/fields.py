@@ -16,10 +16,18 @@ from gpumon.wire.limits import (
     LABEL_LIMITS,
     MAX_COLLECTIVE_KINDS,
     MAX_LABEL_CHARS,
+    MAX_OTHER_DIMS,
     MEMORY_COMPONENTS,
+    PARALLEL_DIMS,
     is_label,
 )
-from gpumon.wire.records import CollectiveOp, CommStats, MemoryBreakdown, ProtocolError
+from gpumon.wire.records import (
+    CollectiveOp,
+    CommStats,
+    MemoryBreakdown,
+    ParallelLayout,
+    ProtocolError,
+)
 
 __all__ = [
     "KNOWN_LABELS",
@@ -28,6 +36,7 @@ __all__ = [
     "check_int",
     "check_label",
     "check_memory_breakdown",
+    "check_parallel",
     "check_number",
     "remember_label",
 ]
@@ -39,6 +48,9 @@ def check_comm(value: object, duration_s: float) -> CommStats:
         raise ProtocolError("bad_comm", "not an object")
     exposed = check_number(value.get("exposed"), "comm.exposed", duration_s)
     busy = check_number(value.get("busy"), "comm.busy", duration_s)
+    bubble_value = value.get("bubble")
+    bubble = None if bubble_value is None \
+        else check_number(bubble_value, "comm.bubble", duration_s)
     ops_value = value.get("ops")
     ops: list[CollectiveOp] = []
     if ops_value is not None:
@@ -55,7 +67,35 @@ def check_comm(value: object, duration_s: float) -> CommStats:
             size = check_int(figures[1], "comm.bytes")
             ops.append(CollectiveOp(name, count, size, check_number(figures[2], "comm.seconds")))
             remember_label(name)
-    return CommStats(exposed, busy, tuple(ops))
+    return CommStats(exposed, busy, tuple(ops), bubble)
+
+
+def check_parallel(value: object) -> ParallelLayout:
+    """A hello's ``parallel`` field; anything wrong in it is ``bad_parallel``."""
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_parallel", "not an object")
+    unknown = set(value) - {*PARALLEL_DIMS, "source", "other"}
+    if unknown:
+        raise ProtocolError("bad_parallel", f"unknown key {sorted(unknown)[0]!r}")
+    coordinates = {dim: None if value.get(dim) is None else check_int(value[dim], "parallel")
+                   for dim in PARALLEL_DIMS}
+    source = value.get("source")
+    other = value.get("other") or {}
+    if not isinstance(other, dict) or len(other) > MAX_OTHER_DIMS:
+        raise ProtocolError("bad_parallel", "other")
+    for name in other:
+        if not (isinstance(name, str) and is_label(name, LABEL_LIMITS["parallel"])):
+            raise ProtocolError("bad_parallel", "dimension name")
+    return ParallelLayout(
+        **coordinates,
+        source=None if source is None else _parallel_label(source),
+        other=tuple(sorted((name, check_int(index, "parallel")) for name, index in other.items())))
+
+
+def _parallel_label(value: object) -> str:
+    if not (isinstance(value, str) and is_label(value, LABEL_LIMITS["parallel"])):
+        raise ProtocolError("bad_parallel", "source")
+    return value
 
 
 def check_memory_breakdown(value: object) -> MemoryBreakdown:

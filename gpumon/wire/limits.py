@@ -17,6 +17,11 @@ MAX_RECORDS_PER_DATAGRAM = 256
 
 KNOWN_PHASES = ("data", "forward", "backward", "comm", "optimizer")
 """Phases the agent attributes to a wall; any other label counts as ``other``."""
+PARALLEL_DIMS = ("dp", "tp", "pp", "ep", "cp")
+"""The dimensions of a job's parallelism a rank's layout names (data, tensor, pipeline, expert,
+context), in wire and label order."""
+MAX_OTHER_DIMS = 8
+"""Most dimensions of other names (a mesh's, as the job named them) a layout may carry."""
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "other")
 """The parts of a rank's memory the sampled breakdown (``memb``) names, in wire and field order."""
 STEP_MEASURED_FIELDS = ("comm", "memb", "cpu_wait")
@@ -67,6 +72,7 @@ DROP_REASONS = (
     "bad_device_phases",
     "bad_state",
     "bad_stack",
+    "bad_parallel",
 )
 """Every reason ``decode_datagram`` can give for a rejected object or datagram."""
 
@@ -120,11 +126,14 @@ FIELD_LIMITS: dict[str, Limit] = {
     "mem": _COUNT,
     "comm.exposed": _in_comm(integer=False, high=MAX_DURATION_S, within_step=True),
     "comm.busy": _in_comm(integer=False, high=MAX_DURATION_S, within_step=True),
+    "comm.bubble": _in_comm(integer=False, high=MAX_DURATION_S, within_step=True),
     "comm.count": _in_comm(integer=True, high=MAX_INT),
     "comm.bytes": _in_comm(integer=True, high=MAX_INT),
     "comm.seconds": _in_comm(integer=False, high=MAX_DURATION_S),
     "cpu_wait": Limit(integer=False, high=MAX_DURATION_S, within_step=True),
     "zero_stage": Limit(integer=True, high=3),
+    "parallel": Limit(integer=True, high=MAX_WORLD_SIZE - 1, type_reason="bad_parallel",
+                      value_reason="bad_parallel"),
     "memb": Limit(integer=True, high=MAX_INT, type_reason="bad_memory_breakdown",
                   value_reason="bad_memory_breakdown"),
     "since": Limit(integer=False, high=MAX_UNIX_TIME_S),
@@ -139,7 +148,8 @@ FIELD_LIMITS: dict[str, Limit] = {
 """Every numeric field by name (``mem``, ``memb``: each of their counts; ``phase``: each phase;
 ``comm.*``: the figures inside ``comm``; ``cpu_wait``: seconds the training thread was
 runnable but waiting for a CPU; ``since``, ``threshold``, ``launched``, ``flight.*`` and
-``frame.line``: a ``state`` record's; ``zero_stage``: a hello's ZeRO stage)."""
+``frame.line``: a ``state`` record's; ``zero_stage``: a hello's ZeRO stage; ``parallel``: each
+coordinate of a hello's layout)."""
 
 LABEL_LIMITS: dict[str, int] = {
     "run": MAX_RUN_CHARS,
@@ -147,6 +157,7 @@ LABEL_LIMITS: dict[str, int] = {
     "event": MAX_LABEL_CHARS,
     "client_version": MAX_LABEL_CHARS,
     "framework": MAX_LABEL_CHARS,
+    "parallel": MAX_LABEL_CHARS,
     "gpu": MAX_GPU_CHARS,
     "collective": MAX_COLLECTIVE_CHARS,
     "dev": MAX_LABEL_CHARS,

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from gpumon.errors import GpumonError
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryStats:
@@ -48,6 +50,10 @@ class CommStats:
     exposed_s: float
     busy_s: float
     ops: tuple[CollectiveOp, ...] = ()
+    bubble_s: float | None = None
+    """Of ``exposed_s``, how long the training thread waited to receive from another rank
+    (a pipeline stage waiting for its neighbour: its bubble); ``None`` when it received nothing
+    point to point."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +117,27 @@ class EventRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelLayout:
+    """A rank's place in its job's parallelism: its index along each dimension the job has
+    (``None`` where it has none), and where the hook read it."""
+
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    ep: int | None = None
+    cp: int | None = None
+    source: str | None = None
+    """``mesh``, ``pipeline``, ``deepspeed``, ``megatron`` or ``argument``."""
+    other: tuple[tuple[str, int], ...] = ()
+    """Dimensions of names gpumon does not map (a mesh's own), as the job named them."""
+
+    @property
+    def peers_key(self) -> tuple[object, ...]:
+        """What a rank's data-parallel replicas share: every coordinate but ``dp``."""
+        return (self.tp, self.pp, self.ep, self.cp, self.other)
+
+
+@dataclass(frozen=True, slots=True)
 class HelloRecord:
     """Sent once when a client starts: who it is."""
 
@@ -125,6 +152,8 @@ class HelloRecord:
     """What drives the training loop, when a watcher knows (``deepspeed``)."""
     zero_stage: int | None = None
     """The ZeRO stage the framework runs (0-3), when it shards with ZeRO."""
+    parallel: ParallelLayout | None = None
+    """The rank's place in the job's parallelism, once the hook knows it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,7 +231,7 @@ class DecodeResult:
     rejected: list[str]
 
 
-class ProtocolError(ValueError):
+class ProtocolError(GpumonError, ValueError):
     """An object that is not a valid record; ``reason`` is one of ``DROP_REASONS``."""
 
     def __init__(self, reason: str, detail: str = "") -> None:

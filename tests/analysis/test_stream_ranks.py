@@ -13,7 +13,7 @@ from gpumon.analysis.straggler import STRAGGLER_MIN_STEPS, SlowerRank, Straggler
 from gpumon.analysis.stream import StepAnalyzer, StepVerdict
 from gpumon.analysis.thresholds import DEFAULT
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.wire import CollectiveOp, CommStats, StepRecord
+from gpumon.wire import CollectiveOp, CommStats, ParallelLayout, StepRecord
 
 T0 = 1000.0
 STEP_S = 0.25
@@ -64,7 +64,8 @@ def sync_run(world: int, steps: range, *, extra_forward: Mapping[int, float] | N
 
 
 def feed(analyzer: StepAnalyzer, steps: list[StepRecord], history=None,  # type: ignore[no-untyped-def]
-         xid_gpus: frozenset[int] = frozenset()) -> list[StepVerdict]:
+         xid_gpus: frozenset[int] = frozenset(),
+         layouts: Mapping[tuple[str, int], ParallelLayout] | None = None) -> list[StepVerdict]:
     """Hand the analyzer every step as a live agent would (in order, a pass per second)."""
     history = history or make_history()
     verdicts: list[StepVerdict] = []
@@ -76,9 +77,11 @@ def feed(analyzer: StepAnalyzer, steps: list[StepRecord], history=None,  # type:
         batch = [s for s in by_end[i:] if (s.t_end or 0.0) <= now]
         i += len(batch)
         analyzer.add(batch, received_t=now)
-        for part in analyzer.process_in_slices(now, history, GPUS, {}, xid_gpus=xid_gpus):
+        for part in analyzer.process_in_slices(now, history, GPUS, {}, xid_gpus=xid_gpus,
+                                               layouts=layouts):
             verdicts += part
-    for part in analyzer.process_in_slices(now + 60, history, GPUS, {}, xid_gpus=xid_gpus):
+    for part in analyzer.process_in_slices(now + 60, history, GPUS, {}, xid_gpus=xid_gpus,
+                                           layouts=layouts):
         verdicts += part
     return verdicts
 
@@ -244,3 +247,63 @@ def test_steps_replayed_after_an_agent_restart_land_in_their_windows_and_judge_n
     assert {a.slower_rank for a in analyzer.analyses()} == {None}
     assert all(a.straggler_score is None or 0.9 < a.straggler_score < 1.1
                for a in analyzer.analyses())
+
+
+# --- ranks compared with the ranks that do the same work ------------------------------------
+
+
+def pipeline_layouts(run: str = "ddp", *, stages: int = 2,
+                     replicas: int = 2) -> dict[tuple[str, int], ParallelLayout]:
+    """Ranks laid out as ``replicas`` data-parallel copies of a ``stages``-stage pipeline."""
+    return {(run, stage * replicas + dp): ParallelLayout(dp=dp, pp=stage, source="argument")
+            for stage in range(stages) for dp in range(replicas)}
+
+
+def test_pipeline_stages_doing_different_work_by_design_are_not_stragglers() -> None:
+    """Stage 1 (ranks 2 and 3) has 0.2 s more forward work a step than stage 0: without the
+    layout one of its ranks reads as the run's straggler; with it, each rank is compared with
+    its replica only and none is."""
+    steps = sync_run(4, range(40), extra_forward={2: 0.2, 3: 0.2})
+    blind = StepAnalyzer(resolution_s=0.5)
+    feed(blind, steps)
+    assert any(a.straggler_cause is not None for a in blind.analyses())
+
+    laid_out = StepAnalyzer(resolution_s=0.5)
+    feed(laid_out, steps, layouts=pipeline_layouts())
+    analyses = {a.rank: a for a in laid_out.analyses()}
+    assert all(a.straggler_cause is None and a.slower_rank is None for a in analyses.values())
+    assert all(abs((a.straggler_score or 0.0) - 1.0) < 0.01 for a in analyses.values())
+    assert analyses[2].parallel == ParallelLayout(dp=0, pp=1, source="argument")
+    assert analyses[2].own_work_s is not None and analyses[0].own_work_s is not None
+    assert analyses[2].own_work_s - analyses[0].own_work_s > 0.19
+
+
+def test_a_slow_replica_is_flagged_against_its_own_stage() -> None:
+    steps = sync_run(4, range(40), extra_forward={2: 0.2, 3: 0.4})
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    feed(analyzer, steps, layouts=pipeline_layouts())
+    analyses = {a.rank: a for a in analyzer.analyses()}
+    assert analyses[3].straggler_cause is StragglerCause.COMPUTE
+    assert analyses[2].slower_rank == SlowerRank(3)
+    assert analyses[0].straggler_cause is None and analyses[0].slower_rank is None
+
+
+def test_a_rank_without_a_replica_has_no_score_rather_than_a_wrong_one() -> None:
+    steps = sync_run(2, range(30), extra_forward={1: 0.1})
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    feed(analyzer, steps, layouts=pipeline_layouts(stages=2, replicas=1))
+    assert all(a.straggler_score is None and a.straggler_cause is None
+               for a in analyzer.analyses())
+
+
+def test_ranks_of_unknown_layout_are_compared_among_themselves_as_before() -> None:
+    """Ranks 0 and 1 said where they are (one stage each); ranks 2 and 3 did not, and are
+    compared with each other as any two ranks of a run are."""
+    steps = sync_run(4, range(40), extra_forward={3: 0.1})
+    layouts = {("ddp", 0): ParallelLayout(pp=0), ("ddp", 1): ParallelLayout(pp=1)}
+    analyzer = StepAnalyzer(resolution_s=0.5)
+    feed(analyzer, steps, layouts=layouts)
+    analyses = {a.rank: a for a in analyzer.analyses()}
+    assert analyses[3].straggler_cause is StragglerCause.COMPUTE
+    assert analyses[3].parallel is None
+    assert analyses[0].straggler_score is None
