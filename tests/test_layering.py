@@ -52,7 +52,9 @@ def allow(gpumon: str = "", libraries: str = "", lazy: str = "",
 # Bottom to top: a row may name only packages set down before its own.
 LAYERS: dict[str, Allowed] = {
     "gpumon": allow(),
-    "wire": allow(),
+    # The base of every error gpumon raises: it imports nothing, so any row may be granted it.
+    "errors": allow(),
+    "wire": allow("errors"),
     "client": allow("gpumon wire", lazy="torch"),
     "client.core": allow("gpumon wire", lazy="torch"),
     "client.watchers": allow("gpumon wire", lazy="torch"),
@@ -66,26 +68,26 @@ LAYERS: dict[str, Allowed] = {
     "client.autowatch": allow("gpumon wire", lazy="torch"),
     "client.integrations": allow("gpumon wire", libraries="lightning pytorch_lightning "
                                  "transformers"),
-    "collectors": allow("wire", libraries="psutil"),
-    "collectors.nvml": allow("wire", libraries="pynvml"),
+    "collectors": allow("errors wire", libraries="psutil"),
+    "collectors.nvml": allow("errors wire", libraries="pynvml"),
     # The kubelet's PodResources API: gRPC and the code protoc generated from its proto.
-    "collectors.podresources": allow("wire", libraries="grpc google"),
+    "collectors.podresources": allow("errors wire", libraries="grpc google"),
     "analysis": allow("wire collectors.samples collectors.gpu_fields", pure=True),
     "state": allow("wire collectors.samples collectors.sender_shares analysis"),
-    "sim": allow("client collectors.samples collectors.gpu_fields"),
-    "export": allow("gpumon wire collectors analysis state",
+    "sim": allow("errors client collectors.samples collectors.gpu_fields"),
+    "export": allow("gpumon errors wire collectors analysis state",
                     libraries="prometheus_client bcrypt yaml"),
-    "agent": allow("gpumon wire collectors collectors.nvml collectors.podresources analysis state "
-                   "sim export",
+    "agent": allow("gpumon errors wire collectors collectors.nvml collectors.podresources analysis "
+                   "state sim export",
                    libraries="prometheus_client"),
-    "commands": allow("gpumon wire collectors collectors.nvml analysis state sim export agent "
-                      "client.autowatch client.core.identity client.core.run_name",
+    "commands": allow("gpumon errors wire collectors collectors.nvml analysis state sim export "
+                      "agent client.autowatch client.core.identity client.core.run_name",
                       libraries="rich"),
     # The page of a run: above the commands, for the verdict replay gpumon classify does.
-    "report": allow("wire collectors.samples analysis commands.classify", libraries="plotly"),
+    "report": allow("errors wire collectors.samples analysis commands.classify", libraries="plotly"),
     "cli": allow("gpumon commands agent analysis sim report", libraries="typer"),
     "testing": allow("gpumon agent", libraries="prometheus_client psutil"),
-    "testing.fakenvml": allow(),
+    "testing.fakenvml": allow("errors"),
 }
 
 
@@ -467,4 +469,4 @@ def test_the_client_loads_no_framework_and_nothing_of_the_agent() -> None:
         loaded = at_import(entry)
         assert {library(name) for name in loaded} - {None} == set(), entry
         assert {package_of(row_of(name)) for name in loaded if name.startswith("gpumon")} <= {
-            "gpumon", "wire", "client"}, entry
+            "gpumon", "errors", "wire", "client"}, entry

@@ -14,6 +14,7 @@ from typing import Any
 
 from gpumon.agent.collectors import DEFAULTS, NAMES
 from gpumon.analysis.thresholds import Thresholds
+from gpumon.errors import GpumonError
 
 DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"
@@ -22,7 +23,7 @@ DEFAULT_TRACE_DIR = "/var/tmp/gpumon-traces"
 COLLECTORS = NAMES  # the names of agent/collectors.py's table
 
 
-class ConfigError(ValueError):
+class ConfigError(GpumonError, ValueError):
     """A configuration value is invalid; the message says which and why."""
 
 

@@ -44,6 +44,7 @@ from gpumon.collectors.host import HostSource
 from gpumon.collectors.ingest import IngestError, IngestServer, IngestStatus
 from gpumon.collectors.liveness import ProcessLiveness
 from gpumon.collectors.samples import SenderCredentials
+from gpumon.errors import GpumonError
 from gpumon.export.server import MetricsServer
 from gpumon.export.webconfig import WebConfigError, load_web_config
 from gpumon.state.node import NodeState
@@ -63,7 +64,7 @@ OWNERS_INTERVAL_S = 5.0
 """How often whose each process and GPU is is worked out again (cgroups, the kubelet)."""
 
 
-class AgentError(RuntimeError):
+class AgentError(GpumonError, RuntimeError):
     """The agent cannot start; the message says why."""
 
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from gpumon.collectors.gpu_fields import GPU_FIELDS
 from gpumon.collectors.samples import GpuSample, GpuStatic
+from gpumon.errors import GpumonError
 from gpumon.state.recording import RecorderStatus
 from gpumon.wire import StepRecord, to_wire
 
@@ -67,7 +68,7 @@ def sample_from_line(line: dict[str, Any]) -> GpuSample:
                      **values)
 
 
-class RecordingError(OSError):
+class RecordingError(GpumonError, OSError):
     """The recording file cannot be opened; the message says why."""
 
 

@@ -19,6 +19,8 @@ import signal
 import sys
 from typing import Any
 
+from gpumon.errors import GpumonError
+
 SIGNAL_FDS_FLAG = "--signal-fds="
 
 
@@ -92,7 +94,7 @@ class SignalInbox:
                 return signum
 
 
-class AgentCommandError(Exception):
+class AgentCommandError(GpumonError):
     """The agent could not run; ``exit_code`` 2 for bad configuration, 1 otherwise."""
 
     def __init__(self, message: str, exit_code: int) -> None:

@@ -43,6 +43,7 @@ from gpumon.agent.config import AgentConfig
 from gpumon.agent.trace_files import TRACE_FILE, trace_files
 from gpumon.analysis.bottleneck import Bottleneck
 from gpumon.analysis.stream import RankAnalysis
+from gpumon.errors import GpumonError
 from gpumon.export.exposition import CounterFamily
 from gpumon.state.ranks import RankStore
 from gpumon.wire.traces import MAX_TRACE_STEPS, channel_address
@@ -59,7 +60,7 @@ AUTO_VERDICTS = (Bottleneck.COMMUNICATION, Bottleneck.HOST)
 _CREDENTIALS = struct.Struct("iII")
 
 
-class TraceError(Exception):
+class TraceError(GpumonError):
     """A request the agent refuses: ``code`` is the HTTP status, the message says why."""
 
     def __init__(self, code: int, message: str) -> None:

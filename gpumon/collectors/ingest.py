@@ -30,6 +30,7 @@ from queue import SimpleQueue
 
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.collectors.socket_activation import ActivationError, inherited_socket
+from gpumon.errors import GpumonError
 from gpumon.wire import MAX_DATAGRAM_BYTES, Record, decode_datagram
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,7 @@ class IngestStatus:
     group: str | None = None
 
 
-class IngestError(RuntimeError):
+class IngestError(GpumonError, RuntimeError):
     """The ingest socket cannot be created; the message says why."""
 
 

@@ -15,11 +15,13 @@ import os
 import socket
 from collections.abc import MutableMapping
 
+from gpumon.errors import GpumonError
+
 LISTEN_FDS_START = 3
 _VARIABLES = ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES")
 
 
-class ActivationError(RuntimeError):
+class ActivationError(GpumonError, RuntimeError):
     """The descriptors handed over cannot serve as the ingest socket; the message says why."""
 
 

@@ -25,6 +25,7 @@ from rich.text import Text
 from gpumon.agent.config import AgentConfig
 from gpumon.agent.lifecycle import Agent, AgentError
 from gpumon.commands.top import StopSignals, render, stop_on_signals
+from gpumon.errors import GpumonError
 from gpumon.export.server import ServeError
 from gpumon.sim.gpus import SimulatedSource, gpu_model
 from gpumon.sim.job import SimulatedJob, check_job, describe
@@ -68,7 +69,7 @@ def default_socket_path() -> Path:
     return base / f"demo-{os.getpid()}.sock"
 
 
-class DemoError(RuntimeError):
+class DemoError(GpumonError, RuntimeError):
     """The demo cannot start; the message says why."""
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from gpumon.client.autowatch import DISABLE_ENV, SHIM_DIR
 from gpumon.client.core.identity import resolve_socket_path
 from gpumon.client.core.run_name import resolve_run_name
+from gpumon.errors import GpumonError
 from gpumon.wire import MAX_RUN_CHARS, is_label
 
 EXIT_NOT_FOUND = 127
@@ -28,7 +29,7 @@ EXIT_NOT_EXECUTABLE = 126
 """Exit statuses when the command cannot be started, as a POSIX shell gives them."""
 
 
-class RunError(Exception):
+class RunError(GpumonError):
     """The command cannot be started; ``exit_code`` says why (2: bad input)."""
 
     def __init__(self, message: str, exit_code: int) -> None:

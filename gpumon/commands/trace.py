@@ -15,11 +15,13 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from gpumon.errors import GpumonError
+
 WAIT_TIMEOUT_S = 180.0
 POLL_S = 0.25
 
 
-class TraceCommandError(RuntimeError):
+class TraceCommandError(GpumonError, RuntimeError):
     """What went wrong, for the user; ``exit_code`` 1 (the agent said no) or 2 (usage)."""
 
     def __init__(self, message: str, exit_code: int = 1) -> None:

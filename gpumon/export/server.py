@@ -30,6 +30,7 @@ from prometheus_client.openmetrics.exposition import (
     CONTENT_TYPE_LATEST as OPENMETRICS_CONTENT_TYPE,
 )
 
+from gpumon.errors import GpumonError
 from gpumon.export.connections import Connection, ConnectionGate
 from gpumon.export.exposition import CounterFamily, render, render_openmetrics
 from gpumon.export.webconfig import WebConfig
@@ -41,7 +42,7 @@ GZIP_MIN_BYTES = 1024  # below this, compressing saves less than it costs
 GZIP_LEVEL = 6
 
 
-class ServeError(RuntimeError):
+class ServeError(GpumonError, RuntimeError):
     """The HTTP server cannot start (port in use, bad address, no permission)."""
 
 

@@ -27,6 +27,8 @@ from typing import Any
 import bcrypt
 import yaml
 
+from gpumon.errors import GpumonError
+
 _TLS_VERSIONS = {
     "TLS10": ssl.TLSVersion.TLSv1, "TLS11": ssl.TLSVersion.TLSv1_1,
     "TLS12": ssl.TLSVersion.TLSv1_2, "TLS13": ssl.TLSVersion.TLSv1_3,
@@ -48,7 +50,7 @@ check: a flood of distinct wrong passwords took 187 % CPU and slowed valid scrap
 _CLIENTS_MAX = 4096
 
 
-class WebConfigError(ValueError):
+class WebConfigError(GpumonError, ValueError):
     """The web config file is unusable; the message says what and where."""
 
 

@@ -12,6 +12,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumon.errors import GpumonError
+
 MAX_BINS = 600
 """Time bins across the run: about the width in pixels of a figure on a laptop's screen."""
 
@@ -30,7 +32,7 @@ LINK_METRICS = (
 )
 
 
-class ReportError(Exception):
+class ReportError(GpumonError):
     """The report cannot be made; the message says why (and, for a run, which runs there are)."""
 
     exit_code = 1

@@ -31,6 +31,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from gpumon.errors import GpumonError
+
 
 class PhaseKind(str, Enum):
     """What limits the simulated job during a phase."""
@@ -56,7 +58,7 @@ _EXTRA_KEYS = {
 BUILTIN_SCHEDULES = ("default", "short")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(GpumonError, ValueError):
     """A schedule is invalid; the message names the file, the phase and the key."""
 
 

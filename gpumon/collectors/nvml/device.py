@@ -21,6 +21,7 @@ from gpumon.collectors.gpu_fields import FIELDS_BY_NAME, GPU_FIELDS
 from gpumon.collectors.nvml import versions
 from gpumon.collectors.nvml.batch import FieldBatch, GpmMetrics
 from gpumon.collectors.samples import GpuSample, GpuStatic
+from gpumon.errors import GpumonError
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +67,11 @@ _ARCHITECTURES = {
 }
 
 
-class NvmlUnavailable(Exception):
+class NvmlUnavailable(GpumonError):
     """NVML cannot be used on this node (no library, no driver, version mismatch)."""
 
 
-class GpuLost(Exception):
+class GpuLost(GpumonError):
     """The GPU answered GPU_IS_LOST: it has fallen off the bus."""
 
 

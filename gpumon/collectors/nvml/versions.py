@@ -12,6 +12,8 @@ from typing import Any
 
 import pynvml
 
+from gpumon.errors import GpumonError
+
 log = logging.getLogger("gpumon.nvml")
 
 
@@ -69,5 +71,5 @@ PROCESSES = Versioned(
     pynvml.nvmlDeviceGetComputeRunningProcesses_v2)
 
 
-class MissingSymbol(Exception):
+class MissingSymbol(GpumonError):
     """Internal: the driver's library lacks the newer entry point of a versioned call."""

@@ -21,6 +21,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from gpumon.collectors.podresources import api_pb2, api_pb2_grpc
+from gpumon.errors import GpumonError
 
 GPU_RESOURCES = ("nvidia.com/gpu",)
 """Resource names whose device ids are GPU UUIDs (MIG and shared GPUs use others)."""
@@ -35,7 +36,7 @@ class DeviceHolder:
     container: str
 
 
-class PodResourcesError(Exception):
+class PodResourcesError(GpumonError):
     """The kubelet could not be asked; ``kind`` is the collector-error label."""
 
     def __init__(self, kind: str, message: str) -> None:

@@ -21,13 +21,15 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from gpumon.errors import GpumonError
+
 SOURCE = Path(__file__).resolve().parent / "fake_nvml.c"
 LIBRARY_NAME = "libnvidia-ml.so.1"
 BASE_FLAGS = ("-shared", "-fPIC", "-O2", "-pthread", "-Wall", "-Werror")
 OLD_DRIVER_DEFINE = "-DFAKE_NVML_OLD_DRIVER"
 
 
-class FakeNvmlBuildError(RuntimeError):
+class FakeNvmlBuildError(GpumonError, RuntimeError):
     """The fake NVML library could not be built."""
 
 

@@ -20,6 +20,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpumon.errors import GpumonError
+
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 
 #: keys that take one value at the top level, with the library's defaults
@@ -204,7 +206,7 @@ def _fmt(x: float) -> str:
     return repr(float(x)) if not float(x).is_integer() else str(int(x))
 
 
-class ScenarioError(ValueError):
+class ScenarioError(GpumonError, ValueError):
     pass
 
 
