@@ -303,9 +303,11 @@ class StepAnalyzer:
             del received.pending[: len(received.pending) - MAX_PENDING]
 
     def process(self, now_t: float, history: History, statics: Sequence[GpuStatic],
-                latest: Mapping[int, GpuSample]) -> list[StepVerdict]:
+                latest: Mapping[int, GpuSample],
+                layouts: Mapping[RankKey, ParallelLayout] | None = None) -> list[StepVerdict]:
         """Analyse every step whose window is complete; returns the verdicts reached."""
-        return next(self.process_in_slices(now_t, history, statics, latest, math.inf), [])
+        return next(self.process_in_slices(now_t, history, statics, latest, math.inf,
+                                           layouts=layouts), [])
 
     def process_in_slices(self, now_t: float, history: History, statics: Sequence[GpuStatic],
                           latest: Mapping[int, GpuSample],

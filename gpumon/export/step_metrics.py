@@ -11,6 +11,7 @@ which every rank had changed slower, and at a 15 s scrape interval that is every
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -25,6 +26,7 @@ from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily
 from gpumon.state.collectives import BANDWIDTH_STEPS
 from gpumon.state.owners import Ownership
 from gpumon.state.ranks import DURATION_BUCKETS_S, RankTotals
+from gpumon.wire import PARALLEL_DIMS
 
 RANK_LABELS = ["run", "rank"]
 # Rendered once: every rank's histogram and verdict families repeat them at each scrape.
@@ -118,6 +120,7 @@ class _StepFamilySet(NamedTuple):
     cpu: CounterFamily
     rss: GaugeFamily
     framework: GaugeFamily
+    parallel: GaugeFamily
 
 
 def _step_families() -> _StepFamilySet:
@@ -160,6 +163,10 @@ def _step_families() -> _StepFamilySet:
                     "What drives each rank's loop, where a watcher found it (deepspeed), and "
                     "the ZeRO stage it runs (0-3; empty when none).",
                     labels=[*RANK_LABELS, "framework", "zero_stage"]),
+        GaugeFamily("gpumon_rank_parallel_info",
+                    "Each rank's index along each dimension of its job's parallelism (data, "
+                    "tensor, pipeline, expert, context; empty where the job has none), where "
+                    "its hook found it.", labels=[*RANK_LABELS, *PARALLEL_DIMS]),
     )
 
 
@@ -195,6 +202,9 @@ def _add_rank_steps(f: _StepFamilySet, state: RankTotals, process: ProcessSample
     f.ooms.add_metric(labels, float(state.ooms_total))
     if state.framework is not None:
         f.framework.add_metric([*labels, state.framework, _text(state.zero_stage)], 1.0)
+    if state.parallel is not None:
+        f.parallel.add_metric(
+            [*labels, *(_text(getattr(state.parallel, dim)) for dim in PARALLEL_DIMS)], 1.0)
     if process is not None:
         f.cpu.add_metric(labels, process.cpu_seconds_total)
         f.rss.add_metric(labels, float(process.resident_memory_bytes))
@@ -286,6 +296,7 @@ class _CommFamilySet(NamedTuple):
     bytes: CounterFamily
     seconds: CounterFamily
     bus: GaugeFamily
+    bubble: CounterFamily
 
 
 def _comm_families() -> _CommFamilySet:
@@ -311,6 +322,9 @@ def _comm_families() -> _CommFamilySet:
                     "ran the kind: "
                     "bytes / seconds x nccl-tests' factor (all-reduce 2(n-1)/n).",
                     labels=op_labels),
+        CounterFamily("gpumon_pipeline_bubble_seconds",
+                      "Of the exposed time, the time the training thread waited to receive "
+                      "from another rank: a pipeline stage's bubble.", labels=RANK_LABELS),
     )
 
 
@@ -331,6 +345,8 @@ def _add_comm(f: _CommFamilySet, ranks: list[RankSource]) -> None:
             f.seconds.add_metric(op_labels, figures.seconds)
             if figures.bus_bytes_per_second is not None:
                 f.bus.add_metric(op_labels, figures.bus_bytes_per_second)
+        if comm.bubble_seconds is not None:
+            f.bubble.add_metric(labels, comm.bubble_seconds)
 
 
 # --- the straggler comparison, per rank (from RankAnalysis) ---------------------------------
@@ -339,6 +355,8 @@ def _add_comm(f: _CommFamilySet, ranks: list[RankSource]) -> None:
 class _StragglerFamilySet(NamedTuple):
     cause: GaugeFamily
     world_changes: CounterFamily
+    stage_own: GaugeFamily
+    imbalance: GaugeFamily
 
 
 def _straggler_families() -> _StragglerFamilySet:
@@ -350,6 +368,12 @@ def _straggler_families() -> _StragglerFamilySet:
         CounterFamily("gpumon_rank_world_changes",
                       "Times the world size this rank reports changed (an elastic restart).",
                       labels=RANK_LABELS),
+        GaugeFamily("gpumon_pipeline_stage_own_seconds",
+                    "Own work per step (step time less collective wait) of each pipeline "
+                    "stage, the mean over its ranks on this node.", labels=["run", "pp"]),
+        GaugeFamily("gpumon_pipeline_stage_imbalance_ratio",
+                    "The slowest pipeline stage's own work per step over the stages' mean, "
+                    "over the stages with ranks on this node (1: balanced).", labels=["run"]),
     )
 
 
@@ -361,3 +385,21 @@ def _add_stragglers(f: _StragglerFamilySet, analyses: list[RankAnalysis]) -> Non
                 f.cause.add_metric([*labels, name],
                                    1.0 if analysis.straggler_cause is member else 0.0)
         f.world_changes.add_metric(labels, float(analysis.world_changes))
+    stages = stage_own_work(analyses)
+    if stages:
+        run = analyses[0].run
+        for stage, own in sorted(stages.items()):
+            f.stage_own.add_metric([run, str(stage)], own)
+        if len(stages) > 1 and (mean := statistics.fmean(stages.values())) > 0:
+            f.imbalance.add_metric([run], max(stages.values()) / mean)
+
+
+def stage_own_work(analyses: list[RankAnalysis]) -> dict[int, float]:
+    """Each pipeline stage's own work per step, the mean over its ranks in ``analyses`` (of one
+    run), of the ranks whose stage is known and that were compared."""
+    by_stage: dict[int, list[float]] = {}
+    for analysis in analyses:
+        layout = analysis.parallel
+        if layout is not None and layout.pp is not None and analysis.own_work_s is not None:
+            by_stage.setdefault(layout.pp, []).append(analysis.own_work_s)
+    return {stage: statistics.fmean(own) for stage, own in by_stage.items()}

@@ -42,6 +42,9 @@ class CommTotals:
     measured: bool = False
     """Whether any step carried measured communication (not only a ``comm`` phase)."""
     ops: dict[str, OpFigures] = field(default_factory=dict)
+    bubble_seconds: float | None = None
+    """Of the exposed seconds, those spent waiting to receive from another rank (a pipeline
+    stage's bubble); ``None`` until a step reports any."""
     _recent: dict[str, _Window] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, step: StepRecord) -> None:
@@ -52,6 +55,9 @@ class CommTotals:
             return
         self.measured = True
         self.overlapped_seconds += overlapped
+        if step.comm.bubble_s is not None:
+            self.bubble_seconds = (self.bubble_seconds or 0.0) \
+                + min(step.comm.bubble_s, step.comm.exposed_s)
         for op in step.comm.ops:
             recent = self._recent.get(op.name)
             if recent is None:
@@ -69,7 +75,7 @@ class CommTotals:
     def copy(self) -> CommTotals:
         """A copy for rendering, which later steps do not change (without the recent window)."""
         return CommTotals(self.exposed_seconds, self.overlapped_seconds, self.measured,
-                          dict(self.ops))
+                          dict(self.ops), self.bubble_seconds)
 
 
 class _Window:

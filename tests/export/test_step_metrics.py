@@ -22,6 +22,7 @@ from gpumon.wire import (
     EventRecord,
     HelloRecord,
     MemoryStats,
+    ParallelLayout,
     Record,
     StepRecord,
     decode_datagram,
@@ -55,7 +56,7 @@ class Node:
 
     def housekeeping(self) -> None:
         self.store.expire(self.monotonic)
-        self.analyzer.process(self.t, lambda index, t0, t1: [], [], {})
+        self.analyzer.process(self.t, lambda index, t0, t1: [], [], {}, self.store.layouts())
 
     def scrape(self, families: StepFamilies) -> bytes:
         ranks = self.store.ranks()
@@ -295,3 +296,51 @@ def test_bad_comm_figures_are_dropped_and_counted_by_a_live_agent(tmp_path: Path
         assert value(metrics, "gpumon_steps_total", run="ddp", rank="0") == 1
         assert value(metrics, "gpumon_comm_exposed_seconds_total", run="ddp",
                      rank="0") == pytest.approx(0.05)
+
+
+def pipeline_step(rank: int, n: int, t_end: float, *, stage_work: float,
+                  bubble: float) -> StepRecord:
+    """A step of a pipeline stage that works ``stage_work`` s and waits ``bubble`` s to
+    receive from its neighbour (its exposed communication is that wait)."""
+    duration = stage_work + bubble
+    return StepRecord(run="pp", rank=rank, step=n, duration_s=duration, world=4,
+                      t_start=t_end - duration,
+                      phases_s={"forward": duration * 0.4, "backward": duration * 0.6},
+                      comm=CommStats(bubble, bubble, (CollectiveOp("recv", 4, 4096, bubble),
+                                                      CollectiveOp("send", 4, 4096, 0.001)),
+                                     bubble_s=bubble))
+
+
+def test_layout_bubble_and_stage_imbalance() -> None:
+    """Two replicas of a two-stage pipeline: stage 1 works 0.3 s a step, stage 0 works 0.1 s and
+    waits 0.2 s to receive. Each rank's layout is shown, each stage's bubble counted, the
+    stages' own work set side by side and their imbalance given; no replica is a straggler."""
+    node = Node()
+    layouts = {rank: ParallelLayout(dp=rank % 2, pp=rank // 2, source="pipeline")
+               for rank in range(4)}
+    node.ingest([HelloRecord("pp", rank, 4, parallel=layout) for rank, layout in layouts.items()])
+    for n in range(30):
+        node.t += 0.3
+        node.ingest([pipeline_step(rank, n, node.t, stage_work=0.1 if rank < 2 else 0.3,
+                                   bubble=0.2 if rank < 2 else 0.0) for rank in range(4)])
+        node.housekeeping()
+    node.t += 10
+    node.housekeeping()
+    metrics = parse_metrics(node.scrape(StepFamilies()).decode())
+    assert value(metrics, "gpumon_rank_parallel_info", run="pp", rank="3", dp="1", tp="",
+                 pp="1", ep="", cp="") == 1
+    assert value(metrics, "gpumon_pipeline_bubble_seconds_total", run="pp", rank="0") \
+        == pytest.approx(30 * 0.2)
+    assert value(metrics, "gpumon_pipeline_bubble_seconds_total", run="pp", rank="2") == 0
+    assert value(metrics, "gpumon_pipeline_stage_own_seconds", run="pp", pp="0") \
+        == pytest.approx(0.1)
+    assert value(metrics, "gpumon_pipeline_stage_own_seconds", run="pp", pp="1") \
+        == pytest.approx(0.3)
+    assert value(metrics, "gpumon_pipeline_stage_imbalance_ratio", run="pp") \
+        == pytest.approx(0.3 / 0.2)
+    assert value(metrics, "gpumon_collective_operations_total", run="pp", rank="0",
+                 op="recv") == 120
+    for rank in range(4):
+        assert value(metrics, "gpumon_rank_straggler_score", run="pp", rank=str(rank)) \
+            == pytest.approx(1.0)
+        assert value(metrics, "gpumon_step_flag", run="pp", rank=str(rank), flag="straggler") == 0
