@@ -1,6 +1,6 @@
 """Profiler traces the agent asks of the ranks on its node: on request, and when a rule fires.
 
-A request goes to the rank's trace channel (``gpumon.client.watchers.trace``: an abstract Unix
+A request goes to the rank's trace channel (``gpumon.client.trace_control``: an abstract Unix
 datagram socket named from the ingest socket's path, the run and the rank) from this desk's
 own socket, whose answers the kernel stamps with the sender's uid: an answer counts only from
 the uid that sends the rank's steps (or root), and a finished trace only when its file is a

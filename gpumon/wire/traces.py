@@ -1,7 +1,7 @@
 """Where the agent finds a rank's trace channel, and what a trace file is called.
 
 Both ends derive these from what they share, the agent's ingest socket path, the run and the
-rank (``gpumon.client.watchers.trace`` listens, ``gpumon.agent.traces`` asks): nothing has to be
+rank (``gpumon.client.trace_control`` listens, ``gpumon.agent.traces`` asks): nothing has to be
 announced, and two agents on one node (two sockets) never reach each other's ranks.
 """
 
