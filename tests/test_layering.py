@@ -57,6 +57,7 @@ LAYERS: dict[str, Allowed] = {
     "wire": allow("errors"),
     "client": allow("gpumon wire", lazy="torch"),
     "client.core": allow("gpumon wire", lazy="torch"),
+    "client.comm": allow("gpumon wire", lazy="torch"),
     "client.watchers": allow("gpumon wire", lazy="torch"),
     # The memory watcher imports torch as it loads: the rest of the client imports it only
     # inside watch(), once the model shows torch is there.
@@ -97,8 +98,9 @@ LAYERS: dict[str, Allowed] = {
 # gpumon run's hooks drive a monitor from outside.
 ROOMS: dict[str, frozenset[str]] = {
     "client.core": frozenset(),
-    "client.watchers": frozenset({"client.core"}),
-    "client": frozenset({"client.core", "client.watchers"}),
+    "client.comm": frozenset({"client.core"}),
+    "client.watchers": frozenset({"client.core", "client.comm"}),
+    "client": frozenset({"client.core", "client.comm", "client.watchers"}),
     "client.integrations": frozenset({"client", "client.core", "client.watchers"}),
     "client.autowatch": frozenset({"client", "client.core"}),
 }

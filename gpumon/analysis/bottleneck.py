@@ -36,6 +36,7 @@ from enum import Enum
 from gpumon.analysis.comm import attributed_phases
 from gpumon.analysis.devices import mfu
 from gpumon.analysis.hints import (
+    BUBBLE_HINT,
     CAUSE_HINTS,
     COMM_BANDWIDTH_HINT,
     COMM_LATENCY_HINT,
@@ -106,6 +107,9 @@ class Verdict:
     """Why this rank is the run's straggler (with ``Flag.STRAGGLER``)."""
     slower_rank: int | None = None
     """On a communication verdict: the run's rank this one waits for in the collectives."""
+    bubble: float | None = None
+    """Share of the step spent waiting to receive from another rank (a pipeline stage's
+    bubble), beside ``fractions["comm"]``, which holds it; ``None`` without receives."""
 
 
 # Multipliers applied to a verdict's confidence for each input it would have used but lacked.
@@ -179,6 +183,9 @@ class Shares:
     """Data-wait share of the step; ``None`` when it reported no phases."""
     comm: float | None
     """Exposed communication share, at most the rank's typical share (``recent_comm``)."""
+    bubble: float | None
+    """Share of the step spent waiting to receive from another rank (a pipeline stage's
+    bubble); ``None`` when it received nothing point to point."""
     busy: float | None
     """GPU busy share over the part of the step not spent waiting (``_busy_excluding_waits``)."""
     gpu_busy: bool
@@ -343,6 +350,11 @@ def classify(evidence: StepEvidence, thresholds: Thresholds = DEFAULT) -> Verdic
         waiting_on = slower_rank.rank
         hint = WAITING_HINT.format(
             rank=slower_rank.rank, silent=", which stopped reporting" if slower_rank.silent else "")
+    elif primary is Bottleneck.COMMUNICATION and shares.bubble is not None \
+            and shares.bubble >= comm / 2:
+        # Most of the wait is for a neighbouring stage's activations or gradients: the
+        # pipeline's balance, not the links, is what to change.
+        hint = BUBBLE_HINT.format(share=shares.bubble)
     elif primary is Bottleneck.COMMUNICATION:
         hint, link_known = _comm_hint(gpu, comm, device.peak_nvlink_bytes_per_second, th)
         if not link_known:
@@ -371,7 +383,7 @@ def classify(evidence: StepEvidence, thresholds: Thresholds = DEFAULT) -> Verdic
         cause = standing.cause or StragglerCause.UNKNOWN
         hint += f"; cause: {cause.value} — {CAUSE_HINTS[cause.value]}"
     return Verdict(primary, confidence, fractions, frozenset(flags), hint, shares.mfu, cause,
-                   waiting_on)
+                   waiting_on, shares.bubble)
 
 
 def _shares(evidence: StepEvidence, measured: Mapping[str, float] | None,
@@ -389,8 +401,11 @@ def _shares(evidence: StepEvidence, measured: Mapping[str, float] | None,
         step_mfu = mfu(step.flops, step.duration_s, peak_flops)
     busy = _busy_excluding_waits(gpu, data or 0.0, comm or 0.0)
     dram = gpu.dram_active_ratio if gpu is not None else None
+    bubble = None
+    if step.comm is not None and step.comm.bubble_s is not None and step.duration_s > 0:
+        bubble = min(1.0, min(step.comm.bubble_s, step.comm.exposed_s) / step.duration_s)
     return Shares(
-        data=data, comm=rule_comm, busy=busy,
+        data=data, comm=rule_comm, bubble=bubble, busy=busy,
         gpu_busy=busy is None or busy >= th.host_busy_max,
         sm=gpu.sm_active_ratio if gpu is not None else None,
         tensor=gpu.tensor_active_ratio if gpu is not None else None,

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 __all__ = [
+    "BUBBLE_HINT",
     "CAUSE_HINTS",
     "COMM_BANDWIDTH_HINT",
     "COMM_LATENCY_HINT",
@@ -58,6 +59,12 @@ COMM_UNKNOWN_HINT = (
     "traffic is not visible to NVML) — overlap communication with compute, gradient compression, "
     "topology; check for a straggler"
 )
+BUBBLE_HINT = (
+    "communication bound, a pipeline stage waiting for its neighbours ({share:.0%} of the step "
+    "in its bubble) — balance the layers across stages (see which stage is slowest), more "
+    "micro-batches per step, an interleaved schedule"
+)
+"""A format string: ``share`` is the step's share spent waiting to receive."""
 WAITING_HINT = (
     "communication bound, waiting on a slower rank (rank {rank}{silent}): this rank idles in "
     "the collectives until that one joins — the fix is on that rank (its straggler cause), "

@@ -229,8 +229,10 @@ def _merge_comm(stats: Sequence[CommStats | None]) -> CommStats | None:
         for op in comm.ops:
             count, size, seconds = ops.get(op.name, (0, 0, 0.0))
             ops[op.name] = (count + op.count, size + op.bytes, seconds + op.seconds)
+    bubbles = [c.bubble_s for c in present if c.bubble_s is not None]
     return CommStats(
         exposed_s=sum(c.exposed_s for c in present),
         busy_s=sum(c.busy_s for c in present),
         ops=tuple(CollectiveOp(name, *figures) for name, figures in ops.items()),
+        bubble_s=sum(bubbles) if bubbles else None,
     )

@@ -32,6 +32,7 @@ from gpumon.client.core.sender import Sender
 from gpumon.client.core.stall import StallWatch, monotonic_and_unix
 from gpumon.client.core.step_tuple import StepTuple
 from gpumon.client.core.transport import Transport, UnixDatagramTransport
+from gpumon.client.watchers.layout import from_argument, merge
 from gpumon.wire import (
     MAX_GPU_CHARS,
     MAX_GPU_INDEX,
@@ -39,6 +40,7 @@ from gpumon.wire import (
     MAX_MESSAGE_CHARS,
     EventRecord,
     HelloRecord,
+    ParallelLayout,
     is_label,
 )
 
@@ -120,6 +122,10 @@ class StepMonitor:
         gpu: the device this rank runs on (NVML UUID or index), for code the hook cannot see
             using CUDA through PyTorch (another framework, a simulated job); by default the
             CUDA device in use is reported, once there is one.
+        parallel: where this rank sits in the job's parallelism, as ``{dimension: index}``
+            (``dp``, ``tp``, ``pp``, ``ep``, ``cp``, or a mesh dimension's own name); by
+            default what ``watch()`` finds (a ``DeviceMesh``, a pipeline stage, DeepSpeed's
+            or Megatron's parallel state), which this overrides dimension by dimension.
 
     Raises ``ValueError`` for an invalid run name, GPU or inconsistent ranks. After that nothing it
     does raises into the training loop: an absent, slow or restarting agent costs records
@@ -138,8 +144,10 @@ class StepMonitor:
         local_rank: int | None = None,
         reset_peak_memory: bool = True,
         gpu: str | int | None = None,
+        parallel: Mapping[str, int] | None = None,
     ) -> None:
         ident = resolve_identity(run, rank, world, local_rank)
+        self._parallel = from_argument(parallel) if parallel else None
         if gpu is not None and not _valid_gpu(gpu):
             raise ValueError(
                 f"gpu={gpu!r}: expected an NVML UUID (1-{MAX_GPU_CHARS} of "
@@ -163,7 +171,7 @@ class StepMonitor:
         # The hot-path state, touched only by the training thread.
         self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
         self.extensions = Extensions(self._core.set_extensions, self._describe, self._core.data_wait,
-                                     self._core.set_quiet_until)
+                                     self._core.set_quiet_until, self._place)
         """Where watchers attach what they measure in each step:
         ``extensions.attach(Kind, factory)`` and ``extensions.device_clock()`` (see
         ``gpumon.client.core.extensions``)."""
@@ -176,7 +184,7 @@ class StepMonitor:
         self.loader = self._core.loader  # type: ignore[method-assign]
 
         hello = HelloRecord(self.run, self.rank, self.world, self.local_rank, os.getpid(),
-                            client_version=gpumon.__version__)
+                            client_version=gpumon.__version__, parallel=self._parallel)
         self._sender = Sender(transport, hello, self._buffer)
         # Watched from the sender's thread; it holds the core, never the monitor.
         self._stall = StallWatch(self._core, self.run, self.rank, hello.pid or os.getpid(),
@@ -362,6 +370,15 @@ class StepMonitor:
                 zero_stage is not None and not (type(zero_stage) is int and 0 <= zero_stage <= 3)):
             return
         hello = dataclasses.replace(self._sender.hello, framework=framework, zero_stage=zero_stage)
+        self._sender.hello = hello
+        self._sender.add_control(hello)
+
+    def _place(self, found: ParallelLayout) -> None:
+        """Say hello again with the layout a watcher found (what the caller gave wins)."""
+        layout = merge([self._parallel, found])
+        if layout is None or layout == self._sender.hello.parallel:
+            return
+        hello = dataclasses.replace(self._sender.hello, parallel=layout)
         self._sender.hello = hello
         self._sender.add_control(hello)
 

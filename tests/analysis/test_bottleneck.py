@@ -468,3 +468,19 @@ def test_any_valid_input_gives_a_bounded_verdict(
     assert all(v >= 0.0 for v in verdict.fractions.values())
     assert sum(verdict.fractions.values()) <= 1.0 + 1e-9
     assert verdict.hint
+
+
+def test_a_stage_waiting_on_its_neighbour_reads_communication_with_its_bubble() -> None:
+    """A pipeline stage that spends 0.55 s of a 1 s step waiting to receive (of 0.6 s exposed)
+    reads communication, its bubble share beside the verdict and a pipeline hint; a step whose
+    exposed wait is a collective's keeps the link hint."""
+    phases = {"forward": 0.7, "backward": 0.29}
+    stage = dataclasses.replace(make_step(phases), comm=CommStats(0.6, 0.6, (), bubble_s=0.55))
+    verdict = run(stage, make_window())
+    assert verdict.primary is Bottleneck.COMMUNICATION
+    assert verdict.bubble == pytest.approx(0.55)
+    assert "pipeline stage" in verdict.hint and "55%" in verdict.hint
+    collective = dataclasses.replace(make_step(phases), comm=CommStats(0.6, 0.6))
+    other = run(collective, make_window())
+    assert other.primary is Bottleneck.COMMUNICATION and other.bubble is None
+    assert "pipeline" not in other.hint

@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpumon.client.watchers.comm import MAX_PENDING_OPS, CommLedger
-from gpumon.client.watchers.comm_intervals import MIN_QUIET_WALL_S, contention_seconds, union_seconds
+from gpumon.client.comm.intervals import MIN_QUIET_WALL_S, contention_seconds, union_seconds
+from gpumon.client.comm.ledger import MAX_PENDING_OPS, CommLedger
 from tests.client.conftest import ManualClock
 
-LEDGER = "gpumon.client.watchers.comm"
-OPS = "gpumon.client.watchers.comm_ops"  # where the collectives and the waits read the clock
+LEDGER = "gpumon.client.comm.ledger"
+OPS = "gpumon.client.comm.ops"  # where the collectives and the waits read the clock
 
 
 @pytest.fixture

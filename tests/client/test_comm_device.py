@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 
 from gpumon.client import StepMonitor
+from gpumon.client.comm.device import DeviceComm
+from gpumon.client.comm.ledger import CommLedger
 from gpumon.client.core.transport import MemoryTransport
-from gpumon.client.watchers.comm import CommLedger
-from gpumon.client.watchers.comm_device import DeviceComm
 from gpumon.wire import CollectiveOp
 from tests.client.conftest import ManualClock
 from tests.helpers import steps_of
@@ -81,8 +81,8 @@ def ddp_step(ledger: CommLedger, gpu: FakeGpu, launches: list[tuple[float, float
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> ManualClock:
     """The ledger's host clock, moved by the test."""
-    return ManualClock().install(monkeypatch, "gpumon.client.watchers.comm").install(
-        monkeypatch, "gpumon.client.watchers.comm_ops")
+    return ManualClock().install(monkeypatch, "gpumon.client.comm.ledger").install(
+        monkeypatch, "gpumon.client.comm.ops")
 
 
 def test_exposed_is_the_streams_wait_and_busy_the_union_of_the_collectives(clock: ManualClock) -> None:

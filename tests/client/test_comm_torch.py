@@ -20,11 +20,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gpumon.client import StepMonitor
+from gpumon.client.comm import tap as comm_tap
+from gpumon.client.comm.ledger import CommLedger
+from gpumon.client.comm.tap import tap_into, untap
 from gpumon.client.core.comm_inflight import IN_FLIGHT
 from gpumon.client.core.transport import MemoryTransport
-from gpumon.client.watchers import comm_tap
-from gpumon.client.watchers.comm import CommLedger
-from gpumon.client.watchers.comm_tap import tap_into, untap
 from gpumon.client.watchers.ddp import FOLLOWED, HOOKED, INFERRED, NOT_MEASURED, watch_ddp
 from gpumon.client.watchers.ddp_buckets import Buckets
 from gpumon.client.watchers.watch import find_wrapper, kind_of

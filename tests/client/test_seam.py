@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from gpumon.client import StepMonitor
+from gpumon.client.comm.tap import _ledgers
 from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.watchers import watch
-from gpumon.client.watchers.comm_tap import _ledgers
 from gpumon.client.watchers.cpu_wait import CpuWaitClock
 from gpumon.wire import StepRecord
 

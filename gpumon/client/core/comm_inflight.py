@@ -2,7 +2,7 @@
 
 When a run hangs, every rank but the one at fault sits in a collective; which one, and its
 number, is what tells who waits on whom (the agent compares the numbers of a run's ranks:
-``gpumon.analysis.stall``). The collective tap (``comm_tap``) reports each call here before
+``gpumon.analysis.stall``). The collective tap (``comm.tap``) reports each call here before
 it is made (a blocking call that never returns is still seen) and when it completes: on
 return when blocking, by its ``Work``'s future when asynchronous. On a GPU the future
 completes once the work is queued; an event recorded in its callback (on streams made to wait

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from gpumon.client.core.cuda_clock import CudaClock
+    from gpumon.wire import ParallelLayout
 
 E = TypeVar("E", bound="StepExtension")
 
@@ -172,9 +173,11 @@ class Extensions:
     def __init__(self, activate: Callable[[StepExtensions | None], None],
                  describe: Callable[[str, int | None], None] | None = None,
                  data_wait: Callable[[float, float], None] | None = None,
-                 quiet: Callable[[float], None] | None = None) -> None:
+                 quiet: Callable[[float], None] | None = None,
+                 place: Callable[[ParallelLayout], None] | None = None) -> None:
         self._activate = activate
         self._describe = describe
+        self._place = place
         self._data_wait = data_wait
         self._attached: dict[type, StepExtension] = {}
         self._calls = StepExtensions(on_empty=lambda: activate(None), quiet=quiet)
@@ -202,6 +205,12 @@ class Extensions:
         the monitor's hello, and exported per rank. A name that is not a label is ignored."""
         if self._describe is not None and not self._closed:
             self._describe(framework, zero_stage)
+
+    def place(self, layout: ParallelLayout) -> None:
+        """Tell the agent where the rank sits in its job's parallelism (a watcher found it):
+        sent with the monitor's hello; what the monitor was told by its caller wins."""
+        if self._place is not None and not self._closed:
+            self._place(layout)
 
     def data_wait(self, t0: float, t1: float) -> None:
         """Count ``t1 - t0`` (``perf_counter``) as waiting for input before the next step, for

@@ -37,10 +37,10 @@ import logging
 from time import perf_counter, thread_time
 from typing import Any
 
+from gpumon.client.comm.ledger import CommLedger
+from gpumon.client.comm.ops import Tail, record_event
+from gpumon.client.comm.tap import tap_into
 from gpumon.client.core.comm_inflight import IN_FLIGHT
-from gpumon.client.watchers.comm import CommLedger
-from gpumon.client.watchers.comm_ops import Tail, record_event
-from gpumon.client.watchers.comm_tap import tap_into
 from gpumon.client.watchers.ddp_buckets import Buckets
 
 log = logging.getLogger("gpumon.client")

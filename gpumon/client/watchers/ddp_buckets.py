@@ -18,9 +18,9 @@ import weakref
 from time import perf_counter, thread_time
 from typing import Any
 
+from gpumon.client.comm.ledger import CommLedger
+from gpumon.client.comm.ops import Op, Tail
 from gpumon.client.core.comm_inflight import IN_FLIGHT
-from gpumon.client.watchers.comm import CommLedger
-from gpumon.client.watchers.comm_ops import Op, Tail
 
 log = logging.getLogger("gpumon.client")
 

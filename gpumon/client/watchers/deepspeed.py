@@ -20,7 +20,7 @@ outside a step would count in the next one. An engine watched from inside its fi
 micro-batch's backward, counted at the configured micro-batch size.
 
 Communication: DeepSpeed's ``deepspeed.comm`` calls ``torch.distributed``'s collectives, which
-``comm_tap`` wraps; the two its torch backend bound at ``init_distributed`` (all-gather into a
+``comm.tap`` wraps; the two its torch backend bound at ``init_distributed`` (all-gather into a
 tensor, reduce-scatter of a tensor) are bound again to the wrapped ones. So ZeRO's
 reduce-scatters and all-gathers and the gradient all-reduce, with or without ``overlap_comm``,
 are measured as DDP's and FSDP's are (``comm``): exposed and overlapped seconds, bytes, count
@@ -39,8 +39,8 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from gpumon.client.comm.ledger import CommLedger
 from gpumon.client.core.batches import batch_size
-from gpumon.client.watchers.comm import CommLedger
 from gpumon.client.watchers.memory import MemoryBreakdownSampler
 
 if TYPE_CHECKING:
@@ -231,7 +231,7 @@ def _safely(fn: Callable[..., None], *args: Any) -> None:
 
 
 def rebind_backend() -> bool:
-    """Point DeepSpeed's torch backend at the wrapped collectives (``comm_tap``): it bound
+    """Point DeepSpeed's torch backend at the wrapped collectives (``comm.tap``): it bound
     ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` when ``init_distributed`` ran,
     perhaps before they were wrapped. False if its backend is not the torch one."""
     import sys

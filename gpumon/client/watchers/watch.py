@@ -26,9 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from gpumon.client.watchers.comm import CommLedger
-from gpumon.client.watchers.comm_tap import tap_into
+from gpumon.client.comm.ledger import CommLedger
+from gpumon.client.comm.tap import tap_into
 from gpumon.client.watchers.cpu_wait import CpuWaitClock
+from gpumon.client.watchers.layout import watch_layout
 
 if TYPE_CHECKING:
     from gpumon.client.core.seam import Watched
@@ -134,10 +135,27 @@ def comm_ledger(monitor: Watched) -> CommLedger:
 def _watch_communication(monitor: Watched, model: object) -> None:
     wrapper = _wrapper_of(model)
     if wrapper is None:
-        return
+        if not _distributed():
+            return
+        # A rank of a model-parallel job (a pipeline stage, tensor parallelism) or one whose
+        # code calls the collectives itself: its transfers and collectives, wherever issued.
+        if not tap_into(comm_ledger(monitor)):
+            return
+    else:
+        wrapper.watch(monitor, model)
     # A rank of a distributed run: its peers wait for whatever slows it, host included.
     monitor.extensions.attach(CpuWaitClock)
-    wrapper.watch(monitor, model)
+    watch_layout(monitor, model)
+
+
+def _distributed() -> bool:
+    """A process of a job of more than one rank, once ``torch.distributed`` is initialised."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return bool(dist is not None and dist.is_available() and dist.is_initialized()
+                    and dist.get_world_size() > 1)
+    except Exception:
+        return False
 
 
 def _watch_ddp(monitor: Watched, model: object) -> None:

@@ -1,7 +1,7 @@
 """What a step's collective ledger records: each collective (``Op``), launched on one thread and
 completed on another, and each wait of the training thread for them (``Tail``), with the CUDA
 events that time both on a GPU (``record_event``). The host ledger (``comm``) and the device
-reading (``comm_device``) both read them.
+reading (``comm.device``) both read them.
 """
 
 from __future__ import annotations
@@ -64,10 +64,12 @@ class Tail:
     (``gradient_as_bucket_view=True``) both are nil.
     """
 
-    __slots__ = ("start", "end", "cpu_end", "mirrored", "clock", "events")
+    __slots__ = ("start", "end", "cpu_end", "mirrored", "clock", "events", "receiving")
 
-    def __init__(self, start: float, mirrored: bool = False, clock: Any = None) -> None:
+    def __init__(self, start: float, mirrored: bool = False, clock: Any = None,
+                 receiving: bool = False) -> None:
         self.start = start
+        self.receiving = receiving  # a wait to receive from another rank: a stage's bubble
         self.end: float | None = None
         self.cpu_end: float | None = None  # the waiter's CPU clock at ``end``
         self.mirrored = mirrored

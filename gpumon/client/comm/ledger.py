@@ -1,10 +1,10 @@
 """Collective communication measured on the host, per step: the ledger a watched model's
 monitor keeps (``CommLedger``, the monitor's step extension) of the collectives and the training
-thread's waits for them (``comm_ops``' ``Op`` and ``Tail``).
+thread's waits for them (``comm.ops``' ``Op`` and ``Tail``).
 
 How and why it measures what it does (busy, exposed, contention; which step an operation
 belongs to; what is not measured): docs/architecture.md §5.1. The same figures from CUDA events
-on a GPU are ``comm_device``'s; the interval arithmetic both use is ``comm_intervals``'.
+on a GPU are ``comm.device``'s; the interval arithmetic both use is ``comm.intervals``'.
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterable
 from time import perf_counter, thread_time
 from typing import Any
 
-from gpumon.client.watchers.comm_device import DeviceComm
-from gpumon.client.watchers.comm_intervals import contention_seconds, last_end, union_seconds
-from gpumon.client.watchers.comm_ops import Op, Tail
+from gpumon.client.comm.device import DeviceComm
+from gpumon.client.comm.intervals import contention_seconds, last_end, union_seconds
+from gpumon.client.comm.ops import Op, Tail
+from gpumon.client.comm.tapped import RECEIVES
 
 __all__ = ["MAX_PENDING_OPS", "CommLedger"]
 
@@ -38,6 +39,8 @@ class CommLedger:
         self._lock = threading.Lock()  # launches from several threads (a hook's chained collective)
         self._ops: list[Op] = []
         self._blocked: list[tuple[float, float]] = []
+        self._receiving: list[tuple[float, float]] = []  # the part of _blocked spent receiving
+        self._received = False  # a receive was launched in the step
         self._tails: list[Tail] = []
         self._clocks: list[tuple[float, float]] = []  # (wall, thread CPU) of the training thread
         self._t_begin: float | None = None
@@ -67,15 +70,19 @@ class CommLedger:
         self._clocks = [(self._t_begin, thread_time())]
         self._thread = threading.get_ident()
         self._blocked = []
+        self._receiving = []
+        self._received = False
         self._tails = []
         self._untimed = False
         self._device_timed = False
 
     def launched(self, name: str, nbytes: int, t0: float, t1: float, host_timed: bool,
-                 cpu: tuple[float, float] | None = None, device_start: Any = None) -> Op | None:
+                 cpu: tuple[float, float] | None = None, device_start: Any = None,
+                 receiving: bool = False) -> Op | None:
         """Record a collective launched over [t0, t1] (``cpu``: the calling thread's CPU clock
         at both); None when outside a step. One on a GPU (not ``host_timed``) is timed by its
-        events, ``device_start`` the one recorded at its launch (else it is not timed)."""
+        events, ``device_start`` the one recorded at its launch (else it is not timed).
+        ``receiving``: a blocking receive, whose call on the training thread is bubble."""
         if self._t_begin is None:
             self.outside_steps += 1
             return None
@@ -90,28 +97,38 @@ class CommLedger:
                     self._device_timed = True
             if on_training_thread:
                 self._blocked.append((t0, t1))
+                if receiving:
+                    self._receiving.append((t0, t1))
                 if cpu is not None:
                     self._clocks += ((t0, cpu[0]), (t1, cpu[1]))
+            if name in RECEIVES:
+                self._received = True
             self._ops.append(op)
             if len(self._ops) > MAX_PENDING_OPS:
                 del self._ops[0]
                 self.dropped_ops += 1
         return op
 
-    def blocked(self, t0: float, t1: float, cpu: tuple[float, float] | None = None) -> None:
+    def blocked(self, t0: float, t1: float, cpu: tuple[float, float] | None = None,
+                receiving: bool = False) -> None:
         """The training thread was held up by communication over [t0, t1] (``cpu``: its CPU
-        clock at both)."""
+        clock at both); ``receiving``: waiting to receive from another rank."""
         if self._t_begin is not None:
             self._blocked.append((t0, t1))
+            if receiving:
+                self._receiving.append((t0, t1))
             if cpu is not None:
                 self._clocks += ((t0, cpu[0]), (t1, cpu[1]))
 
-    def wait_from(self, start: float, mirrored: bool = False) -> Tail | None:
+    def wait_from(self, start: float, mirrored: bool = False,
+                  receiving: bool = False) -> Tail | None:
         """The training thread waits from ``start`` until the step's collectives complete
-        (see ``Tail`` for ``mirrored``)."""
+        (see ``Tail`` for ``mirrored``); ``receiving``: for a receive (a GPU's wait on a
+        transfer: its events time it)."""
         if self._t_begin is None:
             return None
-        tail = Tail(start, mirrored, self.device_clock() if self._device_timed else None)
+        clock = self.device_clock() if self._device_timed or receiving else None
+        tail = Tail(start, mirrored, clock, receiving)
         self._tails.append(tail)
         return tail
 
@@ -171,13 +188,16 @@ class CommLedger:
         # closely, within the wire's slack).
         span_s = last_end(busy + blocked, t_begin, t_end) - t_begin
         exposed = min(span_s, union_seconds(blocked, t_begin, t_end) + unseen_s + contended)
-        fields["comm"] = {
+        comm: dict[str, object] = {
             "exposed": exposed,
             # Work done for communication on the training thread (a hook compressing, DDP
             # copying buckets back) is communication time too: busy covers what is exposed.
             "busy": min(span_s, max(exposed, union_seconds(busy + blocked, t_begin, t_end) + unseen_s)),
             "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
         }
+        if self._received:  # a pipeline stage's wait for its neighbour, within what is exposed
+            comm["bubble"] = min(exposed, union_seconds(self._receiving, t_begin, t_end))
+        fields["comm"] = comm
 
     def _device_step_end(self, fields: dict[str, object], ops: list[Op], duration_s: float) -> None:
         """A step whose collectives ran on a GPU: its ``comm`` is read from their events."""

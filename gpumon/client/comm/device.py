@@ -1,14 +1,15 @@
 """A step's collective communication read from CUDA events, on a GPU (NCCL): ``DeviceComm``,
 a ``Deferred`` the sender resolves once the GPU has passed every event the ledger and the
-watchers recorded (``comm_ops.record_event``). Why events, and which: docs/architecture.md §5.1 (on a GPU).
+watchers recorded (``comm.ops.record_event``). Why events, and which: docs/architecture.md §5.1 (on a GPU).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gpumon.client.watchers.comm_intervals import union_seconds
-from gpumon.client.watchers.comm_ops import NO_EVENT, Op, Tail
+from gpumon.client.comm.intervals import union_seconds
+from gpumon.client.comm.ops import NO_EVENT, Op, Tail
+from gpumon.client.comm.tapped import RECEIVES
 
 
 class DeviceComm:
@@ -91,8 +92,12 @@ class DeviceComm:
                 unseen_s += resumed - max(ends)
         duration = self._duration_s
         exposed = min(duration, union_seconds(waits, lo, hi) + unseen_s)
-        return {
+        out: dict[str, object] = {
             "exposed": exposed,
             "busy": min(duration, max(exposed, union_seconds(busy + waits, lo, hi) + unseen_s)),
             "ops": {name: [count, size, seconds] for name, (count, size, seconds) in kinds.items()},
         }
+        if any(op.name in RECEIVES for op in self._ops):
+            receiving = [w for w, tail in zip(waits, self._tails, strict=True) if tail.receiving]
+            out["bubble"] = min(exposed, union_seconds(receiving, lo, hi))
+        return out

@@ -1,0 +1,112 @@
+"""The functional collectives DTensor issues, measured in-process (gloo, a world of one): each
+launch with its payload, the wait on its tensor as the time it held the thread up, and under
+``torch.compile`` nothing added to the graph (no graph break). Multi-rank tensor parallelism,
+against ``CommDebugMode``, is in tests/e2e/test_model_parallel.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpumon.client.comm.ledger import CommLedger
+from gpumon.client.comm.tap import tap_into, untap
+from tests.helpers import ROOT
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one() -> Iterator[None]:
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0,
+                                world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def ledger() -> Iterator[CommLedger]:
+    led = CommLedger()
+    assert tap_into(led)
+    yield led
+    untap(led)
+
+
+def _step(ledger: CommLedger, body: Any) -> dict[str, Any]:
+    fields: dict[str, object] = {}
+    ledger.step_begin()
+    body()
+    ledger.step_end(fields)
+    comm = fields.get("comm")
+    assert isinstance(comm, dict)
+    return comm
+
+
+def test_functional_collectives_are_counted_with_their_payload(ledger: CommLedger) -> None:
+    from torch.distributed import _functional_collectives as funcol
+
+    group = dist.group.WORLD
+
+    def body() -> None:
+        x = torch.ones(1000)  # 4,000 bytes
+        y = funcol.all_reduce(x, "sum", group)
+        z = funcol.all_gather_tensor(y, 0, group)  # its output: 4,000 bytes in a world of one
+        w = funcol.reduce_scatter_tensor(z, "sum", 0, group)
+        v = funcol.all_to_all_single(w, None, None, group)
+        assert float(v.sum()) == 1000.0  # using it waits on it
+
+    comm = _step(ledger, body)
+    assert comm["ops"]["all_reduce"][:2] == [1, 4000]
+    assert comm["ops"]["all_gather"][:2] == [1, 4000]
+    assert comm["ops"]["reduce_scatter"][:2] == [1, 4000]
+    assert comm["ops"]["all_to_all"][:2] == [1, 4000]
+    assert "bubble" not in comm  # no point-to-point receive
+    assert 0 < comm["exposed"] <= comm["busy"]
+
+
+def test_the_wait_on_a_functional_collective_is_exposed_and_its_launch_is_not_its_end(
+        ledger: CommLedger) -> None:
+    """Work between the launch and the first use of its tensor overlaps the collective: the
+    collective is in flight until the wait, but held the thread up only in its launch and
+    its wait (the work is on a CPU: time off one while a collective is in flight would count
+    as held up by it, docs/architecture.md §5.1)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    def body() -> None:
+        y = funcol.all_reduce(torch.ones(100), "sum", dist.group.WORLD)
+        end = time.thread_time() + 0.05
+        while time.thread_time() < end:  # other work, on a CPU, while it is in flight
+            pass
+        assert float(y.sum()) == 100.0
+
+    comm = _step(ledger, body)
+    assert comm["busy"] >= 0.05
+    assert comm["exposed"] < 0.025
+
+
+def test_the_tap_adds_no_graph_break_to_compiled_functional_collectives() -> None:
+    """``torch._dynamo.explain`` over all-reduce, all-gather, reduce-scatter and all-to-all,
+    in a fresh process without gpumon and with its tap: the same graphs, no break."""
+    found = {}
+    for mode in ("plain", "tap"):
+        done = subprocess.run([sys.executable, str(HERE / "funcol_graph.py"), mode],
+                              capture_output=True, text=True, timeout=180, cwd=ROOT,
+                              env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin",
+                                   "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, done.stderr[-3000:]
+        found[mode] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["tap"] == found["plain"]
+    assert found["tap"]["breaks"] == 0 and found["tap"]["graphs"] == 1
+    assert len(found["tap"]["ops"]) == 5  # the four collectives and their wait, traced
