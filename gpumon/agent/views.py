@@ -36,6 +36,7 @@ from gpumon.state.owners import Ownership, OwnerState
 from gpumon.state.rank_states import rank_conditions
 from gpumon.state.ranks import RankStore, RankTotals
 from gpumon.state.recording import RecorderStatus
+from gpumon.wire import PARALLEL_DIMS, ParallelLayout
 
 STUCK_AFTER_INTERVALS = 3
 
@@ -208,6 +209,17 @@ def _condition_dict(condition: RankCondition) -> dict[str, Any]:
     }
 
 
+def _parallel_dict(layout: ParallelLayout | None) -> dict[str, Any] | None:
+    """A rank's place in its job's parallelism: its index along each dimension it has, the
+    dimensions of other names as the job named them, and where it was read."""
+    if layout is None:
+        return None
+    found: dict[str, Any] = {dim: getattr(layout, dim) for dim in PARALLEL_DIMS
+                             if getattr(layout, dim) is not None}
+    found.update(layout.other)
+    return {**found, "source": layout.source}
+
+
 def _analysis_dict(analysis: RankAnalysis) -> dict[str, Any]:
     verdict, oom = analysis.verdict, analysis.oom
     return {
@@ -221,6 +233,10 @@ def _analysis_dict(analysis: RankAnalysis) -> dict[str, Any]:
         "straggler_score": analysis.straggler_score,
         "straggler_cause": analysis.straggler_cause.value if analysis.straggler_cause else None,
         "waiting_on_rank": analysis.slower_rank.rank if analysis.slower_rank else None,
+        "bubble": verdict.bubble if verdict else None,
+        "own_work_seconds": analysis.own_work_s,
+        "parallel": _parallel_dict(analysis.parallel),
+        "compared_with": "replicas" if analysis.parallel is not None else "run",
         "memory": None if analysis.memory is None else {
             "component": analysis.memory.component, "cause": analysis.memory.cause,
             "bytes": analysis.memory.bytes, "remedy": analysis.memory.remedy},

@@ -79,6 +79,35 @@ def layout_of_stage(stage: Any) -> ParallelLayout | None:
     return ParallelLayout(pp=int(index), source="pipeline") if index is not None else None
 
 
+def layout_of_deepspeed(engine: Any) -> ParallelLayout | None:
+    """A DeepSpeed engine's place for this rank: its pipeline grid (``PipelineEngine.grid``:
+    stage, data-parallel rank, model-parallel slice), else its ``mpu``'s ranks."""
+    grid = getattr(engine, "grid", None)
+    getters: dict[str, tuple[Any, str]] = {}
+    if grid is not None and hasattr(grid, "get_pipe_parallel_rank"):
+        getters = {"pp": (grid, "get_pipe_parallel_rank"), "dp": (grid, "get_data_parallel_rank"),
+                   "tp": (grid, "get_slice_parallel_rank")}
+    elif getattr(engine, "mpu", None) is not None:
+        mpu = engine.mpu
+        getters = {"dp": (mpu, "get_data_parallel_rank"),
+                   "tp": (mpu, "get_tensor_model_parallel_rank"
+                          if hasattr(mpu, "get_tensor_model_parallel_rank")
+                          else "get_model_parallel_rank"),
+                   "pp": (mpu, "get_pipeline_model_parallel_rank")}
+    found = {}
+    for dim, (owner, getter) in getters.items():
+        function = getattr(owner, getter, None)
+        if function is None:
+            continue
+        try:
+            found[dim] = int(function())
+        except Exception:  # a dimension this engine does not set up
+            continue
+    if grid is not None and found.get("tp") == 0 and getattr(grid, "slice_parallel_size", 1) == 1:
+        del found["tp"]  # a grid without model parallelism: no tensor dimension
+    return _layout(found, "deepspeed") if found else None
+
+
 def layout_of_megatron() -> ParallelLayout | None:
     """Megatron-core's ``parallel_state``, where the job imported and initialised it."""
     state = sys.modules.get("megatron.core.parallel_state")
@@ -145,8 +174,14 @@ class LayoutWatch:
     def __init__(self, monitor: Watched) -> None:
         self._place = monitor.extensions.place
         self._sources: list[weakref.ref[Any]] = []
+        self._known: ParallelLayout | None = None  # what a framework said outright
         self._looked_at = -1  # _made_count when last looked
         self._layout: ParallelLayout | None = None
+
+    def know(self, layout: ParallelLayout) -> None:
+        """A layout a framework's engine gives outright (DeepSpeed's grid)."""
+        self._known = layout
+        self._looked_at = -1
 
     def add_source(self, source: Any) -> None:
         """A mesh or stage found beside the model (made before the constructors were wrapped)."""
@@ -167,6 +202,7 @@ class LayoutWatch:
         meshes = [s for s in sources if s is not None and hasattr(s, "mesh_dim_names")]
         stages = [s for s in sources if s is not None and hasattr(s, "stage_index")]
         layout = merge([
+            self._known,
             layout_of_megatron(),
             _largest(layout_of_mesh(m) for m in meshes),
             next((layout_of_stage(s) for s in stages), None),
@@ -181,6 +217,9 @@ def watch_layout(monitor: Watched, model: Any) -> None:
     pipeline stage that runs it, and any mesh or pipeline stage made later."""
     install_constructors()
     watch = monitor.extensions.attach(LayoutWatch, lambda: LayoutWatch(monitor))
+    engine = layout_of_deepspeed(model) if hasattr(model, "train_batch") else None
+    if engine is not None:
+        watch.know(engine)
     parameters = getattr(model, "parameters", None)
     if parameters is None:
         return
