@@ -74,10 +74,10 @@ def run_gpumon(count: CycleCount, args: list[str]) -> None:
 
 
 def run_gpumon_agent(count: CycleCount, args: list[str]) -> None:
-    from gpumon.agent.lifecycle import Agent
+    from gpumon.agent.collectors.nvml import GpuPoll
     from gpumon.agent.run import main
 
-    Agent._collect_gpus = count.wrap(Agent._collect_gpus)  # type: ignore[method-assign]
+    GpuPoll.poll = count.wrap(GpuPoll.poll)  # type: ignore[method-assign]
     main(args)
 
 

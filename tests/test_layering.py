@@ -81,12 +81,15 @@ LAYERS: dict[str, Allowed] = {
     "agent": allow("gpumon errors wire collectors collectors.nvml collectors.podresources analysis "
                    "state sim export",
                    libraries="prometheus_client"),
+    # The collector table, read by the agent's configuration: each collector's module imports
+    # what it starts only when it starts, and knows the agent by its protocol alone.
+    "agent.collectors": allow("wire collectors state"),
     "commands": allow("gpumon errors wire collectors collectors.nvml analysis state sim export "
                       "agent client.autowatch client.core.identity client.core.run_name",
                       libraries="rich"),
     # The page of a run: above the commands, for the verdict replay gpumon classify does.
     "report": allow("errors wire collectors.samples analysis commands.classify", libraries="plotly"),
-    "cli": allow("gpumon commands agent analysis sim report", libraries="typer"),
+    "cli": allow("gpumon commands agent agent.collectors analysis sim report", libraries="typer"),
     "testing": allow("gpumon agent", libraries="prometheus_client psutil"),
     "testing.fakenvml": allow("errors"),
 }

@@ -20,7 +20,7 @@ DEFAULT_PORT = 9403  # 9400 is dcgm-exporter's, which often runs beside gpumon
 DEFAULT_SOCKET = "/run/gpumon/ingest.sock"
 DEFAULT_POD_RESOURCES_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 DEFAULT_TRACE_DIR = "/var/tmp/gpumon-traces"
-COLLECTORS = NAMES  # the names of agent/collectors.py's table
+COLLECTORS = NAMES  # the names of the table in agent/collectors/
 
 
 class ConfigError(GpumonError, ValueError):

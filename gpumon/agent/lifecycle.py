@@ -9,17 +9,17 @@ Usable as a library::
 
 Data flows one way: the GPU and host collectors (``scheduler.Periodic`` threads) write the
 node state, ingest writes the rank store and feeds the analyzer, housekeeping advances the
-analyzer from copies of both, and the views (``views``) read copies of all three.
+analyzer from copies of both, and the views (``views``) read copies of all three. Each
+collector starts itself (``collectors/``), through the agent's public surface.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,6 @@ from gpumon import __version__
 from gpumon.agent.analyzer import SharedAnalyzer
 from gpumon.agent.collectors import COLLECTORS
 from gpumon.agent.config import AgentConfig
-from gpumon.agent.owners import OwnerCollector
 from gpumon.agent.recorder import Recorder
 from gpumon.agent.reload import apply_reload
 from gpumon.agent.scheduler import Periodic
@@ -40,8 +39,7 @@ from gpumon.agent.trace_api import trace_api
 from gpumon.agent.traces import TraceDesk, trace_settings
 from gpumon.agent.views import AgentCollector, readiness, snapshot_document
 from gpumon.collectors.base import EventWatcher, GpuSource
-from gpumon.collectors.host import HostSource
-from gpumon.collectors.ingest import IngestError, IngestServer, IngestStatus
+from gpumon.collectors.ingest import IngestServer, IngestStatus
 from gpumon.collectors.liveness import ProcessLiveness
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.errors import GpumonError
@@ -55,13 +53,9 @@ from gpumon.wire import Record
 
 log = logging.getLogger(__name__)
 
-HOST_INTERVAL_S = 5.0
-DISCOVER_EVERY_CYCLES = 30  # look for GPUs that appeared after start (30 s at 1 s polls)
 HOUSEKEEPING_INTERVAL_S = 1.0
 LIVENESS_INTERVAL_S = 5.0
 """How often the training processes are looked for in /proc: an exit is seen within 5 s."""
-OWNERS_INTERVAL_S = 5.0
-"""How often whose each process and GPU is is worked out again (cgroups, the kubelet)."""
 
 
 class AgentError(GpumonError, RuntimeError):
@@ -78,29 +72,23 @@ class Agent:
         self._threads: list[Periodic] = []
         self._xid: EventWatcher | None = None
         self._server: MetricsServer | None = None
-        self._host: HostSource | None = None
         self._liveness = ProcessLiveness()
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks,
                                     alive=self._liveness.alive)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds,
                                        ranks=self.rank_store)
         self.owners = OwnerState(config.node_name or socket.gethostname())
-        self._owner_collector = OwnerCollector(self.owners, config.pod_resources_socket)
-        self._owners_thread: Periodic | None = None
-        self._owner_pids: set[int] = set()
-        """The senders' pids the owners collector has been told of: a new one wakes it, so a
-        rank is attributed at its first step, not up to ``OWNERS_INTERVAL_S`` later (or never,
-        for a process shorter than that)."""
+        self._sender_watchers: list[Callable[[int], None]] = []
         self._collector = AgentCollector(self.state, self.rank_store, self.recording_status,
                                          self.ingest_status, self.owners)
         # Every collector's families are named at registration, so a clash is refused there.
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self._collector)
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
-        self._ingest: IngestServer | None = None
+        self.ingest: IngestServer | None = None
+        """The ingest server, once the ``ingest`` collector has made it."""
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
-        self._discovered_at = time.monotonic()
         self._liveness_at = 0.0
         self.started_at = time.time()
         self.traces: TraceDesk | None = None
@@ -138,8 +126,7 @@ class Agent:
         for collector in COLLECTORS:
             if collector.name in wanted:
                 collector.start(self)
-        self._threads.append(Periodic("housekeeping", HOUSEKEEPING_INTERVAL_S,
-                                      self._housekeeping, self.state))
+        self.run_every("housekeeping", HOUSEKEEPING_INTERVAL_S, self._housekeeping)
         for thread in self._threads:
             thread.start()
         if self._xid is not None:
@@ -155,54 +142,40 @@ class Agent:
         gc.collect()
         gc.freeze()
 
-    def _start_gpus(self) -> None:
-        source = self._gpu_source
-        if source is None:
-            return
-        self._threads.append(Periodic(source.name, self.config.interval,
-                                      self._collect_gpus, self.state))
-        self._xid = source.xid_watcher(self.state.add_xid)
+    # -- what collectors use (collectors/base.py's CollectorAgent) ----------------------
+    @property
+    def gpu_source(self) -> GpuSource | None:
+        """NVML, the simulator or the caller's source, once started; None without one."""
+        return self._gpu_source
 
-    def _start_host(self) -> None:
-        self._host = HostSource()
-        self._threads.append(Periodic("host", max(self.config.interval, HOST_INTERVAL_S),
-                                      self._collect_host, self.state))
+    @property
+    def recorder(self) -> Recorder | None:
+        """The ``--record`` file's writer, once started; None when nothing is recorded."""
+        return self._recorder
 
-    def _start_ingest(self) -> None:
-        try:
-            self._ingest = IngestServer(Path(self.config.socket), self._on_records,
-                                        self.rank_store.count_dropped, self.config.allowed_uids,
-                                        self.config.socket_group)
-        except IngestError as exc:
-            # GPU and host metrics are still worth serving: say so loudly, keep going.
-            self.ingest_problem = str(exc)
-            log.error("no training-step ingest: %s", exc)
-            return
-        self._ingest.start()
-        log.info("receiving training steps on %s%s", self.config.socket,
-                 " (held by the service manager)" if self._ingest.inherited else "")
+    def run_every(self, name: str, interval_s: float,
+                  collect: Callable[[float, float], None]) -> Periodic:
+        """A thread calling ``collect(now, monotonic)`` every ``interval_s``, timed and its
+        errors counted as collector ``name``'s; started and stopped with the agent."""
+        thread = Periodic(name, interval_s, collect, self.state)
+        self._threads.append(thread)
+        return thread
+
+    def run_watcher(self, watcher: EventWatcher) -> None:
+        """A source's event thread (NVML's XIDs), started, stopped and closed with the agent."""
+        self._xid = watcher
+
+    def watch_senders(self, seen: Callable[[int], None]) -> None:
+        """Have ``seen(pid)`` called with the sender of every datagram that brings accepted
+        records, on the ingest thread, before those records are analysed."""
+        self._sender_watchers.append(seen)
+
+    def start_traces(self) -> None:
+        """Open the desk that asks ranks for profiler traces over the ingest socket
+        (docs/traces.md); the ``ingest`` collector calls it once the socket is up."""
         self.traces = TraceDesk(trace_settings(self.config), self.config.socket, self.rank_store)
         self.traces.start()
         self.registry.register(self.traces)
-
-    def _start_owners(self) -> None:
-        self._owners_thread = Periodic("owners", OWNERS_INTERVAL_S, self._collect_owners,
-                                       self.state)
-        self._threads.append(self._owners_thread)
-        self._start_kubelet()
-
-    def _start_kubelet(self) -> None:
-        """Ask the kubelet's PodResources API on a node that runs one and lets the agent in."""
-        path = Path(self.config.pod_resources_socket)
-        if not path.parent.is_dir():
-            return  # no kubelet here (a Slurm node, a workstation)
-        if path.exists() and not os.access(path, os.W_OK):
-            log.warning("the kubelet's PodResources socket %s admits only its owner, not uid %d:"
-                        " GPUs are attributed from their processes' cgroups alone", path,
-                        os.getuid())
-            return
-        self._threads.append(Periodic("kubelet", OWNERS_INTERVAL_S,
-                                      self._owner_collector.poll_kubelet, self.state))
 
     def reload(self, config: AgentConfig) -> list[str]:
         """Apply what can change while running (SIGHUP); returns one line per setting.
@@ -212,7 +185,7 @@ class Agent:
         """
         try:
             self.config, notes = apply_reload(self.config, config, server=self._server,
-                                              ingest=self._ingest, rank_store=self.rank_store,
+                                              ingest=self.ingest, rank_store=self.rank_store,
                                               analyzer=self.analyzer)
         except WebConfigError as exc:
             raise AgentError(str(exc)) from exc
@@ -224,9 +197,9 @@ class Agent:
         """Stop threads and the server; safe to call twice. Ingest stops first, once it
         has handled every datagram received, and the step counts it reached are logged: with
         the last scrape before, they account for every step this agent counted."""
-        if self._ingest is not None:
-            self._ingest.stop()
-            self._ingest = None
+        if self.ingest is not None:
+            self.ingest.stop()
+            self.ingest = None
             for rank in sorted(self.rank_store.ranks(), key=lambda r: (r.run, r.rank)):
                 log.info("final gpumon_steps_total{run=\"%s\",rank=\"%d\"} %d",
                          rank.run, rank.rank, rank.steps_total)
@@ -264,49 +237,18 @@ class Agent:
         return self._server.port
 
     # -- collection ----------------------------------------------------------------
-    def _collect_gpus(self, now: float, monotonic: float) -> None:
-        source = self._gpu_source
-        assert source is not None
-        if monotonic - self._discovered_at >= DISCOVER_EVERY_CYCLES * self.config.interval:
-            self._discovered_at = monotonic
-            new = source.discover()
-            if new:
-                log.info("new GPU(s) found: %s", ", ".join(f"{g.index} ({g.uuid})" for g in new))
-                self.state.set_nvml(self.state.nvml, source.statics())
-        samples = source.sample(now, monotonic)
-        self.state.put_gpu_samples(samples)
-        if self._recorder is not None:
-            self._recorder.gpus(samples, self.state.gpu_statics())
-
-    def _collect_host(self, now: float, monotonic: float) -> None:
-        assert self._host is not None
-        self.state.put_host(self._host.sample(now), self._host.processes(self.rank_store.pids()))
-
-    def _collect_owners(self, now: float, monotonic: float) -> None:
-        snap = self.state.snapshot(now)
-        listed = {pid for sample in snap.latest.values()
-                  for pid in sample.process_memory_bytes or ()}
-        watched = set(self.rank_store.watched_pids())
-        self._owner_pids = watched
-        self._owner_collector.collect(listed | watched, self.rank_store.exited_pids())
-
-    def _on_records(self, records: list[Record], sender: SenderCredentials) -> None:
+    def take_records(self, records: list[Record], sender: SenderCredentials) -> None:
+        """The records of one datagram (ingest's callback): into the rank store; what it
+        accepts is told to the sender watchers (the owners collector), then analysed and
+        recorded."""
         now = time.time()
         accepted = self.rank_store.ingest(records, sender, time.monotonic(), now)
         if not accepted:
             return
         pids = {(r.run, r.rank): sender.pid or r.pid for r in accepted}
-        if sender.pid and sender.pid not in self._owner_pids and self._owners_thread is not None:
-            # A new process is attributed before its first step is analysed (two small /proc
-            # reads, once per process): a job of a few seconds, or one that fails at once, is
-            # still someone's. A container not named yet wakes the cycle that reads the links.
-            self._owner_pids.add(sender.pid)
-            try:
-                named = self._owner_collector.collect_one(sender.pid)
-            except Exception:  # the collector's own cycle tries again, and counts its errors
-                named = False
-            if not named:
-                self._owners_thread.wake()
+        if sender.pid:
+            for seen in self._sender_watchers:
+                seen(sender.pid)
         self.analyzer.add(accepted, now, pids)
         if self._recorder is not None:
             self._recorder.steps(accepted)
@@ -338,7 +280,7 @@ class Agent:
         """The ingest socket's state, or None when the ingest collector is off."""
         if not self.config.enabled("ingest"):
             return None
-        ingest = self._ingest
+        ingest = self.ingest
         return ingest.status() if ingest else IngestStatus(self.config.socket, up=False)
 
     def recording_status(self) -> RecorderStatus | None:

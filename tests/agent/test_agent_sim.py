@@ -119,7 +119,7 @@ def test_housekeeping_analyses_64_ranks_in_slices_letting_scrapes_in_between() -
     now = time.time()
     for k in range(20):
         agent.state.put_gpu_samples(source.sample(now - 10 + k * 0.5, k * 0.5))
-    agent._on_records([StepRecord(run="llm", rank=rank, step=n, duration_s=0.5,
+    agent.take_records([StepRecord(run="llm", rank=rank, step=n, duration_s=0.5,
                                   t_start=now - 6 + n * 0.5, gpu=rank % 8,
                                   phases_s={"forward": 0.2, "backward": 0.25})
                        for n in range(4) for rank in range(64)], SenderCredentials())

@@ -13,6 +13,7 @@ from gpumon.agent.config import AgentConfig, ConfigError, load_config
 from gpumon.cli import app
 from gpumon.testing.agent import library_agent
 from tests.helpers import wait_for
+from tests.test_layering import at_import, library
 
 
 def test_the_flag_and_the_config_take_the_tables_names() -> None:
@@ -24,6 +25,15 @@ def test_the_flag_and_the_config_take_the_tables_names() -> None:
                                             env={"COLUMNS": "300"}).output.split())
     for entry in COLLECTORS:
         assert f"{entry.name} ({entry.help})" in help_text
+
+
+def test_reading_the_table_loads_no_collector() -> None:
+    # The command line reads it for every command: each start function imports what it starts
+    # when it runs.
+    loaded = at_import("gpumon.agent.collectors")
+    assert {library(name) for name in loaded} - {None} == set()
+    assert {name for name in loaded if name.startswith("gpumon.")
+            and not name.startswith("gpumon.agent.collectors")} == {"gpumon.agent"}
 
 
 @pytest.mark.parametrize("collectors", [("ingest",), ("host", "ingest")])

@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpumon.agent import lifecycle
+from gpumon.agent.collectors import owners as owners_collector
 from gpumon.collectors.podresources import api_pb2, api_pb2_grpc
 from gpumon.collectors.process_owner import user_name
 from gpumon.collectors.samples import GpuStatic, Owner
@@ -119,7 +119,7 @@ def test_a_gpu_allocated_but_held_by_no_listed_process_has_its_container_as_hold
 def test_a_rank_is_attributed_at_its_first_step_not_at_the_next_cycle(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Cycles an hour apart: only the wake a new sender brings can attribute the rank in time.
-    monkeypatch.setattr(lifecycle, "OWNERS_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(owners_collector, "OWNERS_INTERVAL_S", 3600.0)
     with library_agent(tmp_path / "s.sock", collectors=("ingest", "owners"),
                        node_name=NODE) as agent:
         wait_for(lambda: agent.state.collector("owners", 3600.0).last_success_t,

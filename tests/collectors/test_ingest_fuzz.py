@@ -58,7 +58,7 @@ KNOWN_REASONS = set(DROP_REASONS) | {"too_many_ranks", "agent_overloaded",
 
 def handled(node: Agent) -> int:
     """Datagrams the agent's ingest has decoded so far (read in its process)."""
-    server = node._ingest  # the agent as a library: its ingest server, read directly
+    server = node.ingest  # the agent as a library: its ingest server, read directly
     assert server is not None, node.ingest_problem
     return server.datagrams_total
 

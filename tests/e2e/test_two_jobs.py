@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.agent.lifecycle import OWNERS_INTERVAL_S
+from gpumon.agent.collectors.owners import OWNERS_INTERVAL_S
 from gpumon.collectors.process_owner import user_name
 from gpumon.testing import AgentProcess, values, wait_for
 from tests.helpers import ROOT

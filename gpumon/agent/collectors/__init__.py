@@ -3,25 +3,24 @@ when ``--collector`` names none, and the function that starts it in an agent.
 
 The flag's choices and help (``config.py``, ``cli.py``) and the agent's start loop
 (``lifecycle.py``) are made from this table, the way node_exporter's collectors register
-themselves: a new collector is a row here and the agent method its start function calls.
-Importing this module loads no collector, so the command line reads the table cheaply.
+themselves. Each collector is its own module here, holding its start function: it makes what
+it reads from and gives the agent its threads, taking what it needs of the agent through
+``base.CollectorAgent``. A new collector is a row here and its module.
+
+A start function imports what it starts when it runs, so importing the table loads no
+collector: the command line reads the table for every command.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
 
+from gpumon.agent.collectors import host, ingest, nvml, owners
 
-class Agent(Protocol):
-    """What a start function needs of the agent (``lifecycle.Agent``), named here so that this
-    table imports nothing of the agent's."""
-
-    def _start_gpus(self) -> None: ...
-    def _start_host(self) -> None: ...
-    def _start_ingest(self) -> None: ...
-    def _start_owners(self) -> None: ...
+if TYPE_CHECKING:
+    from gpumon.agent.collectors.base import CollectorAgent
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,31 +30,15 @@ class CollectorEntry:
     name: str
     help: str
     default: bool
-    start: Callable[[Agent], None]
-
-
-def _start_nvml(agent: Agent) -> None:
-    agent._start_gpus()
-
-
-def _start_host(agent: Agent) -> None:
-    agent._start_host()
-
-
-def _start_ingest(agent: Agent) -> None:
-    agent._start_ingest()
-
-
-def _start_owners(agent: Agent) -> None:
-    agent._start_owners()
+    start: Callable[[CollectorAgent], None]
 
 
 COLLECTORS: tuple[CollectorEntry, ...] = (
-    CollectorEntry("nvml", "GPUs", True, _start_nvml),
-    CollectorEntry("host", "CPU and memory", True, _start_host),
-    CollectorEntry("ingest", "training steps", True, _start_ingest),
+    CollectorEntry("nvml", "GPUs", True, nvml.start),
+    CollectorEntry("host", "CPU and memory", True, host.start),
+    CollectorEntry("ingest", "training steps", True, ingest.start),
     CollectorEntry("owners", "whose each rank and GPU is: cgroups, uids, the kubelet", True,
-                   _start_owners),
+                   owners.start),
 )
 
 NAMES = tuple(c.name for c in COLLECTORS)

@@ -1,0 +1,52 @@
+"""The ``nvml`` collector: the agent's GPU source (NVML, or the simulator standing in for it)
+polled every interval, GPUs that appear later looked for, and the source's XID events watched."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gpumon.agent.collectors.base import CollectorAgent
+    from gpumon.collectors.base import GpuSource
+
+log = logging.getLogger(__name__)
+
+DISCOVER_EVERY_CYCLES = 30  # look for GPUs that appeared after start (30 s at 1 s polls)
+
+
+def start(agent: CollectorAgent) -> None:
+    """Poll the agent's GPU source on a thread of its own, when the agent has one."""
+    source = agent.gpu_source
+    if source is None:
+        return
+    agent.run_every(source.name, agent.config.interval, GpuPoll(agent, source).poll)
+    watcher = source.xid_watcher(agent.state.add_xid)
+    if watcher is not None:
+        agent.run_watcher(watcher)
+
+
+class GpuPoll:
+    """The GPU collector's cycle, with when it last looked for new GPUs."""
+
+    def __init__(self, agent: CollectorAgent, source: GpuSource) -> None:
+        self._agent = agent
+        self._source = source
+        self._discovered_at = time.monotonic()
+
+    def poll(self, now: float, monotonic: float) -> None:
+        """One sample of every GPU into the node state (and the recording); every
+        ``DISCOVER_EVERY_CYCLES`` intervals, first a look for GPUs that appeared."""
+        agent, source = self._agent, self._source
+        if monotonic - self._discovered_at >= DISCOVER_EVERY_CYCLES * agent.config.interval:
+            self._discovered_at = monotonic
+            new = source.discover()
+            if new:
+                log.info("new GPU(s) found: %s", ", ".join(f"{g.index} ({g.uuid})" for g in new))
+                agent.state.set_nvml(agent.state.nvml, source.statics())
+        samples = source.sample(now, monotonic)
+        agent.state.put_gpu_samples(samples)
+        recorder = agent.recorder
+        if recorder is not None:
+            recorder.gpus(samples, agent.state.gpu_statics())
