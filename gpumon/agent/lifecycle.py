@@ -49,7 +49,7 @@ from gpumon.state.node import NodeState
 from gpumon.state.owners import OwnerState
 from gpumon.state.ranks import RankStore
 from gpumon.state.recording import RecorderStatus
-from gpumon.wire import Record
+from gpumon.wire import HelloRecord, Record
 
 log = logging.getLogger(__name__)
 
@@ -243,6 +243,8 @@ class Agent:
         recorded."""
         now = time.time()
         accepted = self.rank_store.ingest(records, sender, time.monotonic(), now)
+        if self._recorder is not None:  # where each rank sits, for a replay's comparisons
+            self._recorder.hellos(r for r in records if isinstance(r, HelloRecord))
         if not accepted:
             return
         pids = {(r.run, r.rank): sender.pid or r.pid for r in accepted}

@@ -28,7 +28,7 @@ from gpumon.collectors.gpu_fields import GPU_FIELDS
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.errors import GpumonError
 from gpumon.state.recording import RecorderStatus
-from gpumon.wire import StepRecord, to_wire
+from gpumon.wire import HelloRecord, StepRecord, to_wire
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,14 @@ class Recorder:
     def steps(self, records: Iterable[StepRecord]) -> None:
         """Queue step records."""
         lines = [json.dumps(to_wire(r), separators=(",", ":")) for r in records]
+        with self._lock:
+            self._pending.extend(lines)
+
+    def hellos(self, records: Iterable[HelloRecord]) -> None:
+        """Queue the hellos that say where a rank sits in its job's parallelism (a replay
+        compares each rank with its replicas, as the agent did)."""
+        lines = [json.dumps(to_wire(r), separators=(",", ":")) for r in records
+                 if r.parallel is not None]
         with self._lock:
             self._pending.extend(lines)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from gpumon.agent.recorder import sample_from_line
 from gpumon.analysis.stream import StepAnalyzer, StepVerdict
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.wire import ProtocolError, StepRecord, decode_record
+from gpumon.wire import HelloRecord, ParallelLayout, ProtocolError, StepRecord, decode_record
 
 
 @dataclass
@@ -23,6 +23,8 @@ class Recording:
     samples: dict[int, list[GpuSample]] = field(default_factory=lambda: defaultdict(list))
     statics: dict[int, GpuStatic] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
+    layouts: dict[tuple[str, int], ParallelLayout] = field(default_factory=dict)
+    """Each rank's place in its job's parallelism, from the recorded hellos (the latest)."""
     skipped: Counter[str] = field(default_factory=Counter)
     skipped_at: list[tuple[int, str]] = field(default_factory=list)
     """(line number from 1, reason) of every line skipped, in file order."""
@@ -65,6 +67,14 @@ def load_recording(lines: Iterable[str]) -> Recording:
                 continue
             if isinstance(record, StepRecord):
                 recording.steps.append(record)
+        elif kind == "hello":
+            try:
+                hello = decode_record(line)
+            except ProtocolError as exc:
+                recording.skip(number, exc.reason)
+                continue
+            if isinstance(hello, HelloRecord) and hello.parallel is not None:
+                recording.layouts[(hello.run, hello.rank)] = hello.parallel
         else:
             recording.skip(number, "unknown_kind")
     for samples in recording.samples.values():
@@ -98,9 +108,10 @@ def classify_recording(recording: Recording) -> list[StepVerdict]:
         analyzer.add([step], received_t=end)
         latest = {i: s[max(bisect_right(times[i], end) - 1, 0)]
                   for i, s in recording.samples.items() if s}
-        verdicts += analyzer.process(end, history, statics, latest)
+        verdicts += analyzer.process(end, history, statics, latest, recording.layouts)
     verdicts += analyzer.process(float("inf"), history, statics,
-                                 {i: s[-1] for i, s in recording.samples.items() if s})
+                                 {i: s[-1] for i, s in recording.samples.items() if s},
+                                 recording.layouts)
     return verdicts
 
 

@@ -23,6 +23,7 @@ from tests.helpers import RECORDING
 ROOT = Path(__file__).resolve().parents[2]
 JOBS = Path(__file__).resolve().parent / "jobs"
 JOB_TIMEOUT_S = 240
+WATCHED_TIMEOUT_S = 300
 
 
 @dataclass
@@ -79,6 +80,34 @@ def run_job(agent: AgentProcess, tmp_path: Path, script: str, nproc: int,
     while time.monotonic() < deadline:  # the agent writes its recording every second
         if recording.exists() and len(job.steps()) >= expect_steps:
             break
+        time.sleep(0.2)
+    assert len(job.steps()) == expect_steps, (len(job.steps()), agent.log()[-3000:])
+    return job
+
+
+def watched(agent: AgentProcess, tmp_path: Path, run: str, command: list[str], expect_steps: int,
+            torchrun: int = 0, launcher: list[str] | None = None) -> Job:
+    """Run ``command`` under ``gpumon run --run RUN`` (under torchrun on ``torchrun`` ranks, or
+    under ``launcher``); return once it exited 0 and the agent recorded ``expect_steps`` steps
+    of it."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+    for name in ("GPUMON_RUN", "GPUMON_SOCKET", "GPUMON_PURE_PYTHON", "GPUMON_RUN_DISABLE"):
+        env.pop(name, None)
+    if launcher:
+        command = [*launcher, *command]
+    elif torchrun:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(torchrun),
+                   "--master-port", str(free_port()), *command]
+    else:
+        command = [sys.executable, *command]
+    gpumon = [sys.executable, "-m", "gpumon.cli", "run", "--run", run, "--socket", str(agent.socket_path),
+              "--"]
+    done = subprocess.run(gpumon + command, capture_output=True, text=True,
+                          timeout=WATCHED_TIMEOUT_S, env=env, cwd=ROOT)
+    assert done.returncode == 0, f"job failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    job = Job(tmp_path / run, tmp_path / RECORDING, run)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not (job.recording.exists() and len(job.steps()) >= expect_steps):
         time.sleep(0.2)
     assert len(job.steps()) == expect_steps, (len(job.steps()), agent.log()[-3000:])
     return job

@@ -54,6 +54,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +62,7 @@ from gpumon.client import monitor as _monitor_module
 from gpumon.client.autowatch import calls, compiler, steps
 from gpumon.client.autowatch.state import State
 from gpumon.client.autowatch.steps import StepFinder, step_finder
+from gpumon.client.core.comm_inflight import STEP_OPENERS
 from gpumon.client.core.progress import PROGRESS as _PROGRESS
 from gpumon.client.core.progress import torch_compiled
 from gpumon.client.monitor import StepMonitor
@@ -175,6 +177,8 @@ def install() -> bool:
         _narrow()
     else:
         _widen(learn=_state.relearn)  # (no relearning: compiled code depends on the wrap)
+    if _open_for_transfer not in STEP_OPENERS:
+        STEP_OPENERS.append(_open_for_transfer)
     if not _fork_handler:
         os.register_at_fork(after_in_child=_after_fork_in_child)
         _monitor_module._on_new_monitor.append(_monitor_made)
@@ -199,6 +203,8 @@ def take_out() -> None:
     for handle in _handles:
         handle.remove()
     _handles.clear()
+    if _open_for_transfer in STEP_OPENERS:
+        STEP_OPENERS.remove(_open_for_transfer)
     for restore in _restore:
         restore()
     _restore.clear()
@@ -269,6 +275,19 @@ def _monitor_made(monitor: StepMonitor) -> None:
     finder = _state.finder
     if finder is not None and monitor is not finder.monitor:
         finder.on_step_end = _after_step
+
+
+def _open_for_transfer() -> Callable[[], None] | None:
+    """A point-to-point transfer, or a wait on one, on the training thread with no step open
+    (a pipeline stage waiting for its first micro-batch, before any forward): open the step
+    there, the transfer as its ``comm`` phase, as a hand-hooked loop's ``mon.step()`` around
+    the schedule would. What closes the phase once the call returns, or None."""
+    finder = _state.finder
+    if (finder is None or finder.in_step or finder.driven
+            or threading.current_thread() is not threading.main_thread()):
+        return None
+    finder.begin("comm")
+    return finder.end
 
 
 def _after_step() -> None:

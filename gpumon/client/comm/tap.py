@@ -26,7 +26,7 @@ from typing import Any
 from gpumon.client.comm.ledger import CommLedger
 from gpumon.client.comm.ops import Op, record_event
 from gpumon.client.comm.tapped import C10D, RECEIVES, rows
-from gpumon.client.core.comm_inflight import IN_FLIGHT
+from gpumon.client.core.comm_inflight import IN_FLIGHT, STEP_OPENERS, open_step_for_transfer
 
 log = logging.getLogger("gpumon.client")
 
@@ -116,6 +116,7 @@ def _wrap(original: Callable[..., Any], name: str, position: int, keyword: str) 
         if not _ledgers or getattr(_inside, "collective", False):
             return original(*args, **kwargs)
         payload = _payload(args, kwargs, position, keyword)
+        close = open_step_for_transfer() if STEP_OPENERS and name in _TRANSFERS else None
         seq = _opened(name, payload)
         c0, t0 = thread_time(), perf_counter()
         _inside.collective = True
@@ -126,6 +127,8 @@ def _wrap(original: Callable[..., Any], name: str, position: int, keyword: str) 
             raise
         finally:
             _inside.collective = False
+            if close is not None:
+                close()
         t1, c1 = perf_counter(), thread_time()
         try:
             _follow(seq, payload, result)
@@ -159,6 +162,7 @@ def _wrap_batch(original: Callable[..., Any]) -> Callable[..., Any]:
         if not _ledgers or getattr(_inside, "collective", False):
             return original(p2p_op_list)
         kinds = [(_kind_of(p2p), p2p.tensor) for p2p in p2p_op_list]
+        close = open_step_for_transfer() if STEP_OPENERS else None
         seqs = [_opened(name, tensor) for name, tensor in kinds]
         c0, t0 = thread_time(), perf_counter()
         _inside.collective = True
@@ -170,6 +174,8 @@ def _wrap_batch(original: Callable[..., Any]) -> Callable[..., Any]:
             raise
         finally:
             _inside.collective = False
+            if close is not None:
+                close()
         t1, c1 = perf_counter(), thread_time()
         try:
             per_op = list(works) if works is not None and len(works) == len(kinds) \
@@ -222,6 +228,7 @@ def _wrap_work_wait(distributed_c10d: Any) -> None:
         if entry is None or entry[0] is not self or not _ledgers:
             return original(self, *args, **kwargs)
         _, receiving, on_device, ops = entry
+        close = open_step_for_transfer() if STEP_OPENERS else None
         tails = []
         for ledger in _ledgers:
             clock = ledger.device_clock() if on_device and ledger.in_step else None
@@ -231,7 +238,11 @@ def _wrap_work_wait(distributed_c10d: Any) -> None:
                     tail.waiting()
                     tails.append(tail)
         c0, t0 = thread_time(), perf_counter()
-        result = original(self, *args, **kwargs)
+        try:
+            result = original(self, *args, **kwargs)
+        finally:
+            if close is not None:
+                close()
         t1, c1 = perf_counter(), thread_time()
         try:
             for tail in tails:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,3 +108,23 @@ class InFlightCollectives:
 
 IN_FLIGHT = InFlightCollectives()
 """This process's open collectives (one per process, as the tap is)."""
+
+
+STEP_OPENERS: list[Callable[[], Callable[[], None] | None]] = []
+"""Called by the communication tap before a point-to-point transfer or its wait on the
+training thread: one that opens a step (``gpumon run``'s step finder, when none is open)
+returns what closes the phase it opened, once the call returns. A pipeline stage waits for
+its first micro-batch before its first forward: without it, that wait would fall between
+steps."""
+
+
+def open_step_for_transfer() -> Callable[[], None] | None:
+    """Ask the step openers for a step around a transfer; what to call after it, or None."""
+    for opener in STEP_OPENERS:
+        try:
+            close = opener()
+        except Exception:  # an opener must never break the transfer
+            continue
+        if close is not None:
+            return close
+    return None
