@@ -144,3 +144,30 @@ def test_a_data_by_tensor_mesh_measures_both_and_knows_each_ranks_place(
         dp, tp = truth["coordinate"]
         assert value(metrics, "gpumon_rank_parallel_info", run="dp-tp", rank=str(rank),
                      dp=str(dp), tp=str(tp), pp="", ep="", cp="") == 1
+
+
+def test_deepspeeds_pipeline_engine_is_one_step_a_batch_with_its_transfers(
+        agent: AgentProcess, tmp_path: Path) -> None:
+    """A DeepSpeed ``PipelineModule`` in 2 stages trained with ``train_batch`` (4 micro-batches,
+    stage 1 ten times stage 0's device-like work): one step per ``train_batch``, its pipe
+    transfers and reductions measured, stage 0's bubble its own blocked time, each rank's stage
+    from the engine's grid."""
+    steps = 12
+    job = watched(agent, tmp_path, "ds-pipe", [str(JOBS / "deepspeed_pipe_job.py"), "--out",
+                                               str(tmp_path / "ds-pipe"), "--steps", str(steps),
+                                               "--work-ms", "12"],
+                  expect_steps=2 * steps, torchrun=2)
+    metrics = scrape_metrics(agent)
+    for rank in (0, 1):
+        truth = job.summary(rank)
+        records = job.steps(rank)
+        assert len(records) == steps  # one a train_batch
+        for record in records:
+            assert record["comm"]["ops"]["send"][0] >= 1 and "recv" in record["comm"]["ops"]
+            assert "all_reduce" in record["comm"]["ops"]
+        assert value(metrics, "gpumon_rank_parallel_info", run="ds-pipe", rank=str(rank),
+                     pp=str(truth["stage"]), dp=str(truth["dp"]), tp="", ep="", cp="") == 1
+    waits = [s["bubble"] for s in job.summary(0)["steps"][2:]]  # the step less its sleeps
+    measured = [s["comm"]["bubble"] for s in job.steps(0)[2:]]
+    assert abs(statistics.fmean(measured) - statistics.fmean(waits)) \
+        <= 0.3 * statistics.fmean(waits)

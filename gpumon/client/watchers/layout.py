@@ -80,9 +80,10 @@ def layout_of_stage(stage: Any) -> ParallelLayout | None:
 
 
 def layout_of_deepspeed(engine: Any) -> ParallelLayout | None:
-    """A DeepSpeed engine's place for this rank: its pipeline grid (``PipelineEngine.grid``:
-    stage, data-parallel rank, model-parallel slice), else its ``mpu``'s ranks."""
-    grid = getattr(engine, "grid", None)
+    """A DeepSpeed engine's place for this rank: its pipeline grid (``PipelineEngine.grid``,
+    or the ``PipelineModule``'s own: stage, data-parallel rank, model-parallel slice), else
+    its ``mpu``'s ranks."""
+    grid = getattr(engine, "grid", None) or getattr(engine, "_grid", None)
     getters: dict[str, tuple[Any, str]] = {}
     if grid is not None and hasattr(grid, "get_pipe_parallel_rank"):
         getters = {"pp": (grid, "get_pipe_parallel_rank"), "dp": (grid, "get_data_parallel_rank"),
@@ -217,7 +218,10 @@ def watch_layout(monitor: Watched, model: Any) -> None:
     pipeline stage that runs it, and any mesh or pipeline stage made later."""
     install_constructors()
     watch = monitor.extensions.attach(LayoutWatch, lambda: LayoutWatch(monitor))
-    engine = layout_of_deepspeed(model) if hasattr(model, "train_batch") else None
+    # A DeepSpeed PipelineEngine (watched as its engine) or the PipelineModule it runs
+    # (what gpumon run meets: train_batch calls the module, never the engine).
+    engine = layout_of_deepspeed(model) \
+        if hasattr(model, "train_batch") or hasattr(model, "_grid") else None
     if engine is not None:
         watch.know(engine)
     parameters = getattr(model, "parameters", None)
