@@ -1,4 +1,5 @@
-"""`gpumon top`: a live terminal view of an agent — GPUs, ranks, verdicts and OOM risk.
+"""`gpumon top`: a live terminal view of an agent — GPUs, ranks, verdicts and OOM risk, and for
+a job that splits its model, each rank's place in it and which pipeline stage holds it back.
 
 ``render`` turns one ``/api/v1/snapshot`` document into a rich renderable (pure, so tests
 call it directly); ``run_top`` fetches the snapshot with urllib every interval and redraws,
@@ -28,6 +29,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpumon.commands.memory_view import memory_table, select_rank
+from gpumon.commands.parallel_view import parallel_table, slowest_stage_lines
 
 GIB = 1024**3
 SNAPSHOT_PATH = "/api/v1/snapshot"
@@ -57,6 +59,10 @@ def render(snapshot: Mapping[str, Any], title: str | None = None,
     ranks = snapshot.get("ranks") or []
     if ranks:
         parts.append(_rank_table(ranks))
+        parallel = parallel_table(ranks)
+        if parallel is not None:
+            parts.append(parallel)
+            parts.extend(slowest_stage_lines(ranks))
         stalled = _stalled_places(ranks)
         if stalled is not None:
             parts.append(stalled)

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import pty
 import re
 import select
 import signal
+import socket
 import struct
 import subprocess
 import sys
 import termios
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -125,6 +128,109 @@ def test_render_says_what_is_missing() -> None:
     assert "no GPU metrics: libnvidia-ml.so.1 not found" in text
     assert "no training steps received yet" in text
     assert "GPUs" not in text.splitlines()[1:]
+
+
+def _pipeline_rank(rank: int, stage: int, replica: int, own_s: float,
+                   bubble: float) -> dict[str, Any]:
+    return {"run": "gpt", "rank": rank, "steps_total": 812,
+            "analysis": {"bottleneck": "communication" if bubble > 0.3 else "compute",
+                         "flags": [], "bubble": bubble, "own_work_seconds": own_s,
+                         "parallel": {"dp": replica, "pp": stage, "source": "pipeline"},
+                         "compared_with": "replicas"}}
+
+
+PIPELINE = [  # two stages of two replicas: the second stage works 0.24 s a step, the first 0.10
+    _pipeline_rank(0, 0, 0, 0.10, 0.62), _pipeline_rank(1, 0, 1, 0.11, 0.60),
+    _pipeline_rank(2, 1, 0, 0.24, 0.17), _pipeline_rank(3, 1, 1, 0.24, 0.16),
+]
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_render_shows_each_ranks_layout_bubble_and_the_slowest_stage(width: int) -> None:
+    tensor = [{"run": "tp", "rank": 0, "steps_total": 9,
+               "analysis": {"own_work_seconds": 0.5, "bubble": None, "compared_with": "replicas",
+                            "parallel": {"tp": 0, "dp": 1, "shard": 2, "source": "mesh"}}},
+              {"run": "tp", "rank": 1, "steps_total": 9, "analysis": None}]
+    plain = {"run": "ddp", "rank": 0, "steps_total": 9,
+             "analysis": {"own_work_seconds": 0.3, "parallel": None, "bubble": None,
+                          "compared_with": "run"}}
+    text = text_of(render({**SNAPSHOT, "ranks": [*PIPELINE, *tensor, plain]}), width=width)
+    table = text[text.index("Parallelism"):]
+    assert row(table, "gpt", "0", "pp0 dp0", "0.10 s", "62%")
+    assert row(table, "gpt", "1", "pp0 dp1", "0.11 s", "60%")
+    assert row(table, "gpt", "2", "pp1 dp0", "0.24 s", "17%", "slowest stage")
+    assert row(table, "gpt", "3", "pp1 dp1", "0.24 s", "16%", "slowest stage")
+    # A tensor-parallel rank: its mesh's own dimension as named; no bubble. A rank of the
+    # same run without a layout (yet) is listed, empty.
+    assert row(table, "tp", "0", "tp0 dp1 shard2", "0.50 s", "—")
+    assert row(table, "tp", "1", "—", "—", "—")
+    assert not row(table, "ddp", "0")  # a run that does not split its model: not here
+    # (0.24 ÷ the stages' mean of 0.105 and 0.24)
+    assert ("gpt: stage 1 is the slowest pipeline stage, 0.24 s of own work per step, 1.39× the "
+            "stages' mean; the other stages wait for it in their bubble") in " ".join(
+                table.split())
+    assert "tp: stage" not in text
+    assert max(len(line) for line in table.splitlines()) <= width
+
+
+def test_render_leaves_the_parallelism_out_for_runs_that_do_not_split_their_model() -> None:
+    text = text_of(render(SNAPSHOT))
+    assert "Parallelism" not in text and "slowest" not in text
+    one_stage = [{**r, "analysis": {**r["analysis"], "parallel": {"pp": 0, "dp": r["rank"]}}}
+                 for r in PIPELINE]
+    text = text_of(render({**SNAPSHOT, "ranks": one_stage}))
+    assert row(text, "gpt", "2", "pp0 dp2", "0.24 s", "17%", "")  # one stage: none is slowest
+    assert "slowest" not in text
+
+
+def _feed_pipeline(socket_path: str, stop: threading.Event) -> None:
+    """Two pipeline stages as the hook reports them: stage 0 works 0.06 s of each 0.2 s step and
+    waits 0.12 s of the rest to receive from stage 1, which works 0.18 s."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    for rank in (0, 1):
+        sock.sendto(json.dumps({"v": 1, "kind": "hello", "run": "pipe", "rank": rank, "world": 2,
+                                "parallel": {"pp": rank, "source": "pipeline"}}).encode(),
+                    socket_path)
+    step = 0
+    while not stop.wait(0.05):
+        for rank, (wait, bubble) in enumerate(((0.14, 0.12), (0.02, 0.01))):
+            sock.sendto(json.dumps({
+                "v": 1, "kind": "step", "run": "pipe", "rank": rank, "world": 2, "step": step,
+                "t_start": time.time() - 0.2, "duration": 0.2,
+                "phases": {"forward": 0.1, "backward": 0.1},
+                "comm": {"exposed": wait, "busy": wait, "bubble": bubble,
+                         "ops": {"send": [4, 2**20, 0.004], "recv": [4, 2**20, wait]}},
+            }).encode(), socket_path)
+        step += 1
+    sock.close()
+
+
+def test_the_live_snapshot_shows_a_pipelines_layout_bubble_and_slowest_stage(
+        tmp_path: Path) -> None:
+    """What the agent's rank view carries is what the view reads."""
+    agent = Agent(AgentConfig(address="127.0.0.1", port=0, simulate=1, interval=0.25,
+                              socket=str(tmp_path / "s.sock")))
+    agent.start()
+    stop = threading.Event()
+    feeder = threading.Thread(target=_feed_pipeline, args=(agent.config.socket, stop),
+                              daemon=True)
+    feeder.start()
+    try:
+        def analysed() -> list[Any]:
+            ranks = [r for r in agent.snapshot()["ranks"] if r["run"] == "pipe"]
+            return [r for r in ranks if (r["analysis"] or {}).get("own_work_seconds")
+                    and r["analysis"].get("bubble") is not None]
+
+        wait_for(lambda: len(analysed()) == 2, timeout=20, what="both stages analysed")
+        text = text_of(render(agent.snapshot()))
+    finally:
+        stop.set()
+        feeder.join(5)
+        agent.stop()
+    assert row(text, "pipe", "0", "pp0", "0.06 s", "60%", "")
+    assert row(text, "pipe", "1", "pp1", "0.18 s", "5%", "slowest stage")
+    assert ("pipe: stage 1 is the slowest pipeline stage, 0.18 s of own work per step, 1.50× "
+            "the stages' mean") in text
 
 
 def test_snapshot_url_accepts_agent_addresses_only() -> None:
