@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpumon.errors import GpumonError
+from gpumon.wire import ParallelLayout
 
 MAX_BINS = 600
 """Time bins across the run: about the width in pixels of a figure on a laptop's screen."""
@@ -120,6 +121,15 @@ class RunModel:
     comm_exposed: Mean | None = None
     comm_overlapped: Mean | None = None
     bus_bandwidth: dict[str, Mean] = field(default_factory=dict)
+    layouts: dict[int, ParallelLayout] = field(default_factory=dict)
+    """Rank → its place in the job's parallelism, for the ranks whose hook told it."""
+    own_work_s: dict[int, float] = field(default_factory=dict)
+    """Rank → its own work per step (step time less its collective wait), over the run."""
+    bubble_share: dict[int, float] = field(default_factory=dict)
+    """Rank → the share of its step time it waited to receive from another rank (a pipeline
+    stage's bubble), for the ranks that received point to point."""
+    bubble: dict[int, Mean] = field(default_factory=dict)
+    """Rank → its bubble's share of its steps ending in each bin."""
     notes: list[str] = field(default_factory=list)
     """What the page must say about its own limits (lines skipped, series missing)."""
 
@@ -145,6 +155,33 @@ class RunModel:
         if rank not in self.verdicts:
             self.verdicts[rank] = [Counter() for _ in range(self.bins)]
         return self.verdicts[rank]
+
+
+def splits_model(model: RunModel) -> bool:
+    """Whether the run's ranks report a layout or receive from one another: the page then shows
+    each rank's place, own work and bubble."""
+    return bool(model.layouts or model.bubble_share)
+
+
+def stage_own_work(model: RunModel) -> dict[int, float]:
+    """Each pipeline stage's own work per step: the mean over its ranks whose stage is known."""
+    by_stage: dict[int, list[float]] = defaultdict(list)
+    for rank, layout in model.layouts.items():
+        if layout.pp is not None and rank in model.own_work_s:
+            by_stage[layout.pp].append(model.own_work_s[rank])
+    return {stage: sum(own) / len(own) for stage, own in sorted(by_stage.items())}
+
+
+def slowest_stage(model: RunModel) -> tuple[int, float, float] | None:
+    """The stage that holds a pipeline of two stages or more back: the one with the most own
+    work per step (the others wait for it in their bubble), that work, and its ratio to the
+    stages' mean (1 balanced; GpumonPipelineImbalance fires from 1.25)."""
+    stages = stage_own_work(model)
+    mean = sum(stages.values()) / len(stages) if stages else 0.0
+    if len(stages) < 2 or mean <= 0:
+        return None
+    stage = max(stages, key=lambda s: (stages[s], -s))
+    return stage, stages[stage], stages[stage] / mean
 
 
 def bin_count(start: float, end: float, resolution_s: float) -> int:

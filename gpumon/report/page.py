@@ -25,6 +25,13 @@ from gpumon.report.model import (
     Peak,
     RunModel,
     dominant,
+    splits_model,
+)
+from gpumon.report.parallelism import (
+    PARALLEL_HEADING,
+    layout_text,
+    parallel_html,
+    slowest_stage_row,
 )
 
 GIB = 2**30
@@ -243,6 +250,25 @@ def comm_figure(model: RunModel) -> go.Figure | None:
     return fig
 
 
+def bubble_figure(model: RunModel) -> go.Figure | None:
+    if not model.bubble:
+        return None
+    fig = go.Figure()
+    many = len(model.bubble) > 16
+    for rank, mean in sorted(model.bubble.items()):
+        layout = model.layouts.get(rank)
+        fig.add_trace(go.Scatter(x=_x(model), y=_y(mean, 100), mode="lines", showlegend=not many,
+                                 name=f"rank {rank}" + (f" ({layout_text(layout)})" if layout
+                                                        else ""),
+                                 line={"width": 1}, connectgaps=True,
+                                 hovertemplate="%{y:.1f} %"))
+    _layout(fig, "Bubble per rank: the share of its step spent waiting to receive from another "
+            "stage", "% of the step", 340, model=model)
+    fig.update_yaxes(range=[0, 105])
+    return fig
+
+
+BUBBLE_FIGURE = "pipeline-bubble"
 GPU_SECTIONS = ("gpu-activity", "links")
 GPU_IDLE_NOTE = ("No GPU activity in this run: every GPU sample read 0 % busy and no NVLink or "
                  "PCIe traffic (a simulated node, or GPUs the job never used).")
@@ -285,6 +311,7 @@ def _summary(model: RunModel) -> str:
                  or "no verdicts"))
     rows.append(("top hint", s.top_hint or "none"))
     rows.append(("stragglers", _listed([f"rank {r} ({c})" for r, c in s.stragglers.items()])))
+    rows += slowest_stage_row(model)
     rows.append(("stalls", _listed([f"rank {r} ({t:.0f} s without a step)" for r, t in
                                     sorted(s.stalls.items(), key=lambda kv: -kv[1])])))
     rows.append(("OOM events", str(s.oom_events)))
@@ -300,7 +327,8 @@ STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em auto;max-width:140
 padding:0 12px}table{border-collapse:collapse}th{text-align:left;padding:2px 1em 2px 0;color:#555;
 white-space:nowrap;font-weight:normal;vertical-align:top}td{padding:2px 0;overflow-wrap:anywhere}
 .note{background:#fff3cd;padding:.5em 1em}h2{margin-top:1.5em;font-size:1.2em}
-.caption{color:#444;margin:.2em 0}
+.caption{color:#444;margin:.2em 0}#parallelism td{padding:2px 1.5em 2px 0}
+.slowest{color:#d62728;font-weight:bold}.scroll{max-height:30em;overflow:auto;margin-bottom:1em}
 @media (max-width:600px){body{padding:0 6px}h1{font-size:1.3em}th{white-space:normal}}"""
 
 
@@ -323,6 +351,15 @@ def render(model: RunModel) -> str:
         sections.append(f"<h2>{html.escape(heading)}</h2>"
                         f'<p class="caption">{html.escape(caption)}</p>' + fig.to_html(
                             full_html=False, include_plotlyjs=False, div_id=div_id, config=CONFIG))
+    if splits_model(model):  # a section of its own, left out of every other run's page
+        section = f"<h2>{html.escape(PARALLEL_HEADING)}</h2>{parallel_html(model)}"
+        fig = bubble_figure(model)
+        if fig is not None:
+            drawn.append(BUBBLE_FIGURE)
+            section += (f'<p class="caption">{html.escape(fig.layout.meta["caption"])}</p>'
+                        + fig.to_html(full_html=False, include_plotlyjs=False,
+                                      div_id=BUBBLE_FIGURE, config=CONFIG))
+        sections.append(section)
     notes = list(model.notes)
     if missing:
         notes.append("Not in this run's data, so not drawn: " + ", ".join(missing) + ".")

@@ -27,6 +27,7 @@ from gpumon.report.model import (
     ReportError,
     RunModel,
 )
+from gpumon.wire import PARALLEL_DIMS, ParallelLayout
 
 VERDICTS_TOTAL = "gpumon_step_bottleneck_total"
 """Steps per verdict: the counter, whose name stays while the current-verdict gauge's changes."""
@@ -184,6 +185,7 @@ class _Query:
                     strip[model.index(t)][labels.get("bottleneck", "unknown")] += round(v)
         self._memory()
         self._gpus(window)
+        self._parallel(window, since)
         self._summary(since)
 
     def _phases(self, phases: dict[str, Mean], exposed: Mean | None,
@@ -243,6 +245,41 @@ class _Query:
         for key in list(self.model.gpu):
             if not self.model.gpu[key]:
                 del self.model.gpu[key]
+
+    def _per_rank(self, query: str) -> dict[int, float]:
+        out: dict[int, float] = {}
+        for r in self.source.instant(query):
+            value = float(r["value"][1])
+            if math.isfinite(value):
+                out[int(r["metric"].get("rank", "0"))] = value
+        return dict(sorted(out.items()))
+
+    def _parallel(self, window: str, since: str) -> None:
+        """Each rank's layout, own work per step and bubble, for a run whose ranks report a
+        layout or receive from one another (an empty label is a dimension the job lacks)."""
+        model, sel = self.model, self.sel
+        for r in self.source.instant(f"max by (rank, {', '.join(PARALLEL_DIMS)}) (last_over_time("
+                                     f"gpumon_rank_parallel_info{{{sel}}}[{since}]))"):
+            labels = r["metric"]
+            index = {dim: int(labels[dim]) for dim in PARALLEL_DIMS
+                     if labels.get(dim, "").isdigit()}
+            model.layouts[int(labels.get("rank", "0"))] = ParallelLayout(
+                dp=index.get("dp"), tp=index.get("tp"), pp=index.get("pp"), ep=index.get("ep"),
+                cp=index.get("cp"))
+        model.layouts = dict(sorted(model.layouts.items()))
+        step_s = f"sum by (rank) (increase(gpumon_step_duration_seconds_sum{{{sel}}}[{since}]))"
+        model.bubble_share = self._per_rank(
+            f"sum by (rank) (increase(gpumon_pipeline_bubble_seconds_total{{{sel}}}[{since}]))"
+            f" / {step_s}")
+        if not model.layouts and not model.bubble_share:
+            return
+        exposed = f"sum by (rank) (increase(gpumon_comm_exposed_seconds_total{{{sel}}}[{since}]))"
+        model.own_work_s = self._per_rank(
+            f"clamp_min({step_s} - ({exposed} or 0 * {step_s}), 0)"
+            f" / sum by (rank) (increase(gpumon_steps_total{{{sel}}}[{since}]))")
+        self.by(f"sum by (rank) (rate(gpumon_pipeline_bubble_seconds_total{{{sel}}}[{window}])) / "
+                f"sum by (rank) (rate(gpumon_step_duration_seconds_sum{{{sel}}}[{window}]))",
+                "rank", model.bubble, as_int=True)
 
     def _summary(self, since: str) -> None:
         model, sel, summary = self.model, self.sel, self.model.summary

@@ -1,6 +1,7 @@
 """A run from a recording: its steps replayed through the verdict engine ``gpumon classify``
 uses (``replay.py``), put into time bins as they come with the GPU samples recorded beside
-them. Memory does not grow with the recording's length."""
+them, and each rank's layout from its recorded hello. Memory does not grow with the recording's
+length."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from gpumon.analysis.bottleneck import Flag
 from gpumon.analysis.comm import attributed_phases, bus_bandwidth_factor, overlapped_s, wait_s
+from gpumon.analysis.straggler import own_work_s
 from gpumon.analysis.stream import RankAnalysis, StepVerdict
 from gpumon.collectors.samples import GpuSample
 from gpumon.report.model import (
@@ -104,6 +106,8 @@ class _Filler:
         self.model = model
         self.typical = typical
         self.statics = found.statics
+        self.layouts = {rank: layout for (run, rank), layout in found.layouts.items()
+                        if run == model.run}
         self.samples = self.tokens = 0
         self.gpus: set[int | str] = set()
         self.previous_end: dict[int, float] = {}
@@ -114,6 +118,10 @@ class _Filler:
         self.hints: dict[str, Counter[str]] = defaultdict(Counter)
         self.causes: dict[int, Counter[str]] = defaultdict(Counter)
         self.mfu = Mean(1)
+        self.steps: Counter[int] = Counter()
+        self.own_s: dict[int, float] = defaultdict(float)
+        self.bubble_s: dict[int, float] = defaultdict(float)
+        self.received_s: dict[int, float] = defaultdict(float)  # of steps carrying a bubble
         model.comm_exposed, model.comm_overlapped = Mean(model.bins), Mean(model.bins)
 
     def step(self, step: StepRecord) -> None:
@@ -126,6 +134,7 @@ class _Filler:
         if step.gpu is not None:
             self.gpus.add(step.gpu)
         model.mean(model.step_time, step.rank).add(i, step.duration_s)
+        self._parallel(step, i)
         phases = attributed_phases(step)
         for name in PHASES[:-1]:
             model.mean(model.phases, name).add(i, phases.get(name, 0.0))
@@ -155,6 +164,17 @@ class _Filler:
             if gap > max(STALL_MIN_S, STALL_STEPS * self.typical):
                 summary.stalls[step.rank] = max(gap, summary.stalls.get(step.rank, 0.0))
         self.previous_end[step.rank] = max(end, previous or end)
+
+    def _parallel(self, step: StepRecord, i: int) -> None:
+        """Own work per step, and the bubble of a step that received from another rank."""
+        self.steps[step.rank] += 1
+        self.own_s[step.rank] += own_work_s(step)
+        if step.comm is not None and step.comm.bubble_s is not None:
+            self.bubble_s[step.rank] += step.comm.bubble_s
+            self.received_s[step.rank] += step.duration_s
+            if step.duration_s > 0:
+                self.model.mean(self.model.bubble, step.rank).add(
+                    i, step.comm.bubble_s / step.duration_s)
 
     def sample(self, sample: GpuSample) -> None:
         if not self.model.start <= sample.t <= self.model.end:
@@ -194,6 +214,10 @@ class _Filler:
             summary.top_hint = self.hints[self.walls.most_common(1)[0][0]].most_common(1)[0][0]
         summary.mfu = self.mfu.values()[0]
         summary.stragglers = {r: c.most_common(1)[0][0] for r, c in sorted(self.causes.items())}
+        model.layouts = {r: self.layouts[r] for r in model.ranks if r in self.layouts}
+        model.own_work_s = {r: self.own_s[r] / n for r, n in sorted(self.steps.items())}
+        model.bubble_share = {r: self.bubble_s[r] / t for r, t in sorted(self.received_s.items())
+                              if t > 0}
         self._gpus()
         self._memory(analyses)
 

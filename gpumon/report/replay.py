@@ -6,11 +6,14 @@ file is read twice, line by line through classify's own line parser (``load_reco
 nothing grows with its length:
 
 1. the scan: the runs there are, the run's first and last times, a sample of its step times
-   (for the time bins), the GPUs, the sampling interval and the lines skipped;
+   (for the time bins), the GPUs, the sampling interval, each rank's layout (its hello's place
+   in the job's parallelism) and the lines skipped;
 2. the replay: the run's steps, put back into the order they ended within ``REORDER_S`` (an
    agent appends them as their datagrams arrive), go to the engine as the live agent feeds
    it, with ``StepAnalyzer.process`` run once per sampling interval of the recording's time,
-   as the agent's schedule runs it; GPU samples are kept for ``HISTORY_S``.
+   as the agent's schedule runs it, with every rank's layout from the start (as ``gpumon
+   classify`` gives them, having read the whole file), so that a rank is compared with its
+   data-parallel replicas; GPU samples are kept for ``HISTORY_S``.
 
 The engine merges steps shorter than its resolution into one window. Over a long run a time
 bin of the page spans many sampling intervals, so the resolution is raised to a fraction of a
@@ -31,7 +34,7 @@ from dataclasses import dataclass, field
 from gpumon.analysis.stream import RankAnalysis, StepAnalyzer, StepVerdict
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.commands.classify import load_recording
-from gpumon.wire import StepRecord
+from gpumon.wire import ParallelLayout, StepRecord
 
 REORDER_S = 30.0
 """How late in the file a step may come after steps that ended after it."""
@@ -50,6 +53,8 @@ class Scan:
     end: dict[str, float] = field(default_factory=dict)
     durations: dict[str, list[float]] = field(default_factory=dict)
     statics: dict[int, GpuStatic] = field(default_factory=dict)
+    layouts: dict[tuple[str, int], ParallelLayout] = field(default_factory=dict)
+    """(run, rank) → its place in the job's parallelism, from its latest hello."""
     gaps: list[float] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)
     skipped_at: list[int] = field(default_factory=list)
@@ -58,7 +63,8 @@ class Scan:
 
 def parsed(lines: Iterable[str], scan: Scan | None = None,
            shown: int = 10) -> Iterator[StepRecord | GpuSample]:
-    """Each usable line as classify reads it; a skipped line is counted in ``scan``."""
+    """Each usable line as classify reads it; a skipped line is counted in ``scan``, a hello's
+    layout kept there."""
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -71,6 +77,8 @@ def parsed(lines: Iterable[str], scan: Scan | None = None,
             continue
         if one.steps:
             yield one.steps[0]
+        if scan is not None:
+            scan.layouts.update(one.layouts)
         for index, samples in one.samples.items():
             if scan is not None and index not in scan.statics:
                 scan.statics[index] = one.statics[index]
@@ -154,7 +162,7 @@ def replay(lines: Iterable[str], run: str, found: Scan,
     def process(now: float) -> None:
         latest = {i: g.samples[max(bisect_right(g.times, now) - 1, 0)]
                   for i, g in gpus.items() if g.samples}
-        for verdict in analyzer.process(now, history, statics, latest):
+        for verdict in analyzer.process(now, history, statics, latest, found.layouts):
             last = max((ends.pop((verdict.rank, s), now) for s in verdict.steps), default=now)
             on_verdict(verdict, last)
         state["processed"] = now

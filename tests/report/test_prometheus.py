@@ -1,7 +1,8 @@
 """`gpumon report --prometheus`: a real Prometheus and a real VictoriaMetrics scrape a real agent
 (simulated GPUs) that a run of three ranks reports to, rank 2 doing more work than its peers;
 the page made from either's range queries shows that run, its straggler and every figure, in
-Chromium."""
+Chromium. Beside it a pipeline of two stages (``pipeline.py``) reports too: its page names
+each rank's layout, own work and bubble, and its slowest stage."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from gpumon.report.page import render
 from gpumon.report.prometheus import PrometheusSource, load_prometheus
 from gpumon.testing.pipeline import start_victoria_metrics
 from gpumon.testing.recordings import Run, step_line
@@ -30,6 +32,7 @@ from tests.helpers import (
     start_prometheus,
     wait_for,
 )
+from tests.report import pipeline
 from tests.report.browser import open_page
 
 pytestmark = pytest.mark.waits
@@ -38,15 +41,21 @@ RUN = Run(run="llm", ranks=3, step_s=0.2)
 
 
 def _feed(agent: AgentProcess, stop: threading.Event) -> None:
-    """Each step sent as it ends, stamped with the wall clock."""
+    """Each step sent as it ends, stamped with the wall clock; the pipeline's too, after each
+    rank's hello."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     run = replace(RUN, t0=time.time())
     rng = random.Random(1)
+    for rank in range(pipeline.RANKS):
+        sock.sendto(json.dumps(pipeline.hello(rank)).encode(), str(agent.socket_path))
     step = 0
     while not stop.is_set():
         stop.wait(max(0.0, run.t0 + (step + 1) * run.step_s - time.time()))
         for rank in range(run.ranks):
             sock.sendto(json.dumps(step_line(run, rank, step, rng)).encode(),
+                        str(agent.socket_path))
+        for rank in range(pipeline.RANKS):
+            sock.sendto(json.dumps(pipeline.step(rank, step, run.t0, run.step_s)).encode(),
                         str(agent.socket_path))
         step += 1
     sock.close()
@@ -118,6 +127,24 @@ def test_a_report_from_prometheus_shows_the_run(servers: dict[str, str], name: s
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["prometheus", "victoria-metrics"])
+def test_a_report_from_prometheus_names_a_pipelines_stages(servers: dict[str, str], name: str,
+                                                           tmp_path: Path) -> None:
+    model = load_prometheus(servers[name], "gpt", "2m", timeout_s=10)
+    assert {r: (layout.pp, layout.dp, layout.tp) for r, layout in model.layouts.items()} == {
+        0: (0, 0, None), 1: (0, 1, None), 2: (1, 0, None), 3: (1, 1, None)}
+    # 0.2 s steps: stage 0 works 0.08 s and waits 0.1 s of it to receive, stage 1 0.18 s
+    assert model.own_work_s == pytest.approx({0: 0.08, 1: 0.08, 2: 0.18, 3: 0.18}, rel=0.05)
+    assert model.bubble_share == pytest.approx({0: 0.5, 1: 0.5, 2: 0.075, 3: 0.075}, rel=0.05)
+    assert sorted(model.bubble) == [0, 1, 2, 3]
+    assert not model.summary.stragglers  # each stage is compared with its replica only
+    rows = pipeline.table_rows(render(model))
+    assert [row[:2] + row[-1:] for row in rows[1:]] == [
+        ["rank 0", "pp0 dp0", ""], ["rank 1", "pp0 dp1", ""],
+        ["rank 2", "pp1 dp0", "slowest stage"], ["rank 3", "pp1 dp1", "slowest stage"]]
+
+
+@pytest.mark.slow
 def test_an_unknown_run_in_prometheus_lists_the_runs(servers: dict[str, str]) -> None:
     url = servers["prometheus"]
     result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", "--prometheus",
@@ -125,5 +152,5 @@ def test_an_unknown_run_in_prometheus_lists_the_runs(servers: dict[str, str]) ->
                             capture_output=True, text=True, env=agent_env(), cwd=ROOT,
                             timeout=120)
     assert result.returncode == 1
-    assert f"no run 'nope' in {url} over the last 5m; the runs there are: 'llm'" \
+    assert f"no run 'nope' in {url} over the last 5m; the runs there are: 'gpt', 'llm'" \
         in result.stderr
