@@ -265,6 +265,45 @@ def _communication_panels() -> list[Panel]:
     ]
 
 
+def _parallelism_panels() -> list[Panel]:
+    """Where each rank sits in a job that splits its model, and which pipeline stage holds the
+    pipeline back."""
+    stage_ratio = "run_pp:gpumon_pipeline_stage_imbalance_ratio:ratio1m"
+    return [
+        row("Model parallelism"),
+        table("Layout per rank", "Each rank's index along each dimension of its job's "
+              "parallelism: data (dp), tensor (tp), pipeline stage (pp), expert (ep), context "
+              "(cp), where its hook found them (a DeviceMesh, the pipeline stage, DeepSpeed's "
+              "grid, Megatron, StepMonitor(parallel=...)); no column for a dimension the job "
+              "lacks. A rank is compared with its data-parallel replicas, the ranks that share "
+              "every other index; a rank not listed is compared with its run.",
+              Target(f"max by (rank, dp, tp, pp, ep, cp) (gpumon_rank_parallel_info{{{RUN}}})"),
+              width=8),
+        timeseries("Pipeline imbalance (slowest stage)", "The slowest pipeline stage's own "
+                   "work per step (step time less collective wait) over the mean of the run's "
+                   "stages, named in the legend, over every node: the pipeline moves at its "
+                   "pace, the other stages wait for it in their bubble. 1 is balanced; from "
+                   "1.25 for 10 minutes GpumonPipelineImbalance fires: move layers off that "
+                   "stage.",
+                   Target(f"{stage_ratio}{{{RUN_ONLY}}}\n  == on (run) group_left ()"
+                          f"\n  run:gpumon_pipeline_stage_imbalance_ratio:ratio1m{{{RUN_ONLY}}}",
+                          "slowest: stage {{pp}}"),
+                   min=1, thresholds=[(None, "green"), (1.25, "red")], width=16),
+        timeseries("Own work per pipeline stage", "Each stage's own work per step (step time "
+                   "less collective wait), the mean over the stage's ranks on every node: the "
+                   "highest line is the stage the others wait for.",
+                   Target(f"run_pp:gpumon_pipeline_stage_own_seconds:mean1m{{{RUN_ONLY}}}",
+                          "stage {{pp}}"), unit="s"),
+        timeseries("Pipeline bubble per rank", "Share of each rank's step time spent waiting "
+                   "to receive from the neighbouring stage (its bubble, part of its exposed "
+                   "communication). Every stage but the slowest waits; a bubble on every stage "
+                   "calls for more micro-batches per step or an interleaved schedule.",
+                   Target(f"sum by (rank) (rate(gpumon_pipeline_bubble_seconds_total{{{RUN}}}[{RATE}]))"
+                          f"\n  / sum by (rank) (rate(gpumon_step_duration_seconds_sum{{{RUN}}}[{RATE}]))",
+                          "rank {{rank}}"), unit="percentunit", max=1),
+    ]
+
+
 def _rank_state_panels() -> list[Panel]:
     """Whether each rank steps, and where a stalled run's ranks are."""
     states = {"0": ("stepping", "green"), "1": ("stalled", "red"), "2": ("exited", "purple")}
@@ -368,6 +407,7 @@ def training() -> dict[str, Any]:
                           "rank {{rank}}"), unit="percentunit", max=1,
                    thresholds=[(None, "green"), (0.15, "red")]),
         *_communication_panels(),
+        *_parallelism_panels(),
         row("Memory"),
         timeseries("GPU memory vs capacity", "Per rank: PyTorch allocated, reserved and per-step "
                    "peak, the whole GPU's use (NVML) and its capacity.",
@@ -408,7 +448,8 @@ def training() -> dict[str, Any]:
     return dashboard(
         "gpumon-training", "gpumon / Training run",
         "One training run as gpumon sees it: step time, throughput, MFU, per-step verdicts, "
-        "where the time goes, memory and OOM prediction.",
+        "where the time goes, each rank's place in a model-parallel job and its pipeline's "
+        "slowest stage, memory and OOM prediction.",
         [*_owner_variables(),
          query_variable("run", "Run", f"label_values(gpumon_rank_info{{{OWNERS}}}, run)"),
          query_variable("rank", "Rank", 'label_values(gpumon_steps_total{run=~"$run"}, rank)',

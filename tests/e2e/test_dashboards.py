@@ -1,5 +1,6 @@
 """Grafana dashboards: well-formed, in sync with their generator, and every query returns data
-from a real Prometheus scraping a real agent fed with a three-rank run."""
+from a real Prometheus scraping a real agent fed with a three-rank run and, for the panels of a
+job that splits its model, a two-stage pipeline beside it."""
 
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ ALLOWED_EMPTY_VARIABLES = {
     ("gpumon-training.json", "pod"): "the feeding process is in no pod (test_cgroup.py)",
     ("gpumon-training.json", "slurm_job"): "the feeding process is in no Slurm job",
 }
+# The rows about a job that splits its model: their panels are run against the pipeline fed
+# beside the data-parallel run (which has no stage and no bubble to show).
+PIPELINE_ROWS = {("gpumon-training.json", "Model parallelism")}
+PIPELINE_RUN = "pipe"
 # Grafana's built-in interval variables, as a dashboard over the last few minutes sets them.
 BUILTINS = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "5m"}
 _LABEL_VALUES = re.compile(r"^label_values\((?P<selector>.+),\s*(?P<label>\w+)\)$")
@@ -79,6 +84,17 @@ def _panels(board: dict[str, Any]) -> list[dict[str, Any]]:
     for panel in board["panels"]:
         out.append(panel)
         out.extend(panel.get("panels", []))  # collapsed rows hold their panels
+    return out
+
+
+def _rows(board: dict[str, Any]) -> dict[str, str]:
+    """Each panel's title → the title of the row it sits under."""
+    under, out = "", {}
+    for panel in _panels(board):
+        if panel["type"] == "row":
+            under = panel["title"]
+        else:
+            out[panel["title"]] = under
     return out
 
 
@@ -154,21 +170,49 @@ class Live:
     run: str
 
 
+PIPELINE_STAGES = {  # stage → (forward, backward, exposed wait, of which the bubble), seconds
+    0: (0.01, 0.01, 0.20, 0.18),  # own work 0.1 s of each 0.3 s step: waits for stage 1
+    1: (0.05, 0.10, 0.06, 0.05),  # own work 0.24 s
+}
+
+
+def _pipeline_step(rank: int, step: int, t_start: float, gpu: str) -> dict[str, Any]:
+    """A step of the pipeline run: rank r is stage r of two, data-parallel replica 0; as
+    much data wait as the data-parallel run's (0.07 s), its own work and its wait to send and
+    receive in forward and backward."""
+    forward, backward, exposed, bubble = PIPELINE_STAGES[rank]
+    return {"v": 1, "kind": "step", "run": PIPELINE_RUN, "rank": rank, "world": 2,
+            "local_rank": rank, "step": step, "t_start": t_start, "duration": 0.3, "gpu": gpu,
+            "phases": {"data": 0.07, "forward": forward, "backward": backward + exposed,
+                       "optimizer": 0.3 - 0.07 - forward - backward - exposed},
+            "comm": {"exposed": exposed, "busy": exposed + 0.01, "bubble": bubble,
+                     "ops": {"send": [4, 8 * 1024**2, 0.01], "recv": [4, 8 * 1024**2, exposed]}},
+            "samples": 8, "tokens": 1024}
+
+
 def _feed(agent: AgentProcess, gpus: list[str], stop: threading.Event) -> None:
     """A synchronous 3-rank run on two GPUs, watched as DDP is: 0.3 s steps, a quarter waiting
     for data, rank 2 computing 0.1 s more than its peers, who wait for it in the all-reduce
     (inside their backward phase); per-step peaks growing towards capacity (so an OOM is
     predicted), and a memory breakdown on every fifth step whose ``other`` grows with the
-    peak."""
+    peak. Beside it a pipeline of two stages (``_pipeline_step``), each rank's layout in its
+    hello."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.sendto(b"this is not json", str(agent.socket_path))  # one counted drop
     for rank in range(3):  # as watch(engine) says hello for a DeepSpeed engine at ZeRO-1
         hello = {"v": 1, "kind": "hello", "run": "llm", "rank": rank, "world": 3,
                  "framework": "deepspeed", "zero_stage": 1}
         sock.sendto(json.dumps(hello).encode(), str(agent.socket_path))
+    for rank in PIPELINE_STAGES:  # as a pipeline stage's hook says hello once it knows its place
+        hello = {"v": 1, "kind": "hello", "run": PIPELINE_RUN, "rank": rank, "world": 2,
+                 "parallel": {"dp": 0, "pp": rank, "source": "pipeline"}}
+        sock.sendto(json.dumps(hello).encode(), str(agent.socket_path))
     step = 0
     while not stop.is_set():
         t_start = time.time() - 0.3
+        for rank in PIPELINE_STAGES:
+            sock.sendto(json.dumps(_pipeline_step(rank, step, t_start, gpus[rank % len(gpus)]))
+                        .encode(), str(agent.socket_path))
         for rank in range(3):
             forward, backward = (0.06, 0.13) if rank == 2 else (0.03, 0.06)
             exposed = 0.3 - 0.07 - forward - backward - 0.02  # rank 2: 0.02 s, its peers 0.12 s
@@ -271,11 +315,14 @@ def _empty_queries(live: Live) -> list[str]:
         board = _load(path)
         choices, empty_variables = _variable_choices(live.prometheus, board["templating"]["list"])
         empty.extend(f"{path.name} / {line}" for line in empty_variables)
+        rows = _rows(board)
         for panel in _panels(board):
             if panel["type"] == "row":
                 continue
+            pipeline = (path.name, rows[panel["title"]]) in PIPELINE_ROWS
             for target in panel["targets"]:
                 for values in choices:
+                    values = {**values, "run": PIPELINE_RUN} if pipeline else values
                     expr = _substitute(target["expr"], values)
                     if not live.prometheus.query(expr):
                         empty.append(f"{path.name} / {panel['title']} / {target['refId']}: {expr}")
@@ -334,3 +381,34 @@ def test_panel_queries_see_the_fed_run(live: Live) -> None:
     joined = prometheus.query('run_rank:gpumon_gpu_memory_total_bytes{run="llm"}')
     assert {r["metric"]["gpu"] for r in joined} == {"0", "1"}
     assert all(float(r["value"][1]) == 80 * GIB for r in joined)
+
+
+def _panel_query(title: str, **values: str) -> str:
+    """The query of the training dashboard's panel ``title``, its variables set."""
+    (panel,) = [p for p in _panels(_load(DASHBOARD_DIR / "gpumon-training.json"))
+                if p["title"] == title]
+    return _substitute(panel["targets"][0]["expr"], {"rank": ".*", **values})
+
+
+@pytest.mark.slow
+def test_the_model_parallelism_row_names_the_pipelines_slowest_stage(live: Live) -> None:
+    """The pipeline's panels show its layout, each stage's own work and bubble, and the stage
+    the other waits for: stage 1, 0.24 s of own work a step against stage 0's 0.1 s."""
+    prometheus = live.prometheus
+
+    def by(title: str, label: str) -> dict[str, float]:
+        return {r["metric"][label]: float(r["value"][1])
+                for r in prometheus.query(_panel_query(title, run=PIPELINE_RUN))}
+
+    slowest = wait_for(lambda: by("Pipeline imbalance (slowest stage)", "pp"), timeout=30,
+                       what="the pipeline's imbalance")
+    assert slowest == {"1": pytest.approx(0.24 / 0.17, abs=0.05)}
+    assert by("Own work per pipeline stage", "pp") == {"0": pytest.approx(0.1, abs=0.01),
+                                                       "1": pytest.approx(0.24, abs=0.01)}
+    assert by("Pipeline bubble per rank", "rank") == {"0": pytest.approx(0.6, abs=0.03),
+                                                      "1": pytest.approx(0.05 / 0.3, abs=0.03)}
+    layouts = prometheus.query(_panel_query("Layout per rank", run=PIPELINE_RUN))
+    assert sorted((r["metric"]["rank"], r["metric"]["pp"], r["metric"]["dp"]) for r in layouts) \
+        == [("0", "0", "0"), ("1", "1", "0")]
+    # The data-parallel run has no stage: the row is empty for it, and no rank is a stage.
+    assert not prometheus.query(_panel_query("Pipeline imbalance (slowest stage)", run="llm"))
