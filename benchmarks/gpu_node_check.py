@@ -36,6 +36,9 @@ before ``--budget-s``):
    risk must come back down), then a *raised* torch.OutOfMemoryError through the hook's step.
 6. ddp (``ddp``): a world-size-1 NCCL DDP job through ``mon.watch(model, optimizer)``; its
    step records must carry the measured ``comm`` field ("not available" before ``watch``).
+6a. model parallelism (``model_parallel``): functional collectives (DTensor's path) on a
+   world-size-1 NCCL group, timed by CUDA events, counted and sized; point-to-point
+   ``isend``/``irecv`` between two GPUs with the receiver's bubble (two GPUs or more).
 6b. deepspeed (``deepspeed``): a world-size-1 DeepSpeed job (ZeRO-2, NCCL) through
    ``mon.watch(engine)`` alone: one step per optimizer step with the engine's phases, ZeRO's
    memory breakdown, the framework and stage exported ("not available" without DeepSpeed).
@@ -78,7 +81,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from gpu_checks import agent as agent_checks  # noqa: E402
-from gpu_checks import ddp, hook, nvml, oom, owners, stall  # noqa: E402
+from gpu_checks import ddp, hook, model_parallel, nvml, oom, owners, stall  # noqa: E402
 from gpu_checks import deepspeed as deepspeed_check  # noqa: E402
 from gpu_checks import run as run_check  # noqa: E402
 from gpu_checks import trace as trace_check  # noqa: E402
@@ -170,6 +173,20 @@ def main() -> int:
             r["note"] = "no CUDA: DDP on gloo (dry run of the code path), not NCCL"
         ddp.section_ddp(report, r, st["torch"], st["agent"], st["device"])
 
+    def functional(r: dict[str, Any]) -> None:
+        if st["torch"] is None:
+            raise SkipSection("torch did not import")
+        if st["device"] != "cuda":
+            r["note"] = "no CUDA: functional collectives on gloo (dry run of the code path)"
+        model_parallel.section_functional(report, r, st["torch"], st["agent"], st["device"])
+
+    def p2p(r: dict[str, Any]) -> None:
+        if st["torch"] is None:
+            raise SkipSection("torch did not import")
+        if st["device"] != "cuda":
+            r["note"] = "no CUDA: transfers on gloo between two processes (dry run)"
+        model_parallel.section_p2p(report, r, st["torch"], st["agent"], st["device"])
+
     def watched_deepspeed(r: dict[str, Any]) -> None:
         if st["torch"] is None:
             raise SkipSection("torch did not import")
@@ -196,6 +213,8 @@ def main() -> int:
             if st["mon"] is not None:
                 st["mon"].close()
             report.run("ddp", watched_ddp, need_s=30)
+            report.run("functional", functional, need_s=20)
+            report.run("p2p", p2p, need_s=25)
             report.run("deepspeed", watched_deepspeed, need_s=25)
             report.run("memory", lambda r: memory_section(report, r), need_s=20)
             report.run("trace", lambda r: trace_check.section_trace(report, r, st["torch"], agent,

@@ -33,7 +33,8 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
     errors = {name: s.get("error") for name, s in sections.items() if s.get("status") == "error"}
     assert not errors, errors
     for name in ("environment", "nvml", "agent_start", "training", "endpoints", "owners", "overhead",
-                 "oom", "oom_event", "stall", "deepspeed", "run", "trace", "replay", "agent_stop"):
+                 "oom", "oom_event", "stall", "deepspeed", "run", "trace", "replay", "agent_stop",
+                 "functional", "p2p"):
         assert sections[name]["status"] == "ok", (name, sections[name])
     # Sections that depend on parts still to come say so instead of failing.
     for name in ("ddp", "memory"):
@@ -52,7 +53,9 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
                  "run.one_step_per_optimizer_step", "run.hooks_are_the_cores_own",
                  "owners.rank_names_node_and_user",
                  "trace.request_taken", "trace.written", "trace.phase_ranges_match_records",
-                 "trace.hta_loads"):
+                 "trace.hta_loads", "functional.counted_and_sized",
+                 "functional.comm_on_every_step", "p2p.receives_counted_with_a_bubble",
+                 "p2p.sends_counted"):
         assert checks[name]["ok"] is True, (name, checks[name])
     brought_back = {p.name for p in out.iterdir()}
     assert {"summary.json", "summary.md", "agent.log", "recording.jsonl.gz",
