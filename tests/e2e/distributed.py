@@ -68,7 +68,7 @@ def run_job(agent: AgentProcess, tmp_path: Path, script: str, nproc: int,
     recording = tmp_path / RECORDING
     out = tmp_path / run
     env = {**os.environ, "GPUMON_SOCKET": str(agent.socket_path), "GPUMON_RUN": run,
-           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+           "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     env.pop("GPUMON_PURE_PYTHON", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                "--master-port", str(free_port()), str(JOBS / script), "--out", str(out), *args]

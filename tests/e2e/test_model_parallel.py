@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from gpumon.testing import AgentProcess, scrape_metrics, value, values
-from tests.e2e.distributed import AGENT, JOBS, Job, share_of, watched
+from tests.e2e.distributed import AGENT, JOBS, Job, run_job, share_of, watched
 
 pytestmark = [pytest.mark.slow, AGENT]
 
@@ -146,17 +146,22 @@ def test_a_data_by_tensor_mesh_measures_both_and_knows_each_ranks_place(
                      dp=str(dp), tp=str(tp), pp="", ep="", cp="") == 1
 
 
+@pytest.mark.parametrize("how", ["gpumon-run", "watch-engine"])
 def test_deepspeeds_pipeline_engine_is_one_step_a_batch_with_its_transfers(
-        agent: AgentProcess, tmp_path: Path) -> None:
+        agent: AgentProcess, tmp_path: Path, how: str) -> None:
     """A DeepSpeed ``PipelineModule`` in 2 stages trained with ``train_batch`` (4 micro-batches,
-    stage 1 ten times stage 0's device-like work): one step per ``train_batch``, its pipe
-    transfers and reductions measured, stage 0's bubble its own blocked time, each rank's stage
-    from the engine's grid."""
+    stage 1 ten times stage 0's device-like work), under ``gpumon run`` or with
+    ``mon.watch(engine)`` alone: one step per ``train_batch``, its pipe transfers and reductions
+    measured, stage 0's bubble its own blocked time, each rank's stage from the engine's grid."""
     steps = 12
-    job = watched(agent, tmp_path, "ds-pipe", [str(JOBS / "deepspeed_pipe_job.py"), "--out",
-                                               str(tmp_path / "ds-pipe"), "--steps", str(steps),
-                                               "--work-ms", "12"],
-                  expect_steps=2 * steps, torchrun=2)
+    args = ["--steps", str(steps), "--work-ms", "12"]
+    if how == "gpumon-run":
+        job = watched(agent, tmp_path, "ds-pipe", [str(JOBS / "deepspeed_pipe_job.py"), "--out",
+                                                   str(tmp_path / "ds-pipe"), *args],
+                      expect_steps=2 * steps, torchrun=2)
+    else:
+        job = run_job(agent, tmp_path, "deepspeed_pipe_job.py", 2, [*args, "--hooked"],
+                      "ds-pipe", expect_steps=2 * steps)
     metrics = scrape_metrics(agent)
     for rank in (0, 1):
         truth = job.summary(rank)
@@ -165,6 +170,8 @@ def test_deepspeeds_pipeline_engine_is_one_step_a_batch_with_its_transfers(
         for record in records:
             assert record["comm"]["ops"]["send"][0] >= 1 and "recv" in record["comm"]["ops"]
             assert "all_reduce" in record["comm"]["ops"]
+            if how == "watch-engine":  # (gpumon run counts a DataLoader's batches: none here)
+                assert record["samples"] == 32  # 4 micro-batches of 8
         assert value(metrics, "gpumon_rank_parallel_info", run="ds-pipe", rank=str(rank),
                      pp=str(truth["stage"]), dp=str(truth["dp"]), tp="", ep="", cp="") == 1
     waits = [s["bubble"] for s in job.summary(0)["steps"][2:]]  # the step less its sleeps

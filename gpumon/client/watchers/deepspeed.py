@@ -116,6 +116,20 @@ class StepDriver:
             self._samples += size
             self._step.set_counts(self._samples, None, None)
 
+    def batch(self, samples: int | None) -> None:
+        """A pipeline engine's train_batch starts: open its step, ``samples`` in it."""
+        if self._step is not None or self._in_step:
+            return
+        self._opening = True
+        try:
+            step = self._monitor.step()
+            step.__enter__()
+            self._step = step
+        finally:
+            self._opening = False
+        if samples is not None:
+            step.set_counts(samples, None, None)
+
     def boundary(self, exc: BaseException | None = None) -> None:
         """The optimizer step at the accumulation boundary returned (or ``exc`` escaped a
         phase): close the open step."""
@@ -184,11 +198,39 @@ def watch_engine(monitor: Watched, engine: Any) -> StepDriver | None:
             driver.boundary()
         return result
 
-    for name, method in (("forward", timed_forward), ("backward", timed_backward), ("step", timed_step)):
+    methods = [("forward", timed_forward), ("backward", timed_backward), ("step", timed_step)]
+    train_batch = getattr(engine, "train_batch", None)
+    if callable(train_batch):
+        # A PipelineEngine runs its micro-batches' forwards, backwards and optimizer step
+        # inside train_batch, through its own instructions, never through the methods above:
+        # one step a call, its samples the batch's.
+        def timed_train_batch(*args: Any, **kwargs: Any) -> Any:
+            if driver.in_step or driver.user_steps:
+                return train_batch(*args, **kwargs)
+            _safely(driver.batch, _batch_samples(engine))
+            try:
+                result = train_batch(*args, **kwargs)
+            except BaseException as exc:
+                driver.boundary(exc)
+                raise
+            driver.boundary()
+            return result
+
+        methods.append(("train_batch", timed_train_batch))
+    for name, method in methods:
         setattr(method, "__wrapped__", getattr(engine, name))  # noqa: B010 (a function's attribute)
         object.__setattr__(engine, name, method)
     object.__setattr__(engine, WATCHED_MARK, True)
     return driver
+
+
+def _batch_samples(engine: Any) -> int | None:
+    """A PipelineEngine's samples a train_batch on this rank: micro-batch x accumulation."""
+    try:
+        return int(engine.train_micro_batch_size_per_gpu()) \
+            * int(engine.gradient_accumulation_steps())
+    except Exception:
+        return None
 
 
 def _boundary_test(engine: Any) -> Callable[[], bool]:

@@ -1,14 +1,15 @@
 """A DeepSpeed pipeline-parallel job on CPU (gloo, ``DS_ACCELERATOR=cpu``): a ``PipelineModule``
 of ``LayerSpec``s in 2 stages trained with ``engine.train_batch()``, a torch optimizer, 4
 micro-batches a batch; launched by ``torch.distributed.run`` and unchanged (no gpumon import),
-so that it runs under ``gpumon run``. Stage 1 does device-like work (a sleep of ``--work-ms`` in
+so that it runs under ``gpumon run``, or with ``--hooked`` ``mon.watch(engine)`` and nothing
+else. Stage 1 does device-like work (a sleep of ``--work-ms`` in
 each micro-batch's forward, twice that in its backward), stage 0 a tenth of it.
 
 Each rank writes to ``OUT/rank<R>.json`` its own timing of each ``train_batch`` and the sleeps
 its stage did (``own``), and DeepSpeed's own view of its place: its pipeline stage and data-
 parallel rank from the engine's grid.
 
-    deepspeed_pipe_job.py --out OUT [--steps N] [--work-ms 10]
+    deepspeed_pipe_job.py --out OUT [--steps N] [--work-ms 10] [--hooked]
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--work-ms", type=float, default=10.0)
+    parser.add_argument("--hooked", action="store_true",
+                        help="watch the engine with a StepMonitor of its own (mon.watch(engine))")
     args = parser.parse_args()
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -76,6 +79,10 @@ def main() -> None:
               "gradient_accumulation_steps": MICRO, "zero_allow_untested_optimizer": True,
               "steps_per_print": 10**9}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    if args.hooked:
+        from gpumon.client import StepMonitor
+
+        StepMonitor().watch(engine)
     torch.manual_seed(0)
     batches = [(torch.randn(8, WIDTH), torch.randn(8, WIDTH)) for _ in range(MICRO)]
     steps = []
