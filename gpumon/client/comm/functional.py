@@ -43,7 +43,6 @@ WRAPPED_MARK = "__gpumon_wrapped__"
 _pending: OrderedDict[int, tuple[weakref.ref[Any], int, list[Op]]] = OrderedDict()
 """id(tensor) -> (the tensor, its IN_FLIGHT number, its ops in the ledgers) of each launched
 collective not waited on yet."""
-_lock = threading.Lock()
 _is_compiling: Callable[[], bool] = lambda: False  # noqa: E731 (torch's, once installed)
 
 
@@ -127,8 +126,7 @@ def _wrap_wait(original: Callable[..., Any], ledgers: list[CommLedger],
     def wait_tensor(tensor: Any) -> Any:
         if _is_compiling() or not _pending:
             return original(tensor)
-        with _lock:
-            entry = _pending.pop(id(tensor), None)
+        entry = _pending.pop(id(tensor), None)  # (a single dict operation: no lock needed)
         if entry is None or entry[0]() is not tensor:
             return original(tensor)
         _, seq, ops = entry
@@ -181,11 +179,10 @@ def _remember(result: Any, seq: int, ops: list[Op]) -> None:
     """Keep a launch until its tensor is waited on (the raw tensor an eager call wraps)."""
     for tensor in _tensors(result):
         raw = getattr(tensor, "elem", tensor)
-        with _lock:
-            _pending[id(raw)] = (weakref.ref(raw), seq, ops)
-            if len(_pending) > MAX_UNWAITED:
-                _, (_, old, _) = _pending.popitem(last=False)
-                IN_FLIGHT.end(old)
+        _pending[id(raw)] = (weakref.ref(raw), seq, ops)
+        if len(_pending) > MAX_UNWAITED:
+            _, (_, old, _) = _pending.popitem(last=False)
+            IN_FLIGHT.end(old)
 
 
 def _tensors(value: Any) -> list[Any]:

@@ -46,10 +46,9 @@ _inside = threading.local()
 """``collective`` is True on a thread inside a wrapped function: one that calls another
 (torch's ``all_gather_into_tensor`` calls ``all_gather_single``; ``batch_isend_irecv`` calls
 ``isend`` and ``irecv``) is one operation, counted once."""
-_works: OrderedDict[int, tuple[Any, bool, bool, list[Op]]] = OrderedDict()
-"""id(work) -> (the work, a receive?, on a GPU?, its operations in the ledgers) of each
-transfer not waited on yet."""
-_works_lock = threading.Lock()
+_works: OrderedDict[int, tuple[Any, bool, bool, list[Op], tuple[int, ...]]] = OrderedDict()
+"""id(work) -> (the work, a receive?, on a GPU?, its operations in the ledgers, its
+``IN_FLIGHT`` numbers to end at its wait) of each transfer not waited on yet."""
 
 
 def tap_into(ledger: CommLedger) -> bool:
@@ -131,10 +130,14 @@ def _wrap(original: Callable[..., Any], name: str, position: int, keyword: str) 
                 close()
         t1, c1 = perf_counter(), thread_time()
         try:
-            _follow(seq, payload, result)
-            ops = _record(name, payload, t0, t1, result, (c0, c1))
-            if name in _TRANSFERS and result is not None:
-                _remember(result, name in RECEIVES, payload, ops)
+            asynchronous = name in _TRANSFERS and hasattr(result, "wait")  # isend, irecv
+            if asynchronous and _on_host(payload):
+                _transfer(name, payload, seq, t0, t1, result, (c0, c1))
+            else:
+                _follow(seq, payload, result)
+                ops = _record(name, payload, t0, t1, result, (c0, c1))
+                if asynchronous:
+                    _remember(result, name in RECEIVES, payload, ops)
         except Exception:  # measuring must never break the collective
             log.debug("gpumon: could not record a %s", name, exc_info=True)
         return result
@@ -144,6 +147,19 @@ def _wrap(original: Callable[..., Any], name: str, position: int, keyword: str) 
 
 
 _TRANSFERS = frozenset({"send", "recv"})
+
+
+def _on_host(payload: Any) -> bool:
+    return all(t.device.type == "cpu" for t in _tensors(payload))
+
+
+def _transfer(name: str, payload: Any, seq: int, t0: float, t1: float, work: Any,
+              cpu: tuple[float, float]) -> None:
+    """An asynchronous transfer on the host: complete, to the ledgers and ``IN_FLIGHT``, when
+    the training thread's wait on its work returns (a future's callback would cost a hand-over
+    of the GIL from the backend's thread on every transfer), at its launch until then."""
+    ops = _record(name, payload, t0, t1, None, cpu, receiving=False)
+    _remember(work, name in RECEIVES, payload, ops, seq)
 
 
 def _wrap_batch(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -181,13 +197,20 @@ def _wrap_batch(original: Callable[..., Any]) -> Callable[..., Any]:
             per_op = list(works) if works is not None and len(works) == len(kinds) \
                 else [works[0] if works else None] * len(kinds)
             ops_of: dict[int, list[Op]] = {}
+            seqs_of: dict[int, list[int]] = {}
+            host = _on_host([tensor for _, tensor in kinds])
             for (name, tensor), seq, work in zip(kinds, seqs, per_op, strict=True):
-                _follow(seq, tensor, work)
-                ops_of.setdefault(id(work), []).extend(
-                    _record(name, tensor, t0, t1, work, (c0, c1)))
+                if host:  # completed by the wait on its work (``_transfer``)
+                    ops = _record(name, tensor, t0, t1, None, (c0, c1), receiving=False)
+                else:
+                    _follow(seq, tensor, work)
+                    ops = _record(name, tensor, t0, t1, work, (c0, c1))
+                ops_of.setdefault(id(work), []).extend(ops)
+                seqs_of.setdefault(id(work), []).append(seq)
             receiving = any(name in RECEIVES for name, _ in kinds)
             for work in dict.fromkeys(w for w in per_op if w is not None):
-                _remember(work, receiving, [tensor for _, tensor in kinds], ops_of[id(work)])
+                _remember(work, receiving, [tensor for _, tensor in kinds], ops_of[id(work)],
+                          *(seqs_of[id(work)] if host else ()))
         except Exception:
             log.debug("gpumon: could not record a batch of transfers", exc_info=True)
         return works
@@ -201,14 +224,15 @@ def _kind_of(p2p: Any) -> str:
     return "recv" if name in ("irecv", "recv") else "send"
 
 
-def _remember(work: Any, receiving: bool, payload: Any, ops: list[Op]) -> None:
+def _remember(work: Any, receiving: bool, payload: Any, ops: list[Op], *seqs: int) -> None:
     """Keep a transfer's work until the training thread waits on it (``ops``: what the
-    ledgers recorded of it, complete at the latest when the wait returns)."""
-    on_device = not all(t.device.type == "cpu" for t in _tensors(payload))
-    with _works_lock:
-        _works[id(work)] = (work, receiving, on_device, ops)
-        if len(_works) > MAX_WAITED_WORKS:
-            _works.popitem(last=False)
+    ledgers recorded of it, complete at the latest when the wait returns; ``seqs``: its
+    ``IN_FLIGHT`` numbers, ended then, where no future's callback ends them)."""
+    _works[id(work)] = (work, receiving, not _on_host(payload), ops, seqs)
+    if len(_works) > MAX_WAITED_WORKS:  # (each a single dict operation: no lock needed)
+        _, (_, _, _, _, forgotten) = _works.popitem(last=False)
+        for seq in forgotten:
+            IN_FLIGHT.end(seq)
 
 
 def _wrap_work_wait(distributed_c10d: Any) -> None:
@@ -223,11 +247,10 @@ def _wrap_work_wait(distributed_c10d: Any) -> None:
     def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not _works:
             return original(self, *args, **kwargs)
-        with _works_lock:
-            entry = _works.pop(id(self), None)
+        entry = _works.pop(id(self), None)
         if entry is None or entry[0] is not self or not _ledgers:
             return original(self, *args, **kwargs)
-        _, receiving, on_device, ops = entry
+        _, receiving, on_device, ops, seqs = entry
         close = open_step_for_transfer() if STEP_OPENERS else None
         tails = []
         for ledger in _ledgers:
@@ -249,6 +272,8 @@ def _wrap_work_wait(distributed_c10d: Any) -> None:
                 tail.resumed()
             for op in ops:  # a backend's future may run its callback before the data is in
                 op.t_done = max(op.t_done or t1, t1)
+            for seq in seqs:
+                IN_FLIGHT.end(seq)
             if not on_device:
                 for ledger in _ledgers:
                     ledger.blocked(t0, t1, (c0, c1), receiving=receiving)
@@ -303,8 +328,9 @@ def _payload(args: tuple[Any, ...], kwargs: dict[str, Any], position: int, keywo
 
 
 def _record(name: str, payload: Any, t0: float, t1: float, result: Any,
-            cpu: tuple[float, float] | None = None) -> list[Op]:
-    """Report a call to every ledger; the host-timed operations it made there."""
+            cpu: tuple[float, float] | None = None, receiving: bool | None = None) -> list[Op]:
+    """Report a call to every ledger; the host-timed operations it made there. ``receiving``:
+    its call on the training thread was a wait to receive (by default: a blocking ``recv``)."""
     tensors = _tensors(payload)
     nbytes = _nbytes(tensors)
     host_timed = all(t.device.type == "cpu" for t in tensors)
@@ -316,7 +342,8 @@ def _record(name: str, payload: Any, t0: float, t1: float, result: Any,
             _record_on_device(ledger, clock, name, nbytes, t0, t1, get_future)
             continue
         op = ledger.launched(name, nbytes, t0, t1, host_timed, cpu,
-                             receiving=name in RECEIVES and get_future is None)
+                             receiving=name in RECEIVES and get_future is None
+                             if receiving is None else receiving)
         if op is None:
             continue
         ops.append(op)
