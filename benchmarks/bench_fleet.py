@@ -69,7 +69,8 @@ RULE_FILE = ROOT / "alerts" / "gpumon.rules.yml"
 SHARD_RULES = FLEET / "rules" / "gpumon-shard.rules.yml"
 CENTRAL_RULES = FLEET / "rules" / "gpumon-central.rules.yml"
 GPUS, RANKS = 8, 8
-SHARD_CHAIN = ("run_rank:gpumon_steps:rate5m",
+SHARD_CHAIN = ("run_rank:gpumon_rank_parallel_info",
+               "run_rank:gpumon_steps:rate5m",
                "run_rank:gpumon_step_own_seconds:mean1m",
                "run_node:gpumon_step_own_seconds:sum1m",
                "run_node:gpumon_step_own_seconds:count1m",
@@ -78,8 +79,8 @@ SHARD_CHAIN = ("run_rank:gpumon_steps:rate5m",
                "run_node:gpumon_step_duration_seconds_sum:rate5m",
                "run_node:gpumon_step_duration_seconds_count:rate5m",
                "run_node:gpumon_steps:max_rate5m")
-"""The shard's rules that the run-level straggler and step-time rules read: per rank, then
-reduced per node and run."""
+"""The shard's rules that the run-level straggler and step-time rules read: each rank's layout
+(by which a rank's peers are its replicas), per rank, then reduced per node and run."""
 CHAIN = ("run:gpumon_step_own_seconds:sum1m",
          "run:gpumon_step_own_seconds:count1m",
          "run_rank:gpumon_step_own_seconds:peers_mean1m",
@@ -414,7 +415,8 @@ def ranks_per_run(tmp: Path, sizes: list[int]) -> list[dict[str, Any]]:
                  "shard (one shard, the whole run)", "straggler score"],
                 [[f"{r['ranks']:,}", *[f"{r['rule_s'][n] * 1e3:.0f} ms" for n in CHAIN],
                   f"{r['chain_s'] * 1e3:.0f} ms", f"{r['shard_s'] * 1e3:.0f} ms",
-                  f"{r['straggler_score']:.2f}"] for r in rows])
+                  "none" if r["straggler_score"] is None else f"{r['straggler_score']:.2f}"]
+                 for r in rows])
     return rows
 
 

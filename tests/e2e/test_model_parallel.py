@@ -178,3 +178,34 @@ def test_deepspeeds_pipeline_engine_is_one_step_a_batch_with_its_transfers(
     measured = [s["comm"]["bubble"] for s in job.steps(0)[2:]]
     assert abs(statistics.fmean(measured) - statistics.fmean(waits)) \
         <= 0.3 * statistics.fmean(waits)
+
+
+def test_a_pipeline_with_fsdp_inside_each_stage_keeps_both_measured(
+        agent: AgentProcess, tmp_path: Path) -> None:
+    """Two stages, each sharded over two replicas with FSDP2, on a ("pp", "dp") mesh: every
+    rank's steps carry the pipeline's transfers and FSDP's all-gathers and reduce-scatters; its
+    coordinates come from the mesh; each rank is compared with its replica, so none is a
+    straggler and every one has a score, while the light stage's bubble is named."""
+    steps = 16
+    job = watched(agent, tmp_path, "pp-fsdp",
+                  [str(JOBS / "pipeline_job.py"), "--out", str(tmp_path / "pp-fsdp"),
+                   "--schedule", "1f1b", "--work-ms", "4,12", "--steps", str(steps),
+                   "--dp", "2"],
+                  expect_steps=4 * steps, torchrun=4)
+    metrics = scrape_metrics(agent)
+    for rank in range(4):
+        truth = job.summary(rank)
+        for record in job.steps(rank)[1:]:
+            ops = record["comm"]["ops"]
+            assert {"send", "recv", "all_gather", "reduce_scatter"} <= set(ops), ops
+        assert value(metrics, "gpumon_rank_parallel_info", run="pp-fsdp", rank=str(rank),
+                     pp=str(truth["pp"]), dp=str(truth["dp"]), tp="", ep="", cp="") == 1
+        assert value(metrics, "gpumon_rank_straggler_score", run="pp-fsdp", rank=str(rank)) \
+            == pytest.approx(1.0, abs=0.25)
+        assert value(metrics, "gpumon_step_flag", run="pp-fsdp", rank=str(rank),
+                     flag="straggler") == 0
+        if truth["pp"] == 0:  # the light stage waits for the heavy one
+            measured = statistics.fmean(bubbles(job, rank))
+            waited = statistics.fmean(s["blocked"] for s in truths(job, rank))
+            assert measured > 0.2 * statistics.fmean(s["duration"] for s in truths(job, rank))
+            assert measured <= waited * 1.3

@@ -44,8 +44,10 @@ DIMENSIONS: dict[str, str] = {
 """A mesh dimension's name (lower case) -> the dimension of the layout it is."""
 
 WRAPPED_MARK = "__gpumon_wrapped__"
-_made: weakref.WeakSet[Any] = weakref.WeakSet()
-"""Meshes and pipeline stages made since their constructors were wrapped."""
+MAX_MADE = 64
+"""Meshes and pipeline stages remembered (a job makes a few; submeshes are sliced from them)."""
+_made: list[weakref.ref[Any]] = []
+"""Meshes and pipeline stages made since their constructors were wrapped, oldest first."""
 _made_count = 0
 _install_lock = threading.Lock()
 _installed = False
@@ -199,7 +201,7 @@ class LayoutWatch:
         if self._looked_at == _made_count:
             return
         self._looked_at = _made_count
-        sources = [ref() for ref in self._sources] + list(_made)
+        sources = [ref() for ref in self._sources] + [ref() for ref in _made]
         meshes = [s for s in sources if s is not None and hasattr(s, "mesh_dim_names")]
         stages = [s for s in sources if s is not None and hasattr(s, "stage_index")]
         layout = merge([
@@ -247,9 +249,9 @@ def _stage_running(model: Any) -> Any:
     cls = getattr(module, "_PipelineStageBase", None)
     if not isinstance(cls, type):
         return None
-    for stage in list(_made):
-        if getattr(stage, "submod", None) is model:
-            return stage
+    for ref in _made:
+        if getattr(ref(), "submod", None) is model:
+            return ref()
     for obj in gc.get_objects():
         if isinstance(obj, weakref.ProxyTypes):  # a dead proxy raises on isinstance()
             continue
@@ -283,7 +285,8 @@ def _noting(init: Any) -> Any:
         global _made_count
         init(self, *args, **kwargs)
         try:
-            _made.add(self)
+            _made[:] = [ref for ref in _made if ref() is not None][-(MAX_MADE - 1):]
+            _made.append(weakref.ref(self))
             _made_count += 1
         except Exception:
             pass
@@ -308,7 +311,15 @@ def _root(mesh: Any) -> Any:
 
 
 def _largest(layouts: Iterable[ParallelLayout | None]) -> ParallelLayout | None:
-    """The layout naming the most dimensions (a job's root mesh, not a submesh it sliced)."""
+    """The layout naming the most dimensions (a job's root mesh, not a submesh it sliced), the
+    newest of those (``layouts`` oldest first) where several name as many."""
     found = [layout for layout in layouts if layout is not None]
-    return max(found, key=lambda lo: sum(getattr(lo, d) is not None for d in PARALLEL_DIMS)
-               + len(lo.other), default=None)
+    best: ParallelLayout | None = None
+    for layout in found:
+        if best is None or _named(layout) >= _named(best):
+            best = layout
+    return best
+
+
+def _named(layout: ParallelLayout) -> int:
+    return sum(getattr(layout, d) is not None for d in PARALLEL_DIMS) + len(layout.other)

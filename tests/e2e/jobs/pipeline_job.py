@@ -12,7 +12,12 @@ CPU: Linux's schedstat), and what is left of the step once its device-like and h
 taken out (``blocked``): its waits for its neighbours (its bubble) and its sends', a waiting
 thread's wake-up included. ``bubble`` is the step less its own device-like work alone.
 
+With ``--dp 2`` (on twice the ranks) each stage is also sharded over two data-parallel replicas
+with FSDP2 (``fully_shard``) on a ``("pp", "dp")`` mesh, as a pipeline with FSDP inside each
+stage is: each replica gets its own batch.
+
     pipeline_job.py --out OUT --schedule gpipe|1f1b|interleaved --work-ms 4,10 [--steps N]
+                    [--dp 2]
 """
 
 from __future__ import annotations
@@ -85,21 +90,36 @@ def main() -> None:
                         help="device-like forward work per micro-batch, one per stage")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--dp", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world = dist.get_world_size() // args.dp  # the pipeline's ranks
+    group, replica = None, 0
+    if args.dp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world, args.dp), mesh_dim_names=("pp", "dp"))
+        group = mesh.get_group("pp")
+        replica = mesh.get_local_rank("dp")
+        rank = mesh.get_local_rank("pp")  # the rank in the pipeline
     work = [float(ms) / 1000 for ms in args.work_ms.split(",")]
     per_rank = 2 if args.schedule == "interleaved" else 1
     stages_total = world * per_rank
     assert len(work) == stages_total, f"--work-ms needs {stages_total} values"
     torch.manual_seed(0)
     indices = [rank + k * world for k in range(per_rank)]  # interleaved: rank, rank + world
+    global_rank = dist.get_rank()
     stages, params = [], []
     for index in indices:
         module = Stage(work[index])
+        if args.dp > 1:
+            fully_shard(module, mesh=mesh["dp"])
         params += list(module.parameters())
-        stages.append(PipelineStage(module, index, stages_total, torch.device("cpu")))
+        stages.append(PipelineStage(module, index, stages_total, torch.device("cpu"),
+                                    group=group))
     loss_fn = nn.MSELoss()
     if args.schedule == "interleaved":
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=args.microbatches,
@@ -108,6 +128,7 @@ def main() -> None:
         kind = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
         schedule = kind(stages[0], n_microbatches=args.microbatches, loss_fn=loss_fn)
     optimizer = torch.optim.SGD(params, lr=0.01)
+    torch.manual_seed(1 + replica)  # each data-parallel replica its own batch
     x = torch.randn(BATCH, WIDTH)
     target = torch.randn(BATCH, WIDTH)
     first = 0 in indices
@@ -131,8 +152,9 @@ def main() -> None:
                       "blocked": max(0.0, duration - _slept.seconds - cpu)})
     dist.barrier()
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "stages": indices, "steps": steps, "pid": os.getpid()}))
+    (args.out / f"rank{global_rank}.json").write_text(json.dumps(
+        {"rank": global_rank, "stages": indices, "pp": rank, "dp": replica, "steps": steps,
+         "pid": os.getpid()}))
     dist.destroy_process_group()
 
 
