@@ -79,21 +79,27 @@ def test_functional_collectives_are_counted_with_their_payload(ledger: CommLedge
 def test_the_wait_on_a_functional_collective_is_exposed_and_its_launch_is_not_its_end(
         ledger: CommLedger) -> None:
     """Work between the launch and the first use of its tensor overlaps the collective: the
-    collective is in flight until the wait, but held the thread up only in its launch and
-    its wait (the work is on a CPU: time off one while a collective is in flight would count
-    as held up by it, docs/architecture.md §5.1)."""
+    collective is in flight until the wait, and the thread's work meanwhile is not exposed
+    (the work is timed on the thread's CPU clock: time off a CPU while a collective is in
+    flight counts as held up by it, docs/architecture.md §5.1)."""
     from torch.distributed import _functional_collectives as funcol
 
+    wall = []
+
     def body() -> None:
+        start = time.perf_counter()
         y = funcol.all_reduce(torch.ones(100), "sum", dist.group.WORLD)
         end = time.thread_time() + 0.05
-        while time.thread_time() < end:  # other work, on a CPU, while it is in flight
+        while time.thread_time() < end:  # 50 ms of work on a CPU while it is in flight
             pass
         assert float(y.sum()) == 100.0
+        wall.append(time.perf_counter() - start)
 
     comm = _step(ledger, body)
     assert comm["busy"] >= 0.05
-    assert comm["exposed"] < 0.025
+    # The thread's 50 ms on a CPU were work, never exposed, however long a loaded host kept
+    # it waiting for one (which the ledger counts as contention while the collective flies).
+    assert comm["exposed"] <= wall[0] - 0.05 + 0.002
 
 
 def test_the_tap_adds_no_graph_break_to_compiled_functional_collectives() -> None:
