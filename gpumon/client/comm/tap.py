@@ -202,6 +202,8 @@ def _wrap_batch(original: Callable[..., Any]) -> Callable[..., Any]:
             for (name, tensor), seq, work in zip(kinds, seqs, per_op, strict=True):
                 if host:  # completed by the wait on its work (``_transfer``)
                     ops = _record(name, tensor, t0, t1, None, (c0, c1), receiving=False)
+                    if work is None:  # no work to wait on: nothing will say more
+                        IN_FLIGHT.end(seq)
                 else:
                     _follow(seq, tensor, work)
                     ops = _record(name, tensor, t0, t1, work, (c0, c1))
