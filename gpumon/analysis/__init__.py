@@ -7,10 +7,11 @@ What a step says:
 - ``devices``: peak FLOP/s, HBM and NVLink bandwidth by NVML device name; MFU.
 
 Verdicts:
-- ``thresholds`` / ``bottleneck``: which wall a step hits (the rule table) and its flags.
+- ``thresholds`` / ``rules`` / ``bottleneck``: which wall a step hits (the rule table) and its flags.
 - ``hints``: the mitigation texts a verdict carries.
 - ``straggler``: the slow rank of a run, from comparing its ranks' own work, and its cause.
-- ``stream``: the streaming engine that turns steps and GPU samples into per-rank analyses.
+- ``stream``: the streaming engine that turns steps and GPU samples into per-rank analyses;
+  ``tracker``: each rank's state in it (what it received, its window history, its analysis).
 - ``stall``: where each rank of a stopped run is, and who waits on whom.
 
 Memory:

@@ -1,9 +1,9 @@
 """Streaming verdicts: steps and GPU samples in, per-rank verdicts and OOM risk out.
 
 The same engine serves the live agent and ``gpumon classify`` replaying a recording. It
-works on per-rank state (``RankTracker``: steps waiting for their GPU samples, recent own-work
-times for the straggler comparison, recent peaks for the OOM trend) kept where its ``Trackers``
-say: in the agent, on the rank store's record of each rank, so that a rank expires, is evicted
+works on per-rank state (``tracker.RankTracker``: steps waiting for their GPU samples, recent
+own-work times for the straggler comparison, recent peaks for the OOM trend) kept where its
+``Trackers`` say: in the agent, on the rank store's record of each rank, so that a rank expires, is evicted
 or is forgotten in one place; in a replay, a table of its own. It does no I/O and reads no
 clock: the caller passes "now" and a function returning a GPU's samples over a window.
 
@@ -14,14 +14,12 @@ ones until the window spans it, and the verdict counts for every step merged.
 
 from __future__ import annotations
 
-import itertools
 import math
 import statistics
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Protocol
 
 from gpumon.analysis.bottleneck import (
     Bottleneck,
@@ -33,85 +31,39 @@ from gpumon.analysis.bottleneck import (
 )
 from gpumon.analysis.device_timing import device_shares
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
-from gpumon.analysis.memory import MemoryAttribution, attribute_growth
-from gpumon.analysis.oom import OomRisk, assess_oom_risk
+from gpumon.analysis.memory import attribute_growth
+from gpumon.analysis.oom import assess_oom_risk
 from gpumon.analysis.straggler import (
     RankWork,
-    SlowerRank,
     Standing,
-    StragglerCause,
     judge_run,
-    own_work_s,
 )
 from gpumon.analysis.thresholds import DEFAULT, Thresholds
+from gpumon.analysis.tracker import (
+    Analysed,
+    RankAnalysis,
+    RankKey,
+    RankTracker,
+    Received,
+    Trackers,
+    TrackerTable,
+    new_tracker,
+    new_version,
+)
 from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.wire import MemoryBreakdown, ParallelLayout, StepRecord
+from gpumon.wire import ParallelLayout, StepRecord
 
-RankKey = tuple[str, int]
-"""(run, rank): how a rank of a run is named everywhere in the agent."""
 History = Callable[[int, float, float], Sequence[GpuSample]]
 """(gpu index, t0, t1) -> that GPU's samples with t0 <= t <= t1."""
 
-WORK_HISTORY = 24  # steps per rank for the straggler comparison (its medians and quartiles)
 SILENT_STEPS = 10  # a rank this many of its run's typical steps behind the newest is silent
 SILENT_MIN_S = 5.0  # ... and at least this many seconds behind
-COMM_HISTORY = 8  # windows per rank whose median communication share bounds one window's
-PEAK_HISTORY = 64  # per-step peaks per rank for the OOM trend
-BREAKDOWN_HISTORY = 16  # sampled memory breakdowns per rank: ~80 s at the client's 5 s
 MAX_PENDING = 4096  # steps waiting per rank; beyond, the oldest are dropped
 CLOCK_SKEW_TOLERANCE_S = 5.0  # a step "ending" later than this after receipt is re-based
 VERDICT_WORK = 32  # a verdict costs about what grouping and merging this many steps does
 SLICE_WORK = 256  # under a millisecond of a pass: a few verdicts of ten steps each
 # (both measured by benchmarks/bench_internals.py; figures in benchmarks/RESULTS.md)
-# Process-wide, so that no two analyses of a (run, rank), even across a forget or two
-# analyzers, ever carry the same version: a renderer may reuse its text for a version it has seen.
-_versions = itertools.count(1)
-
-
-@dataclass(frozen=True)
-class RankAnalysis:
-    """What the analyzer currently says about one rank. One handed out is never changed: the
-    analyzer replaces it (``RankTracker.conclude``), so a reader on another thread may take it
-    without the analyzer's lock."""
-
-    run: str
-    rank: int
-    gpu: int | None = None
-    verdict: Verdict | None = None
-    verdict_step: int | None = None
-    bottleneck_steps: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    """Steps analysed so far, by the wall of their verdict."""
-    oom: OomRisk | None = None
-    straggler_score: float | None = None
-    """Its peers' mean own work per step ÷ its own (``straggler.straggler_scores``)."""
-    straggler_cause: StragglerCause | None = None
-    """Set while it is its run's straggler."""
-    slower_rank: SlowerRank | None = None
-    """Set while another rank of its run is the straggler, or went silent."""
-    world_changes: int = 0
-    """Times the world size this rank reports changed (its comparison history restarts)."""
-    memory: MemoryAttribution | None = None
-    """Which memory component the rank's sampled breakdowns blame, when it sends them."""
-    step_period_s: float | None = None
-    """Median time per step over its latest analysed windows."""
-    own_work_s: float | None = None
-    """Median own work per step (step time less collective wait) in the latest comparison."""
-    parallel: ParallelLayout | None = None
-    """Its place in the job's parallelism in the latest comparison: it was compared with its
-    data-parallel replicas. ``None``: not known, it was compared with every rank of its run
-    whose layout was not known either."""
-    sm_clock_hz: float | None = None
-    """Mean SM clock of its GPU over its latest verdict's window."""
-    gpu_trouble: bool = False
-    """Its GPU throttled over its latest verdict's window, or has reported XID errors."""
-    version: int = field(default_factory=lambda: next(_versions), compare=False)
-    """Changes whenever anything above does."""
-
-    @property
-    def standing(self) -> Standing:
-        """What the latest comparison with its peers said."""
-        return Standing(self.straggler_score, self.straggler_cause, self.slower_rank)
 
 
 @dataclass(frozen=True)
@@ -122,111 +74,6 @@ class StepVerdict:
     rank: int
     steps: tuple[int, ...]
     verdict: Verdict
-
-
-@dataclass
-class Received:
-    """A rank's steps as they arrive: written by ``StepAnalyzer.add`` only. The comparison
-    reads the figures of its latest steps; a pass takes the pending steps it analyses."""
-
-    pending: list[StepRecord] = field(default_factory=list)
-    own_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    """Own work of its latest steps."""
-    data_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    cpu_wait_s: deque[float | None] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    step_s: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    """Durations of its latest steps: the share of the step a straggler costs."""
-    breakdowns: deque[tuple[float, MemoryBreakdown]] = field(
-        default_factory=lambda: deque(maxlen=BREAKDOWN_HISTORY))
-    last_pid: int | None = None
-    world: int | None = None
-    last_end_t: float = -math.inf
-    """When its newest step (analysed or waiting) ended."""
-
-    def take(self, step: StepRecord) -> None:
-        """Note one step's figures for the comparison, and queue it for analysis."""
-        self.own_s.append(own_work_s(step))
-        self.data_s.append(step.phases_s.get("data", 0.0) if step.phases_s else None)
-        self.cpu_wait_s.append(step.cpu_wait_s)
-        self.step_s.append(step.duration_s)
-        self.pending.append(step)
-
-    def restart(self) -> None:
-        """Forget the comparison's figures: they describe a run that no longer exists."""
-        self.own_s.clear()
-        self.data_s.clear()
-        self.cpu_wait_s.clear()
-        self.step_s.clear()
-
-
-@dataclass
-class Analysed:
-    """What a rank's analysed windows leave for its next ones: written by its analysis only."""
-
-    last: StepRecord | None = None
-    """The newest step analysed: allocator counters rising since it signal pressure."""
-    device_shares: dict[str, float] | None = None
-    """Phase shares of its latest GPU-timed steps (``device_timing``), for windows without any."""
-    comm_shares: deque[float] = field(default_factory=lambda: deque(maxlen=COMM_HISTORY))
-    """Communication shares of its latest windows (``StepEvidence.recent_comm``)."""
-    peaks: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=PEAK_HISTORY))
-    durations: deque[float] = field(default_factory=lambda: deque(maxlen=WORK_HISTORY))
-    """Time per step of its latest windows."""
-
-
-@dataclass
-class RankTracker:
-    """The analyzer's state for one rank. The data flows one way: ``add`` writes what was
-    received; a pass compares the run's ranks from what they received and concluded last,
-    then analyses each rank's pending steps with that comparison and its own window history,
-    and publishes the result as ``analysis``. Only the analyzer reads or changes it, under
-    its caller's lock, except ``analysis``, which is replaced, never changed."""
-
-    analysis: RankAnalysis
-    received: Received = field(default_factory=Received)
-    analysed: Analysed = field(default_factory=Analysed)
-
-    def conclude(self, **changes: Any) -> None:
-        """Replace ``analysis`` by one with ``changes`` and a new version."""
-        self.analysis = replace(self.analysis, **changes, version=next(_versions))
-
-
-class Trackers(Protocol):
-    """Where the analyzer keeps its ``RankTracker``s: the agent's rank store (one record per
-    rank, which drops the tracker with the rank), or a ``TrackerTable``."""
-
-    def tracker(self, key: RankKey) -> RankTracker | None:
-        """The rank's tracker, made at its first step; None for a rank no longer held (its
-        steps are dropped)."""
-        ...
-
-    def trackers(self) -> list[RankTracker]:
-        """Every held rank's tracker."""
-        ...
-
-
-class TrackerTable:
-    """Trackers of their own, for an analyzer nothing else holds ranks for (a replay): kept
-    as long as the analyzer."""
-
-    def __init__(self) -> None:
-        self._trackers: dict[RankKey, RankTracker] = {}
-
-    def tracker(self, key: RankKey) -> RankTracker:
-        """The rank's tracker, made at its first step."""
-        tracker = self._trackers.get(key)
-        if tracker is None:
-            tracker = self._trackers[key] = new_tracker(key)
-        return tracker
-
-    def trackers(self) -> list[RankTracker]:
-        """Every rank's tracker."""
-        return list(self._trackers.values())
-
-
-def new_tracker(key: RankKey) -> RankTracker:
-    """A rank's tracker before its first step."""
-    return RankTracker(RankAnalysis(*key))
 
 
 def attribute_gpu(gpu: str | int | None, pid: int | None, statics: Sequence[GpuStatic],
@@ -440,7 +287,7 @@ class StepAnalyzer:
             step_period_s=period,
             sm_clock_hz=window.sm_clock_hz if window is not None else None,
             gpu_trouble=Flag.THROTTLED in verdict.flags or index in xid_gpus,
-            version=next(_versions))
+            version=new_version())
 
     def _compare_ranks(self, thresholds: Thresholds,
                        layouts: Mapping[RankKey, ParallelLayout]) -> None:
@@ -514,5 +361,5 @@ def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:
     return max(0, now - (before or 0)) if before is not None else 0
 
 
-__all__ = ["Analysed", "Bottleneck", "RankAnalysis", "RankTracker", "Received", "StepAnalyzer", "StepVerdict",
-           "TrackerTable", "Trackers", "attribute_gpu", "new_tracker"]
+__all__ = ["Analysed", "Bottleneck", "RankAnalysis", "RankKey", "RankTracker", "Received",
+           "StepAnalyzer", "StepVerdict", "TrackerTable", "Trackers", "attribute_gpu", "new_tracker"]

@@ -126,3 +126,29 @@ class ManualClock:
         if hasattr(sys.modules[module], "thread_time"):
             monkeypatch.setattr(f"{module}.thread_time", self.thread_time)
         return self
+
+
+@pytest.fixture(scope="module")
+def world_of_one() -> Iterator[None]:
+    """A gloo process group of one rank for a test module (``usefixtures`` it), destroyed after."""
+    import torch.distributed as dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0,
+                                world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.fixture
+def ledger() -> Iterator[object]:
+    """A communication ledger the tap reports to, for one test."""
+    from gpumon.client.comm.ledger import CommLedger
+    from gpumon.client.comm.tap import tap_into, untap
+
+    led = CommLedger()
+    assert tap_into(led)
+    yield led
+    untap(led)

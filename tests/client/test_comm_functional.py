@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,29 +17,12 @@ import torch
 import torch.distributed as dist
 
 from gpumon.client.comm.ledger import CommLedger
-from gpumon.client.comm.tap import tap_into, untap
 from tests.helpers import ROOT
 
 HERE = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one() -> Iterator[None]:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0,
-                                world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
-@pytest.fixture
-def ledger() -> Iterator[CommLedger]:
-    led = CommLedger()
-    assert tap_into(led)
-    yield led
-    untap(led)
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def _step(ledger: CommLedger, body: Any) -> dict[str, Any]:

@@ -7,9 +7,6 @@ the autograd engine's callbacks) without peers; multi-rank jobs are in tests/e2e
 from __future__ import annotations
 
 import logging
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,7 +19,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from gpumon.client import StepMonitor
 from gpumon.client.comm import tap as comm_tap
 from gpumon.client.comm.ledger import CommLedger
-from gpumon.client.comm.tap import tap_into, untap
 from gpumon.client.core.comm_inflight import IN_FLIGHT
 from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.watchers.ddp import FOLLOWED, HOOKED, INFERRED, NOT_MEASURED, watch_ddp
@@ -30,23 +26,7 @@ from gpumon.client.watchers.ddp_buckets import Buckets
 from gpumon.client.watchers.watch import find_wrapper, kind_of
 from gpumon.wire import StepRecord
 
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one() -> Iterator[None]:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
-@pytest.fixture
-def ledger() -> Iterator[CommLedger]:
-    led = CommLedger()
-    assert tap_into(led)
-    yield led
-    untap(led)
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def _step(ledger: CommLedger, body: Any) -> dict[str, Any]:

@@ -5,13 +5,8 @@ wins), and what a bad one raises."""
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from gpumon.client import StepMonitor
@@ -19,16 +14,7 @@ from gpumon.client.core.transport import MemoryTransport
 from gpumon.client.watchers.layout import layout_of_mesh, merge, watch_layout
 from gpumon.wire import HelloRecord, ParallelLayout
 
-
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one() -> Iterator[None]:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{Path(tmp) / 'store'}", rank=0,
-                                world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("world_of_one")
 
 
 def hellos(transport: MemoryTransport) -> list[HelloRecord]:

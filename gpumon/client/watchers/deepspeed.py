@@ -105,14 +105,8 @@ class StepDriver:
                 self.user_steps = True
                 return
             self._samples = 0
-            self._opening = True
-            try:
-                step = self._monitor.step()
-                step.__enter__()
-                self._step = step
-            finally:
-                self._opening = False
-        if size is not None:
+            self._open()
+        if size is not None and self._step is not None:
             self._samples += size
             self._step.set_counts(self._samples, None, None)
 
@@ -120,6 +114,12 @@ class StepDriver:
         """A pipeline engine's train_batch starts: open its step, ``samples`` in it."""
         if self._step is not None or self._in_step:
             return
+        step = self._open()
+        if samples is not None:
+            step.set_counts(samples, None, None)
+
+    def _open(self) -> Step:
+        """Open a step of this driver's own (not the loop's: ``step_begin`` tells them apart)."""
         self._opening = True
         try:
             step = self._monitor.step()
@@ -127,8 +127,7 @@ class StepDriver:
             self._step = step
         finally:
             self._opening = False
-        if samples is not None:
-            step.set_counts(samples, None, None)
+        return step
 
     def boundary(self, exc: BaseException | None = None) -> None:
         """The optimizer step at the accumulation boundary returned (or ``exc`` escaped a

@@ -20,8 +20,8 @@ import pynvml
 from gpumon.collectors.gpu_fields import FIELDS_BY_NAME, GPU_FIELDS
 from gpumon.collectors.nvml import versions
 from gpumon.collectors.nvml.batch import FieldBatch, GpmMetrics
+from gpumon.collectors.nvml.library import GpuLost, error_name, text
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.errors import GpumonError
 
 log = logging.getLogger(__name__)
 
@@ -67,61 +67,8 @@ _ARCHITECTURES = {
 }
 
 
-class NvmlUnavailable(GpumonError):
-    """NVML cannot be used on this node (no library, no driver, version mismatch)."""
-
-
-class GpuLost(GpumonError):
-    """The GPU answered GPU_IS_LOST: it has fallen off the bus."""
-
-
 class _Unsupported(Exception):
     """Internal: the call is not supported for this GPU."""
-
-
-def error_name(exc: BaseException) -> str:
-    """A short, label-safe name for an NVML (or other) error."""
-    if isinstance(exc, pynvml.NVMLError):
-        text = pynvml.nvmlErrorString(exc.value) if exc.value is not None else "unknown"
-        if isinstance(text, bytes):
-            text = text.decode(errors="replace")
-        return "_".join(str(text).lower().replace("-", " ").split())[:48] or "unknown"
-    return type(exc).__name__.lower()
-
-
-def _text(value: str | bytes) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
-def init() -> tuple[str, str]:
-    """Initialise NVML; return (driver version, NVML version). Raises NvmlUnavailable."""
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        raise NvmlUnavailable(f"NVML initialisation failed: {_describe(exc)}") from exc
-    except pynvml.NVMLLibraryMismatchError as exc:  # not an NVMLError subclass
-        raise NvmlUnavailable(f"NVML library/driver mismatch: {exc}") from exc
-    except OSError as exc:
-        raise NvmlUnavailable(f"cannot load libnvidia-ml.so.1: {exc}") from exc
-    return _text(pynvml.nvmlSystemGetDriverVersion()), _text(pynvml.nvmlSystemGetNVMLVersion())
-
-
-def shutdown() -> None:
-    """Release NVML; errors on the way out are not interesting."""
-    try:
-        pynvml.nvmlShutdown()
-    except pynvml.NVMLError:
-        pass
-
-
-def _describe(exc: pynvml.NVMLError) -> str:
-    if exc.value == pynvml.NVML_ERROR_LIBRARY_NOT_FOUND:
-        return "libnvidia-ml.so.1 not found (no NVIDIA driver installed?)"
-    if exc.value == pynvml.NVML_ERROR_DRIVER_NOT_LOADED:
-        return "the NVIDIA kernel driver is not loaded"
-    if exc.value == pynvml.NVML_ERROR_NO_PERMISSION:
-        return "no permission to access the GPU device files"
-    return str(exc)
 
 
 @dataclass
@@ -209,8 +156,8 @@ class NvmlDevice:
 
     # -- static facts ----------------------------------------------------------
     def _read_static(self) -> GpuStatic:
-        name = _text(pynvml.nvmlDeviceGetName(self._handle))
-        uuid = _text(pynvml.nvmlDeviceGetUUID(self._handle))
+        name = text(pynvml.nvmlDeviceGetName(self._handle))
+        uuid = text(pynvml.nvmlDeviceGetUUID(self._handle))
         pci = self._optional("pci", pynvml.nvmlDeviceGetPciInfo)
         memory = self._memory_info()
         links = self._field_values("nvlink_count", [_FI_NVLINK_LINK_COUNT])
@@ -235,7 +182,7 @@ class NvmlDevice:
             index=self.index,
             uuid=uuid,
             name=name,
-            pci_bus_id=_text(pci.busId) if pci is not None else "",
+            pci_bus_id=text(pci.busId) if pci is not None else "",
             memory_total_bytes=memory.total if memory is not None else None,
             nvlink_link_count=link_count,
             mig_enabled=bool(mig[0]) if mig is not None else None,

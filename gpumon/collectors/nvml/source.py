@@ -9,7 +9,8 @@ from typing import Any
 
 import pynvml
 
-from gpumon.collectors.nvml.device import NvmlDevice, _text, error_name, init, shutdown
+from gpumon.collectors.nvml.device import NvmlDevice
+from gpumon.collectors.nvml.library import error_name, init, shutdown, text
 from gpumon.collectors.pollers import PollerSet
 from gpumon.collectors.samples import GpuSample, GpuStatic
 
@@ -69,7 +70,7 @@ class XidWatcher(threading.Thread):
                 continue
             if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
                 try:
-                    uuid = _text(pynvml.nvmlDeviceGetUUID(data.device))
+                    uuid = text(pynvml.nvmlDeviceGetUUID(data.device))
                 except pynvml.NVMLError:
                     uuid = ""
                 index = self._index_by_uuid.get(uuid, -1)
