@@ -42,6 +42,9 @@ class AgentConfig:
     collectors: tuple[str, ...] = DEFAULTS
     allowed_uids: tuple[int, ...] = ()
     rank_ttl_seconds: float = 300.0
+    unsaved_alert_seconds: float = 3600.0
+    """Step time a rank may do without a checkpoint before GpumonWorkAtRisk fires (exported as
+    ``gpumon_unsaved_threshold_seconds``; docs/goodput.md)."""
     max_ranks: int = 1024
     log_level: str = "info"
     web_config: str | None = None
@@ -176,6 +179,8 @@ def _validate(values: dict[str, Any], origins: Mapping[str, str]) -> AgentConfig
             out[f.name] = _int(value, where, 0, 65535)
         elif f.name in ("interval", "rank_ttl_seconds"):
             out[f.name] = _float(value, where, 0.05, 86400.0)
+        elif f.name == "unsaved_alert_seconds":
+            out[f.name] = _float(value, where, 1.0, 30 * 86400.0)
         elif f.name == "simulate":
             out[f.name] = _int(value, where, 0, 64)
         elif f.name == "max_ranks":

@@ -40,7 +40,7 @@ from gpumon.agent.traces import TraceDesk, trace_settings
 from gpumon.agent.views import AgentCollector, readiness, snapshot_document
 from gpumon.collectors.base import EventWatcher, GpuSource
 from gpumon.collectors.ingest import IngestServer, IngestStatus
-from gpumon.collectors.liveness import ProcessLiveness
+from gpumon.collectors.liveness import ExitWatcher, ProcessLiveness, started_monotonic
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.errors import GpumonError
 from gpumon.export.server import MetricsServer
@@ -73,14 +73,16 @@ class Agent:
         self._xid: EventWatcher | None = None
         self._server: MetricsServer | None = None
         self._liveness = ProcessLiveness()
+        self._exits = ExitWatcher(max_pids=config.max_ranks)
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks,
-                                    alive=self._liveness.alive)
+                                    alive=self._liveness.alive, started=started_monotonic)
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds,
                                        ranks=self.rank_store)
         self.owners = OwnerState(config.node_name or socket.gethostname())
         self._sender_watchers: list[Callable[[int], None]] = []
         self._collector = AgentCollector(self.state, self.rank_store, self.recording_status,
-                                         self.ingest_status, self.owners)
+                                         self.ingest_status, self.owners,
+                                         lambda: self.config.unsaved_alert_seconds)
         # Every collector's families are named at registration, so a clash is refused there.
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self._collector)
@@ -126,6 +128,7 @@ class Agent:
         for collector in COLLECTORS:
             if collector.name in wanted:
                 collector.start(self)
+        self._exits.start()
         self.run_every("housekeeping", HOUSEKEEPING_INTERVAL_S, self._housekeeping)
         for thread in self._threads:
             thread.start()
@@ -222,6 +225,7 @@ class Agent:
         if self._recorder is not None:
             self._recorder.close()
             self._recorder = None
+        self._exits.close()
         alive = [t.name for t in self._threads if t.is_alive()]
         self._threads.clear()
         if self._gpu_source is not None and not alive:
@@ -242,6 +246,8 @@ class Agent:
         accepts is told to the sender watchers (the owners collector), then analysed and
         recorded."""
         now = time.time()
+        if sender.pid and self._exits.watch(sender.pid):
+            self._take_exits(time.monotonic())  # a successor finds its predecessor's exit known
         accepted = self.rank_store.ingest(records, sender, time.monotonic(), now)
         if self._recorder is not None:  # where each rank sits, for a replay's comparisons
             self._recorder.hellos(r for r in records if isinstance(r, HelloRecord))
@@ -257,6 +263,7 @@ class Agent:
 
     def _housekeeping(self, now: float, monotonic: float) -> None:
         self.rank_store.expire(monotonic)  # each rank's analysis goes with it
+        self._take_exits(monotonic)
         if monotonic - self._liveness_at >= LIVENESS_INTERVAL_S:
             self._liveness_at = monotonic
             ended = self._liveness.ended(set(self.rank_store.watched_pids()))
@@ -267,6 +274,12 @@ class Agent:
             self.traces.observe(self.analyzer.analyses())
         if self._recorder is not None:
             self._recorder.flush()
+
+    def _take_exits(self, monotonic: float) -> None:
+        """The exits the watcher saw, at the moments it saw them."""
+        exits = self._exits.take()
+        if exits:
+            self.rank_store.mark_exited(set(exits), monotonic, exits)
 
     # -- views -----------------------------------------------------------------------
     def families(self) -> Iterator[Metric]:

@@ -20,6 +20,7 @@ from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.ingest import IngestStatus
 from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
 from gpumon.collectors.samples import GpuSample, HostSample
+from gpumon.export.goodput_metrics import goodput_families
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.health_metrics import (
     conflict_families,
@@ -46,8 +47,10 @@ class AgentCollector:
 
     def __init__(self, node: NodeState, rank_store: RankStore,
                  recording: Callable[[], RecorderStatus | None],
-                 ingest: Callable[[], IngestStatus | None], owners: OwnerState) -> None:
+                 ingest: Callable[[], IngestStatus | None], owners: OwnerState,
+                 unsaved_alert_s: Callable[[], float] = lambda: 3600.0) -> None:
         self._node = node
+        self._unsaved_alert_s = unsaved_alert_s
         self._owners = owners
         self._recording = recording
         self._ingest = ingest
@@ -74,7 +77,10 @@ class AgentCollector:
             live)
         yield from self._step_families.analyses(ranks)
         yield from self._memory_families.families(ranks)
-        yield from rank_state_families(rank_conditions(ranks, time.monotonic()))
+        monotonic = time.monotonic()
+        yield from rank_state_families(rank_conditions(ranks, monotonic))
+        yield from goodput_families(self._rank_store.time_totals(monotonic),
+                                    self._unsaved_alert_s())
         yield from eviction_families(self._rank_store.evictions())
         yield from conflict_families(self._rank_store.conflicts())
         yield from ingest_families(self._ingest())
@@ -89,6 +95,7 @@ class AgentCollector:
         return [*node_families(snap), *steps.steps([], {}, {}, {}, {}),
                 *owner_families(Ownership(), [], {}, {}), *steps.analyses([]),
                 *MemoryFamilies().families([]), *rank_state_families({}),
+                *goodput_families({}, 0.0),
                 *eviction_families({}), *conflict_families({}),
                 *ingest_families(IngestStatus("", True, 0o660, "")),
                 *recording_families(RecorderStatus("", 0, 0, 0, 0, None))]

@@ -13,6 +13,7 @@ Verdicts:
 - ``stream``: the streaming engine that turns steps and GPU samples into per-rank analyses;
   ``tracker``: each rank's state in it (what it received, its window history, its analysis).
 - ``stall``: where each rank of a stopped run is, and who waits on whom.
+- ``goodput``: where each rank's time went (goodput, badput by cause, unsaved work, restarts).
 
 Memory:
 - ``oom``: live out-of-memory risk from per-step peaks.

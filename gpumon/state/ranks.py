@@ -28,15 +28,17 @@ import itertools
 import threading
 from bisect import bisect_left
 from collections import Counter, OrderedDict, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from gpumon.analysis.comm import wait_s
+from gpumon.analysis.goodput import TimeLedger, TimeTotals
 from gpumon.analysis.stream import RankAnalysis, RankKey, RankTracker, new_tracker
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.collectors.sender_shares import SenderShares
 from gpumon.state.collectives import CommTotals
 from gpumon.state.rank_conflicts import RankClaims, sender_process
+from gpumon.state.rank_time import FINISHED_EVENT, account_process, account_state, preserve_run
 from gpumon.wire import (
     KNOWN_PHASES,
     EventRecord,
@@ -44,6 +46,7 @@ from gpumon.wire import (
     MemoryBreakdown,
     ParallelLayout,
     Record,
+    SpanRecord,
     StateRecord,
     StepRecord,
 )
@@ -122,6 +125,9 @@ class RankTotals:
     """The ZeRO stage it runs, as its hello said."""
     parallel: ParallelLayout | None = None
     """Its place in the job's parallelism, as its latest hello said (``None``: not known)."""
+    ledger: TimeLedger | None = field(default=None, compare=False, repr=False)
+    """In the store: where the rank's time went (``analysis.goodput``), from its first record
+    on. None in a copy (``RankStore.time_totals`` reads it)."""
     version: int = field(default_factory=lambda: next(_versions), compare=False)
     """Changes whenever anything above does (RankStore stamps it)."""
     tracker: RankTracker | None = field(default=None, compare=False, repr=False)
@@ -182,7 +188,8 @@ class RankStore:
     ``tracker`` and ``trackers`` holding its own lock, never the other way round."""
 
     def __init__(self, ttl_s: float = 300.0, max_ranks: int = 1024,
-                 alive: Callable[[int], bool] | None = None) -> None:
+                 alive: Callable[[int], bool] | None = None,
+                 started: Callable[[int], float | None] | None = None) -> None:
         self._lock = threading.Lock()
         self._ranks: dict[RankKey, RankTotals] = {}
         # Least recently reporting first: all pairs (each sender's own: in the shares).
@@ -195,6 +202,7 @@ class RankStore:
         self.dropped_total: Counter[str] = Counter()  # by reason
         self.evicted_total: Counter[str] = Counter()  # pairs evicted to make room, by reason
         self._claims = RankClaims(max_ranks, alive)
+        self._started = started
 
     def ingest(self, records: list[Record], sender: SenderCredentials, monotonic: float,
                now_t: float) -> list[StepRecord]:
@@ -236,21 +244,34 @@ class RankStore:
                 if sender.pid is not None and sender.pid != state.kernel_pid:
                     state.kernel_pid = sender.pid  # a new process of this rank (a restart)
                     state.exited_monotonic = None
+                state.ledger = account_process(state.ledger, pid, sender.pid is not None,
+                                               self._started, monotonic)
                 if isinstance(record, StateRecord):
                     # Rendered at each scrape from the report: the step series stay as they are.
                     self.records_total["state"] += 1
                     state.report, state.report_monotonic = record, monotonic
+                    account_state(state.ledger, record.state, state.last_step_monotonic,
+                                  monotonic)
                     continue
                 if isinstance(record, StepRecord):
                     self.records_total["step"] += 1
                     _note_identity(state, record.world, record.local_rank, record.gpu)
                     state.add_step(record, now_t)
+                    ledger_of(state).step(record.step, record.duration_s, monotonic)
                     state.last_step_monotonic = monotonic
                     accepted.append(record)
+                elif isinstance(record, SpanRecord):
+                    self.records_total["span"] += 1
+                    covered = ledger_of(state).span(record.span, record.seconds, record.ok,
+                                                    record.pending, record.step, monotonic)
+                    if covered is not None:
+                        preserve_run(((k, s.ledger) for k, s in self._ranks.items()), record.run, record.rank, covered)
                 elif isinstance(record, EventRecord):
                     self.records_total["event"] += 1
                     if record.event == "oom":
                         state.oom_events_total += 1
+                    elif record.event == FINISHED_EVENT:
+                        ledger_of(state).finished(monotonic)
                     _note_identity(state, None, None, record.gpu)
                 elif isinstance(record, HelloRecord):
                     self.records_total["hello"] += 1
@@ -366,12 +387,23 @@ class RankStore:
             return {s.kernel_pid for s in self._ranks.values()
                     if s.kernel_pid is not None and s.exited_monotonic is not None}
 
-    def mark_exited(self, pids: set[int], monotonic: float) -> None:
-        """The processes ``pids`` ended: their ranks are ``exited`` (kept until they expire)."""
+    def mark_exited(self, pids: set[int], monotonic: float,
+                    exits: Mapping[int, float] | None = None) -> None:
+        """The processes ``pids`` ended (at ``exits[pid]`` where known, else by ``monotonic``):
+        their ranks are ``exited`` (kept until they expire)."""
         with self._lock:
             for s in self._ranks.values():
                 if s.kernel_pid in pids and s.exited_monotonic is None:
                     s.exited_monotonic = monotonic
+                    if s.ledger is not None and s.ledger.pid == s.kernel_pid:
+                        s.ledger.ended((exits or {}).get(s.kernel_pid, monotonic))
+                    s.version = next(_versions)
+
+    def time_totals(self, monotonic: float) -> dict[RankKey, TimeTotals]:
+        """(run, rank) -> where its time went as of ``monotonic``, of every rank that has any."""
+        with self._lock:
+            return {k: s.ledger.totals(monotonic) for k, s in self._ranks.items()
+                    if s.ledger is not None}
 
     def layouts(self) -> dict[RankKey, ParallelLayout]:
         """(run, rank) -> its place in its job's parallelism, of every rank whose hello said."""
@@ -399,6 +431,13 @@ def implausible(record: Record, now_t: float) -> str | None:
     return None
 
 
+def ledger_of(state: RankTotals) -> TimeLedger:
+    """The rank's ledger, made at its first use."""
+    if state.ledger is None:
+        state.ledger = TimeLedger()
+    return state.ledger
+
+
 def _note_identity(state: RankTotals, world: int | None, local_rank: int | None,
                    gpu: str | int | None) -> None:
     if world is not None:
@@ -416,4 +455,5 @@ def _copy(state: RankTotals) -> RankTotals:
     clone.comm = state.comm.copy() if state.comm is not None else None
     # Published analyses are never changed: taken as they are, without the analyzer's lock.
     clone.tracker, clone.analysis = None, state.tracker.analysis if state.tracker else None
+    clone.ledger = None
     return clone

@@ -42,6 +42,7 @@ from gpumon.wire.limits import (
 )
 from gpumon.wire.records import (
     RANK_STATES,
+    SPAN_KINDS,
     CollectiveOp,
     CommStats,
     DecodeResult,
@@ -53,6 +54,7 @@ from gpumon.wire.records import (
     ParallelLayout,
     ProtocolError,
     Record,
+    SpanRecord,
     StackFrame,
     StateRecord,
     StepRecord,
@@ -97,6 +99,8 @@ __all__ = [
     "EventRecord",
     "HelloRecord",
     "StateRecord",
+    "SpanRecord",
+    "SPAN_KINDS",
     "StackFrame",
     "InFlight",
     "RANK_STATES",

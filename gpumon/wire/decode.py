@@ -46,6 +46,7 @@ from gpumon.wire.limits import (
 from gpumon.wire.records import (
     MEM_WIRE_NAMES,
     RANK_STATES,
+    SPAN_KINDS,
     CollectiveOp,
     CommStats,
     DecodeResult,
@@ -56,6 +57,7 @@ from gpumon.wire.records import (
     MemoryStats,
     ProtocolError,
     Record,
+    SpanRecord,
     StackFrame,
     StateRecord,
     StepRecord,
@@ -107,6 +109,8 @@ def decode_record(obj: object) -> Record:
         return _check_event(obj)
     if kind == "hello":
         return _check_hello(obj)
+    if kind == "span":
+        return _check_span(obj)
     if kind == "state":
         return _check_state(obj)
     if kind is None:
@@ -348,6 +352,30 @@ def _check_state(obj: Mapping[str, object]) -> StateRecord:
         launched=_opt_int(obj, "launched"),
         in_flight=None if flight is None else _check_flight(flight),
         stack=_check_stack(obj.get("stack")),
+    )
+
+
+def _check_span(obj: Mapping[str, object]) -> SpanRecord:
+    run, rank, _, _ = _check_identity(obj)
+    span = _required(obj, "span")
+    if span not in SPAN_KINDS:
+        raise ProtocolError("bad_span", "span")
+    ok = obj.get("ok")
+    pending = obj.get("pending", False)
+    if (ok is not None and type(ok) is not bool) or type(pending) is not bool:
+        raise ProtocolError("bad_span", "ok or pending")
+    if pending and (span != "save" or ok is not None):
+        raise ProtocolError("bad_span", "only a save may be pending, without an outcome")
+    if span == "saved" and ok is None:
+        raise ProtocolError("bad_span", "a saved record says how the save ended")
+    api = obj.get("api")
+    return SpanRecord(
+        run=run, rank=rank, span=str(span),
+        seconds=check_number(_required(obj, "seconds"), "seconds"),
+        ok=ok, step=_opt_int(obj, "step"),
+        api=None if api is None else check_label(api, "api"),
+        bytes=_opt_int(obj, "bytes"), pending=pending, t=_opt_number(obj, "t"),
+        pid=_opt_int(obj, "pid"),
     )
 
 

@@ -22,6 +22,7 @@ from gpumon.wire.records import (
     ParallelLayout,
     ProtocolError,
     Record,
+    SpanRecord,
     StateRecord,
     StepRecord,
     WireRecord,
@@ -76,6 +77,21 @@ def to_wire(record: Record) -> dict[str, object]:
     elif isinstance(record, StateRecord):
         out["kind"] = "state"
         fields = _state_wire(record)
+    elif isinstance(record, SpanRecord):
+        out["kind"] = "span"
+        fields = {
+            "run": record.run,
+            "rank": record.rank,
+            "span": record.span,
+            "seconds": record.seconds,
+            "ok": record.ok,
+            "step": record.step,
+            "api": record.api,
+            "bytes": record.bytes,
+            "pending": record.pending or None,
+            "t": record.t,
+            "pid": record.pid,
+        }
     else:
         out["kind"] = "hello"
         fields = {

@@ -73,6 +73,7 @@ DROP_REASONS = (
     "bad_state",
     "bad_stack",
     "bad_parallel",
+    "bad_span",
 )
 """Every reason ``decode_datagram`` can give for a rejected object or datagram."""
 
@@ -138,7 +139,9 @@ FIELD_LIMITS: dict[str, Limit] = {
                   value_reason="bad_memory_breakdown"),
     "since": Limit(integer=False, high=MAX_UNIX_TIME_S),
     "threshold": Limit(integer=False, high=MAX_DURATION_S, below=True),
+    "seconds": Limit(integer=False, high=MAX_DURATION_S, below=True),
     "launched": _COUNT,
+    "bytes": _COUNT,
     "flight.seq": Limit(integer=True, high=MAX_INT, type_reason="bad_state", value_reason="bad_state"),
     "flight.bytes": Limit(integer=True, high=MAX_INT, type_reason="bad_state", value_reason="bad_state"),
     "flight.since": Limit(integer=False, high=MAX_UNIX_TIME_S, type_reason="bad_state",
@@ -148,13 +151,15 @@ FIELD_LIMITS: dict[str, Limit] = {
 """Every numeric field by name (``mem``, ``memb``: each of their counts; ``phase``: each phase;
 ``comm.*``: the figures inside ``comm``; ``cpu_wait``: seconds the training thread was
 runnable but waiting for a CPU; ``since``, ``threshold``, ``launched``, ``flight.*`` and
-``frame.line``: a ``state`` record's; ``zero_stage``: a hello's ZeRO stage; ``parallel``: each
+``frame.line``: a ``state`` record's; ``seconds`` and ``bytes``: a ``span`` record's;
+``zero_stage``: a hello's ZeRO stage; ``parallel``: each
 coordinate of a hello's layout)."""
 
 LABEL_LIMITS: dict[str, int] = {
     "run": MAX_RUN_CHARS,
     "phase": MAX_LABEL_CHARS,
     "event": MAX_LABEL_CHARS,
+    "api": MAX_LABEL_CHARS,
     "client_version": MAX_LABEL_CHARS,
     "framework": MAX_LABEL_CHARS,
     "parallel": MAX_LABEL_CHARS,

@@ -182,6 +182,39 @@ class InFlight:
     on_device: bool = False
 
 
+SPAN_KINDS = ("save", "saved", "load", "eval")
+"""What a ``span`` record says the training thread did outside its steps: saved a checkpoint,
+restored one, or evaluated the model; ``saved``: an asynchronous save it began earlier has
+finished writing (its ``ok`` says how)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRecord:
+    """Time a rank's training thread spent outside its steps on something known: a
+    checkpoint saved or restored, an evaluation pass.
+
+    ``seconds`` is how long it held the training thread (an asynchronous save: only the part
+    before the call returned, with ``pending`` set and no ``ok``: its outcome comes later in a
+    ``saved`` record, whose ``seconds`` are how long it wrote in the background). ``ok`` is
+    whether it succeeded. ``step``, where the hook knows it, is the number of the last step
+    a save covers; else the agent takes the last step the rank reported before it. ``api`` names what was called
+    (``torch.save``, ``dcp``, ``safetensors``, ``hf``, ``accelerate``, ``deepspeed``,
+    ``lightning``, ``mark``); ``bytes`` how much tensor data it held, where known."""
+
+    run: str
+    rank: int
+    span: str
+    seconds: float
+    ok: bool | None = None
+    step: int | None = None
+    api: str | None = None
+    bytes: int | None = None
+    pending: bool = False
+    """An asynchronous save whose writing went on after ``seconds`` (a ``saved`` follows)."""
+    t: float | None = None
+    pid: int | None = None
+
+
 RANK_STATES = ("stepping", "stalled", "closed", "evaluating")
 """What a rank's hook says of itself in a ``state`` record: steps arrive (or a step has not
 yet lasted far longer than its typical one), no step for far longer than the typical one, the
@@ -219,7 +252,7 @@ class StateRecord:
         return next((frame for frame in self.stack if frame.own), None)
 
 
-Record = StepRecord | EventRecord | HelloRecord | StateRecord
+Record = StepRecord | EventRecord | HelloRecord | StateRecord | SpanRecord
 WireRecord = Mapping[str, object]
 
 
