@@ -13,8 +13,9 @@ Within one process's life, from its start to the agent's horizon (the last momen
 learnt of it, or its exit):
 
 - ``startup``: from the start to its first step's start (a restore before it included);
-- steps: unsaved until preserved (a completed save after them, by this rank or, by step number,
-  another rank of the run; or the run ending cleanly), then goodput; ``lost`` when the process
+- steps: unsaved until preserved (a completed save after them, by this rank or another rank of
+  the run: a save covers the steps its process had completed when it began, counted from its
+  start, and the same count of the other ranks' steps; or the run ending cleanly), then goodput; ``lost`` when the process
   fails first (it exits without having finished: the work since the last checkpoint is redone);
 - ``checkpoint``, ``evaluation``: spans after the first step;
 - ``stalled``: a period the hook reported stalled, from the rank's last step on;
@@ -33,8 +34,8 @@ CAUSES = ("startup", "checkpoint", "evaluation", "stalled", "lost", "restart", "
 """Every badput cause, in the order reports list them."""
 
 MAX_UNSAVED_ENTRIES = 4096
-"""Unsaved steps kept one by one; past this the oldest two are merged (the later step number
-kept: the merged pair is preserved with the later step, never earlier than it should)."""
+"""Unsaved steps kept one by one; past this the oldest two are merged (the later count kept:
+the merged pair is preserved with the later step, never earlier than it should)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +63,7 @@ class TimeLedger:
     def __init__(self) -> None:
         self._goodput = 0.0
         self._badput = dict.fromkeys(CAUSES, 0.0)
-        self._unsaved: deque[list[float]] = deque()  # [step, seconds], oldest first
+        self._unsaved: deque[list[float]] = deque()  # [ordinal, seconds], oldest first
         self._unsaved_s = 0.0
         self.restarts = 0
         self._counts = [0, 0, 0, 0]  # saves ok, failed; loads ok, failed
@@ -74,13 +75,12 @@ class TimeLedger:
         self._accounted = 0.0  # its life put somewhere other than "other", so far
         self._other_base = 0.0  # "other" of earlier processes
         self._other_max = 0.0  # "other" as last reported (never goes down)
-        self._preserved_step: float | None = None
+        self._preserved: int = 0  # the process's steps counted from 1: kept up to this one
         self._finished = False
         self._exit: float | None = None
         self._failed = False
         self._period: tuple[str, float] | None = None  # (cause, since) of an open period
-        self._last_step: int | None = None
-        self._pending_saves: deque[int | None] = deque(maxlen=64)
+        self._steps = 0  # the process's steps received so far
 
     # -- the process -----------------------------------------------------------------------
     def process(self, pid: int | None, start: float, now: float) -> None:
@@ -96,9 +96,8 @@ class TimeLedger:
             self._other_base = self._other_now()
         self._pid, self._start, self._horizon = pid, start, start
         self._stepped, self._accounted, self._finished = False, 0.0, False
-        self._exit, self._failed, self._period, self._preserved_step = None, False, None, None
-        self._last_step = None
-        self._pending_saves.clear()
+        self._exit, self._failed, self._period, self._preserved = None, False, None, 0
+        self._steps = 0
 
     @property
     def pid(self) -> int | None:
@@ -133,11 +132,11 @@ class TimeLedger:
         self._preserve(None)
 
     # -- what it did -----------------------------------------------------------------------
-    def step(self, step: int, duration_s: float, now: float) -> None:
-        """A step of ``duration_s`` seconds ended (learnt at ``now``)."""
+    def step(self, duration_s: float, now: float) -> None:
+        """A step of ``duration_s`` seconds ended (learnt at ``now``): the process's next."""
         self._see(now)
         assert self._start is not None
-        self._last_step = step
+        self._steps += 1
         began = max(self._start, now - duration_s)
         if not self._stepped:
             self._stepped = True
@@ -155,19 +154,19 @@ class TimeLedger:
             self._accounted += held if cause == "stalled" else max(0.0, began - since)
             self._period = None
         self._accounted += kept
-        if self._preserved_step is not None and step <= self._preserved_step:
+        if self._steps <= self._preserved:  # a save already covers it (it arrived late)
             self._goodput += kept
         else:
-            self._add_unsaved(step, kept)
+            self._add_unsaved(self._steps, kept)
 
-    def span(self, kind: str, seconds: float, ok: bool | None, pending: bool,
-             step: int | None, now: float) -> int | None:
+    def span(self, kind: str, seconds: float, ok: bool | None, steps: int | None,
+             now: float) -> int | None:
         """A save (``kind`` ``save``), restore (``load``) or evaluation (``eval``) held the
         training thread ``seconds`` (after the first step: badput; before it, part of the
-        startup). A successful save keeps the steps so far; a ``pending`` one (asynchronous,
-        still writing) keeps them when its ``saved`` record says it succeeded. Returns the
-        step number a completed save covers (``step``, else the last step this rank did
-        before it), for the run's other ranks, or None."""
+        startup); ``saved``: an asynchronous save finished writing. A save that succeeded
+        keeps the process's first ``steps`` steps (the steps it had completed when the save
+        began; all received so far where the hook did not say). Returns that count, for the
+        run's other ranks, or None."""
         self._see(now)
         if kind in ("save", "saved", "load") and ok is not None:
             self._counts[(2 if kind == "load" else 0) + (0 if ok else 1)] += 1
@@ -177,26 +176,16 @@ class TimeLedger:
                 self._period = None  # the span measured the evaluation the period guessed at
             self._badput[cause] += seconds
             self._accounted += seconds
-        covered = step if step is not None else self._last_step
-        if kind == "save" and pending:
-            self._pending_saves.append(covered)
+        if kind not in ("save", "saved") or not ok:
             return None
-        if kind == "saved":
-            covered = self._pending_saves.popleft() if self._pending_saves else covered
-        elif kind != "save":
-            return None
-        if not ok:
-            return None
-        if kind == "save":
-            self._preserve(None)
-        elif covered is not None:
-            self._preserve(covered)
+        covered = self._steps if steps is None else steps
+        self._preserve(covered)
         return covered
 
-    def preserve(self, step: int) -> None:
-        """Another rank of the run completed a save after its step ``step``: this rank's steps
-        numbered up to it are kept too."""
-        self._preserve(step)
+    def preserve(self, steps: int) -> None:
+        """Another rank of the run completed a save covering its first ``steps`` steps: this
+        rank's first ``steps`` are kept too."""
+        self._preserve(steps)
 
     def outside(self, cause: str | None, since: float, now: float) -> None:
         """The hook says the rank is ``stalled`` (no progress) or ``evaluation`` (progress
@@ -254,21 +243,22 @@ class TimeLedger:
         self._accounted += held
         self._period = None
 
-    def _add_unsaved(self, step: int, seconds: float) -> None:
+    def _add_unsaved(self, ordinal: int, seconds: float) -> None:
         if len(self._unsaved) >= MAX_UNSAVED_ENTRIES:
             first = self._unsaved.popleft()
             self._unsaved[0][1] += first[1]
-        self._unsaved.append([float(step), seconds])
+        self._unsaved.append([float(ordinal), seconds])
         self._unsaved_s += seconds
 
-    def _preserve(self, step: int | None) -> None:
-        if step is None:
+    def _preserve(self, steps: int | None) -> None:
+        if steps is None:
+            self._preserved = self._steps
             self._goodput += self._unsaved_s
             self._unsaved.clear()
             self._unsaved_s = 0.0
             return
-        self._preserved_step = max(self._preserved_step or step, step)
-        while self._unsaved and self._unsaved[0][0] <= step:
+        self._preserved = max(self._preserved, steps)
+        while self._unsaved and self._unsaved[0][0] <= steps:
             seconds = self._unsaved.popleft()[1]
             self._goodput += seconds
             self._unsaved_s -= seconds

@@ -4,8 +4,8 @@ the accounts; here the store's records become its calls).
 A process's life starts at the kernel's start time where the agent sees the process (the
 ``started`` callback reads ``/proc`` in the agent), else when it first spoke. The hook's
 ``state`` records open and close the periods outside steps (stalled, evaluating); a ``finished``
-event keeps a process's steps; a completed save keeps its run's other ranks' steps up to its
-step number as well.
+event keeps a process's steps; a completed save keeps as many of its run's other ranks'
+steps as it covers of its own.
 """
 
 from __future__ import annotations
@@ -47,9 +47,10 @@ def account_state(ledger: TimeLedger | None, state: str, last_step_monotonic: fl
 
 
 def preserve_run(ledgers: Iterable[tuple[tuple[str, int], TimeLedger | None]], run: str,
-                 saver: int, step: int) -> None:
-    """A rank of ``run`` completed a save after its step ``step``: the run's other ranks'
-    steps up to that number are kept too (a job whose rank 0 alone writes the checkpoint)."""
+                 saver: int, steps: int) -> None:
+    """A rank of ``run`` completed a save covering its first ``steps`` steps: the run's other
+    ranks' first ``steps`` are kept too (a job whose rank 0 alone writes the checkpoint;
+    its ranks step together)."""
     for (other_run, rank), ledger in ledgers:
         if other_run == run and rank != saver and ledger is not None:
-            ledger.preserve(step)
+            ledger.preserve(steps)

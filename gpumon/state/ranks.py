@@ -257,13 +257,13 @@ class RankStore:
                     self.records_total["step"] += 1
                     _note_identity(state, record.world, record.local_rank, record.gpu)
                     state.add_step(record, now_t)
-                    ledger_of(state).step(record.step, record.duration_s, monotonic)
+                    ledger_of(state).step(record.duration_s, monotonic)
                     state.last_step_monotonic = monotonic
                     accepted.append(record)
                 elif isinstance(record, SpanRecord):
                     self.records_total["span"] += 1
                     covered = ledger_of(state).span(record.span, record.seconds, record.ok,
-                                                    record.pending, record.step, monotonic)
+                                                    record.steps, monotonic)
                     if covered is not None:
                         preserve_run(((k, s.ledger) for k, s in self._ranks.items()), record.run, record.rank, covered)
                 elif isinstance(record, EventRecord):

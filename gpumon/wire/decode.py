@@ -372,7 +372,7 @@ def _check_span(obj: Mapping[str, object]) -> SpanRecord:
     return SpanRecord(
         run=run, rank=rank, span=str(span),
         seconds=check_number(_required(obj, "seconds"), "seconds"),
-        ok=ok, step=_opt_int(obj, "step"),
+        ok=ok, steps=_opt_int(obj, "steps", "step"),
         api=None if api is None else check_label(api, "api"),
         bytes=_opt_int(obj, "bytes"), pending=pending, t=_opt_number(obj, "t"),
         pid=_opt_int(obj, "pid"),

@@ -85,7 +85,7 @@ def to_wire(record: Record) -> dict[str, object]:
             "span": record.span,
             "seconds": record.seconds,
             "ok": record.ok,
-            "step": record.step,
+            "steps": record.steps,
             "api": record.api,
             "bytes": record.bytes,
             "pending": record.pending or None,

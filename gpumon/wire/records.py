@@ -196,8 +196,8 @@ class SpanRecord:
     ``seconds`` is how long it held the training thread (an asynchronous save: only the part
     before the call returned, with ``pending`` set and no ``ok``: its outcome comes later in a
     ``saved`` record, whose ``seconds`` are how long it wrote in the background). ``ok`` is
-    whether it succeeded. ``step``, where the hook knows it, is the number of the last step
-    a save covers; else the agent takes the last step the rank reported before it. ``api`` names what was called
+    whether it succeeded. ``steps`` is how many steps the process had completed when it began
+    (what a save covers; the ``saved`` of an asynchronous save repeats its save's). ``api`` names what was called
     (``torch.save``, ``dcp``, ``safetensors``, ``hf``, ``accelerate``, ``deepspeed``,
     ``lightning``, ``mark``); ``bytes`` how much tensor data it held, where known."""
 
@@ -206,7 +206,7 @@ class SpanRecord:
     span: str
     seconds: float
     ok: bool | None = None
-    step: int | None = None
+    steps: int | None = None
     api: str | None = None
     bytes: int | None = None
     pending: bool = False

@@ -10,7 +10,7 @@ from gpumon.analysis.goodput import CAUSES, MAX_UNSAVED_ENTRIES, TimeLedger
 def run_steps(ledger: TimeLedger, first: int, count: int, t: float, seconds: float = 1.0) -> float:
     for n in range(first, first + count):
         t += seconds
-        ledger.step(n, seconds, t)
+        ledger.step(seconds, t)
     return t
 
 
@@ -21,7 +21,7 @@ def test_startup_steps_and_a_save_keep_the_work() -> None:
     totals = ledger.totals(t)
     assert totals.badput_s["startup"] == pytest.approx(5.0)
     assert totals.unsaved_s == pytest.approx(5.0) and totals.goodput_s == 0.0
-    assert ledger.span("save", 2.0, True, False, None, t + 2.0) == 5
+    assert ledger.span("save", 2.0, True, None, t + 2.0) == 5
     t = run_steps(ledger, 6, 3, t + 2.0)
     totals = ledger.totals(t)
     assert totals.goodput_s == pytest.approx(5.0)
@@ -35,7 +35,7 @@ def test_a_failure_loses_the_unsaved_work_and_the_gap_is_restart() -> None:
     ledger = TimeLedger()
     ledger.process(10, 0.0, 0.0)
     t = run_steps(ledger, 1, 4, 1.0)
-    ledger.span("save", 1.0, True, False, None, t + 1.0)
+    ledger.span("save", 1.0, True, None, t + 1.0)
     t = run_steps(ledger, 5, 3, t + 1.0)  # three steps after the checkpoint...
     ledger.ended(t + 0.5)  # ...then the process dies
     mid = ledger.totals(t + 0.5)
@@ -76,7 +76,7 @@ def test_a_failed_save_preserves_nothing() -> None:
     ledger = TimeLedger()
     ledger.process(1, 0.0, 0.0)
     t = run_steps(ledger, 1, 4, 0.0)
-    assert ledger.span("save", 1.0, False, False, None, t + 1.0) is None
+    assert ledger.span("save", 1.0, False, None, t + 1.0) is None
     totals = ledger.totals(t + 1.0)
     assert totals.unsaved_s == pytest.approx(4.0) and totals.saves_failed == 1
     assert totals.badput_s["checkpoint"] == pytest.approx(1.0)
@@ -86,23 +86,35 @@ def test_an_async_save_keeps_only_the_steps_before_it_once_it_completes() -> Non
     ledger = TimeLedger()
     ledger.process(1, 0.0, 0.0)
     t = run_steps(ledger, 1, 4, 0.0)
-    ledger.span("save", 0.2, None, True, None, t + 0.2)  # blocks 0.2 s, goes on writing
+    ledger.span("save", 0.2, None, 4, t + 0.2)  # blocks 0.2 s, goes on writing
     t = run_steps(ledger, 5, 2, t + 0.2)
     assert ledger.totals(t).goodput_s == 0.0
-    assert ledger.span("saved", 3.0, True, False, None, t) == 4
+    assert ledger.span("saved", 3.0, True, 4, t) == 4
     totals = ledger.totals(t)
     assert totals.goodput_s == pytest.approx(4.0) and totals.unsaved_s == pytest.approx(2.0)
     assert totals.badput_s["checkpoint"] == pytest.approx(0.2)
 
 
-def test_another_ranks_save_keeps_steps_up_to_its_number() -> None:
+def test_another_ranks_save_keeps_as_many_steps_as_it_covers() -> None:
     ledger = TimeLedger()
     ledger.process(1, 0.0, 0.0)
     t = run_steps(ledger, 1, 6, 0.0)
     ledger.preserve(4)
     assert ledger.totals(t).goodput_s == pytest.approx(4.0)
-    ledger.step(3, 1.0, t + 1.0)  # a late step numbered below the kept point: kept at once
-    assert ledger.totals(t + 1.0).goodput_s == pytest.approx(5.0)
+    ledger.preserve(8)  # covers two steps that have not arrived yet: kept as they come
+    t = run_steps(ledger, 7, 3, t)
+    totals = ledger.totals(t)
+    assert totals.goodput_s == pytest.approx(8.0) and totals.unsaved_s == pytest.approx(1.0)
+
+
+def test_a_save_covers_the_steps_done_when_it_began_even_those_still_on_their_way() -> None:
+    ledger = TimeLedger()
+    ledger.process(1, 0.0, 0.0)
+    t = run_steps(ledger, 1, 3, 0.0)
+    assert ledger.span("save", 1.0, True, 5, t + 1.0) == 5  # steps 4 and 5 are still queued
+    t = run_steps(ledger, 4, 3, t + 1.0)
+    totals = ledger.totals(t)
+    assert totals.goodput_s == pytest.approx(5.0) and totals.unsaved_s == pytest.approx(1.0)
 
 
 def test_a_stall_is_stalled_not_step_time_and_counts_while_open() -> None:
@@ -111,7 +123,7 @@ def test_a_stall_is_stalled_not_step_time_and_counts_while_open() -> None:
     t = run_steps(ledger, 1, 3, 0.0)
     ledger.outside("stalled", t, t + 20.0)
     assert ledger.totals(t + 30.0).badput_s["stalled"] == pytest.approx(30.0)
-    ledger.step(4, 31.0, t + 31.0)  # the hung step ends
+    ledger.step(31.0, t + 31.0)  # the hung step ends
     totals = ledger.totals(t + 31.0)
     assert totals.badput_s["stalled"] == pytest.approx(31.0)
     assert totals.unsaved_s == pytest.approx(3.0)
@@ -121,9 +133,9 @@ def test_a_stall_is_stalled_not_step_time_and_counts_while_open() -> None:
 def test_evaluation_spans_after_the_first_step_and_a_restore_before_it() -> None:
     ledger = TimeLedger()
     ledger.process(1, 0.0, 0.0)
-    ledger.span("load", 2.0, True, False, None, 3.0)  # the restore: part of the startup
+    ledger.span("load", 2.0, True, None, 3.0)  # the restore: part of the startup
     t = run_steps(ledger, 1, 2, 4.0)
-    ledger.span("eval", 5.0, True, False, None, t + 5.0)
+    ledger.span("eval", 5.0, True, None, t + 5.0)
     t = run_steps(ledger, 3, 2, t + 5.0)
     totals = ledger.totals(t)
     assert totals.badput_s["startup"] == pytest.approx(4.0)
@@ -139,9 +151,9 @@ def test_the_figures_never_go_down() -> None:
     t = 0.0
     for n in range(1, 40):
         t += 1.3
-        ledger.step(n, 1.0, t)  # 0.3 s between steps: other
+        ledger.step(1.0, t)  # 0.3 s between steps: other
         if n % 7 == 0:
-            ledger.span("save", 0.5, True, False, None, t + 0.5)
+            ledger.span("save", 0.5, True, None, t + 0.5)
             t += 0.5
         if n == 30:
             ledger.ended(t)
