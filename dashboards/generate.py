@@ -51,6 +51,8 @@ class Panel:
     """A multi-value variable: one copy of the panel per selected value."""
     mappings: list[dict[str, Any]] = field(default_factory=list)
     """Grafana value mappings: a number shown as a word, in a colour."""
+    draw: str = "line"
+    """How a time series is drawn: ``line``, or ``bars`` for counts per interval."""
 
 
 def timeseries(title: str, description: str, *targets: Target, **kw: Any) -> Panel:
@@ -105,7 +107,7 @@ def _panel(p: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
         defaults["mappings"] = p.mappings
     options: dict[str, Any] = {}
     if p.kind == "timeseries":
-        defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10,
+        defaults["custom"] = {"drawStyle": p.draw, "lineWidth": 1, "fillOpacity": 10,
                               "showPoints": "never", "spanNulls": False,
                               "stacking": {"mode": p.stack, "group": "A"},
                               "thresholdsStyle": {"mode": "dashed" if p.thresholds else "off"}}
@@ -328,6 +330,55 @@ def _rank_state_panels() -> list[Panel]:
     ]
 
 
+def _goodput_panels() -> list[Panel]:
+    """Where the run's time went (docs/goodput.md): what was kept, what was lost and to what,
+    what is at risk now, and the restarts and checkpoints behind it."""
+    def ratio(window: str) -> str:
+        return f"run:gpumon_goodput:ratio_rate{window}{{{RUN_ONLY}}}"
+
+    good = [(None, "red"), (0.7, "orange"), (0.9, "green")]
+    return [
+        row("Where the time went"),
+        stat("Goodput ratio (6 h)", "Share of the run's settled time over 6 hours that was "
+             "kept: step time a checkpoint preserved, over that plus badput (startup, "
+             "checkpoints, evaluation, stalls, lost work, restarts). Under 70 % for 30 "
+             "minutes fires GpumonGoodputLow.",
+             Target(ratio("6h")), unit="percentunit", max=1, thresholds=good),
+        stat("Goodput ratio (1 d)", "The same over the last day.",
+             Target(ratio("1d")), unit="percentunit", max=1, thresholds=good),
+        timeseries("Goodput ratio over time", "The run's goodput ratio over the last hour, "
+                   "6 hours and day; 0.7 marked (GpumonGoodputLow reads the 6-hour one).",
+                   Target(ratio("1h"), "1 h"), Target(ratio("6h"), "6 h"),
+                   Target(ratio("1d"), "1 d"), unit="percentunit", max=1,
+                   thresholds=[(None, "red"), (0.7, "green")], width=16),
+        timeseries("Time by cause", "Where the ranks' settled time goes, in seconds per "
+                   "second summed over the run's ranks (8 ranks training: 8): goodput, and "
+                   "badput by cause. Goodput arrives when a checkpoint completes (it preserves "
+                   "the steps before it); the unsaved panel holds what is not settled yet.",
+                   Target(f"run:gpumon_goodput_seconds:rate5m{{{RUN_ONLY}}}", "goodput"),
+                   Target(f"run_cause:gpumon_badput_seconds:rate5m{{{RUN_ONLY}}}", "{{cause}}"),
+                   stack="normal"),
+        timeseries("Unsaved work per rank", "Step time each rank has done since its last "
+                   "preserved point: lost if it fails now, goodput at its next checkpoint. "
+                   "Beyond its agent's threshold (the alert threshold line) for 10 minutes fires "
+                   "GpumonWorkAtRisk.",
+                   Target(f"gpumon_unsaved_seconds{{{RUN}}}", "rank {{rank}}"),
+                   Target(f"max(gpumon_unsaved_threshold_seconds\n  and on (job, instance)"
+                          f" gpumon_unsaved_seconds{{{RUN}}})", "alert threshold"),
+                   unit="s"),
+        timeseries("Rank restarts", "Ranks continued by a new process after the old one "
+                   "exited (a torchrun restart, a Slurm requeue, a pod restarted under the same "
+                   "job), per interval.",
+                   Target(f"sum by (rank) (increase(gpumon_rank_restarts_total{{{RUN}}}[{RATE}]))",
+                          "rank {{rank}}"), draw="bars"),
+        timeseries("Checkpoints", "Saves and loads per interval over the selected ranks, by "
+                   "result; a failed save leaves the work since the last one at risk.",
+                   Target(f"sum by (kind, result) "
+                          f"(increase(gpumon_checkpoints_total{{{RUN}}}[{RATE}]))",
+                          "{{kind}} {{result}}"), draw="bars"),
+    ]
+
+
 def training() -> dict[str, Any]:
     """One run: speed, where each step's time goes, verdicts and memory."""
     q = f"sum by (le) (rate(gpumon_step_duration_seconds_bucket{{{RUN}}}[{RATE}]))"
@@ -355,6 +406,7 @@ def training() -> dict[str, Any]:
         table("Whose ranks", "Each rank's node, pod and namespace or Slurm job and step, user and "
               "pid, as the agent verified them (its process's cgroup and uid, kubelet's names).",
               Target(f"gpumon_rank_info{{{RUN}}}"), width=24),
+        *_goodput_panels(),
         row("Speed"),
         timeseries("Step time p50 / p95", "Quantiles of the step-duration histogram over the "
                    "selected ranks.",
