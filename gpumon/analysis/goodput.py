@@ -15,8 +15,9 @@ learnt of it, or its exit):
 - ``startup``: from the start to its first step's start (a restore before it included);
 - steps: unsaved until preserved (a completed save after them, by this rank or another rank of
   the run: a save covers the steps its process had completed when it began, counted from its
-  start, and the same count of the other ranks' steps; or the run ending cleanly), then goodput; ``lost`` when the process
-  fails first (it exits without having finished: the work since the last checkpoint is redone);
+  start, and the same count of the other ranks' steps; or the run ending cleanly), then
+  goodput; ``lost`` when the process fails first (it exits without having finished: the work
+  since the last checkpoint is redone);
 - ``checkpoint``, ``evaluation``: spans after the first step;
 - ``stalled``: a period the hook reported stalled, from the rank's last step on;
 - ``other``: the rest of the life (between steps, anything unrecognised).

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import os
 import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from time import time
 from types import TracebackType
@@ -29,6 +31,7 @@ from gpumon.client.core import cuda_clock, step_core
 from gpumon.client.core.extensions import Extensions
 from gpumon.client.core.identity import resolve_identity, resolve_socket_path
 from gpumon.client.core.sender import Sender
+from gpumon.client.core.spans import SpanReporter, exiting_cleanly
 from gpumon.client.core.stall import StallWatch, monotonic_and_unix
 from gpumon.client.core.step_tuple import StepTuple
 from gpumon.client.core.transport import Transport, UnixDatagramTransport
@@ -54,6 +57,8 @@ else:
         from gpumon.client.core._hook import HookCore, Phase, Step
     except ImportError:  # not built here: no compiler at install time, or not Linux
         from gpumon.client.core.step_core import HookCore, Phase, Step
+
+log = logging.getLogger("gpumon.client")
 
 IMPLEMENTATION = "c" if HookCore is not step_core.HookCore else "python"
 """Which ``HookCore`` runs the hot path: ``"c"``, or ``"python"`` (``GPUMON_PURE_PYTHON=1``
@@ -203,6 +208,9 @@ class StepMonitor:
             self._sender.set_gpu(gpu)
         self._find_cuda(final=False)
         self._sender.add_control(self._sender.hello)
+        core = self._core
+        self._spans = SpanReporter(self._sender, lambda: core.steps)
+        _watch_checkpoints(self._spans)
         self._finalizer = weakref.finalize(self, self._sender.close)
         _live_monitors.add(self)
         for callback in _on_new_monitor:
@@ -255,6 +263,19 @@ class StepMonitor:
         """Yield ``iterable``'s items, timing each wait as the ``data`` phase of the next step."""
         return self._core.loader(iterable)
 
+    def checkpoint(self, *, load: bool = False) -> AbstractContextManager[None]:
+        """Context manager around a checkpoint save of your own (``load=True``: a restore),
+        outside any step: its time is the run's ``checkpoint`` badput, and once it completes
+        without an exception the steps done before it count as goodput (docs/goodput.md). The
+        saves of ``torch.save``, ``torch.distributed.checkpoint``, safetensors, Hugging Face,
+        accelerate, DeepSpeed and Lightning are recognised without it."""
+        return self._spans.timed("load" if load else "save", "mark")
+
+    def evaluation(self) -> AbstractContextManager[None]:
+        """Context manager around an evaluation pass outside any step: its time is the run's
+        ``evaluation`` badput (Hugging Face's and Lightning's are recognised without it)."""
+        return self._spans.timed("eval", "mark")
+
     @property
     def stats(self) -> ClientStats:
         """A snapshot of the counters."""
@@ -301,7 +322,12 @@ class StepMonitor:
             self._sender.flush()
 
     def close(self) -> None:
-        """Send what is left and stop; later steps are not recorded. Idempotent."""
+        """Send what is left and stop; later steps are not recorded. Idempotent. Unless an
+        exception is ending the program, the process's part of the run is done: the agent
+        keeps every step it did (docs/goodput.md)."""
+        self._close(exiting_cleanly())
+
+    def _close(self, finished: bool) -> None:
         if self._closed:
             return
         core = self._core
@@ -312,6 +338,9 @@ class StepMonitor:
             last_ooms = core.last_ooms
             if mem is not None and last_ooms is not None and mem[cuda_clock.MEMORY_OOMS] > last_ooms:
                 self._event("oom", "an out-of-memory error ended the last step", core.steps)
+        if finished:
+            self._spans.finished()
+        self._spans.closed = True
         self._closed = True
         if self._trace is not None:
             self._trace.close(ending=True)
@@ -329,7 +358,7 @@ class StepMonitor:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self._close(exc is None and exiting_cleanly())
 
     # --- used by the integrations and watchers --------------------------------------------
 
@@ -411,6 +440,16 @@ def _phase_clock(name: Any) -> bool:
     if not isinstance(name, str) or not is_label(name, MAX_LABEL_CHARS):
         raise ValueError(f"phase name {name!r}: use 1-64 of letters, digits, _ . : / -")
     return name in HOST_CLOCK_PHASES
+
+
+def _watch_checkpoints(spans: SpanReporter) -> None:
+    """Recognise the process's checkpoint saves and evaluations for ``spans`` (never raises)."""
+    try:
+        from gpumon.client.watchers.checkpoints import watch_checkpoints
+
+        watch_checkpoints(spans)
+    except Exception:  # a failure here costs the recognition, never the monitor
+        log.debug("checkpoint taps not installed", exc_info=True)
 
 
 def _valid_gpu(gpu: object) -> bool:

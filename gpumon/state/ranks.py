@@ -265,7 +265,8 @@ class RankStore:
                     covered = ledger_of(state).span(record.span, record.seconds, record.ok,
                                                     record.steps, monotonic)
                     if covered is not None:
-                        preserve_run(((k, s.ledger) for k, s in self._ranks.items()), record.run, record.rank, covered)
+                        preserve_run(((k, s.ledger) for k, s in self._ranks.items()),
+                                     record.run, record.rank, covered)
                 elif isinstance(record, EventRecord):
                     self.records_total["event"] += 1
                     if record.event == "oom":

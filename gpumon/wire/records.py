@@ -197,8 +197,8 @@ class SpanRecord:
     before the call returned, with ``pending`` set and no ``ok``: its outcome comes later in a
     ``saved`` record, whose ``seconds`` are how long it wrote in the background). ``ok`` is
     whether it succeeded. ``steps`` is how many steps the process had completed when it began
-    (what a save covers; the ``saved`` of an asynchronous save repeats its save's). ``api`` names what was called
-    (``torch.save``, ``dcp``, ``safetensors``, ``hf``, ``accelerate``, ``deepspeed``,
+    (what a save covers; the ``saved`` of an asynchronous save repeats its save's). ``api``
+    names what was called (``torch.save``, ``dcp``, ``safetensors``, ``hf``, ``accelerate``, ``deepspeed``,
     ``lightning``, ``mark``); ``bytes`` how much tensor data it held, where known."""
 
     run: str

@@ -37,7 +37,15 @@ from gpumon.client.core.step_tuple import (
     StepTuple,
 )
 from gpumon.client.core.transport import Transport
-from gpumon.wire import EventRecord, HelloRecord, StateRecord, StepEncoder, encode_record, pack_datagrams
+from gpumon.wire import (
+    EventRecord,
+    HelloRecord,
+    SpanRecord,
+    StateRecord,
+    StepEncoder,
+    encode_record,
+    pack_datagrams,
+)
 from gpumon.wire.step_encoder import LIMITS, Formatter
 
 
@@ -97,7 +105,7 @@ class Sender:
         self.state_lost = 0
         self.dropped: dict[str, int] = {}
         self._buffer = buffer
-        self._control: deque[HelloRecord | EventRecord] = deque(maxlen=256)
+        self._control: deque[HelloRecord | EventRecord | SpanRecord] = deque(maxlen=256)
         self.on_wake: Callable[[], None] | None = None
         """Called on this thread before each background flush (the stall watch)."""
         self._waiting: deque[StepTuple] = deque()
@@ -121,8 +129,8 @@ class Sender:
         self.hello = dataclasses.replace(self.hello, gpu=gpu)
         self._encoder.set_gpu(gpu)
 
-    def add_control(self, record: HelloRecord | EventRecord) -> None:
-        """Queue a hello or event record for the next flush."""
+    def add_control(self, record: HelloRecord | EventRecord | SpanRecord) -> None:
+        """Queue a hello, event or span record for the next flush (from any thread)."""
         self._control.append(record)
 
     def send_state(self, record: StateRecord) -> None:
