@@ -23,6 +23,11 @@ from gpumon.wire import ring as layout
 
 _SENT = struct.Struct("=q")
 _OFFSET = struct.Struct("=d")
+_ENTRY_PACK = layout.ENTRY.pack_into
+_WRITTEN_PACK = _SENT.pack_into
+_HEADER_BYTES = layout.HEADER.size
+_ENTRY_BYTES = layout.ENTRY.size
+_NAN = float("nan")
 
 
 def enabled() -> bool:
@@ -54,12 +59,14 @@ class StepRing:
               tokens: object, flops: object) -> None:
         """Write one completed step and count it (the C core does the same in C)."""
         written = self._written
-        layout.ENTRY.pack_into(
-            self.view, layout.HEADER.size + (written % self.capacity) * layout.ENTRY.size, seq,
-            _count(step), t0, t1, _count(samples), _count(tokens),
-            _flops(flops))
-        self._written = written + 1
-        struct.pack_into("=q", self.view, layout.WRITTEN_AT, written + 1)
+        # Inline tests for the common values (None, a plain int): a call each costs more.
+        _ENTRY_PACK(self.view, _HEADER_BYTES + (written % self.capacity) * _ENTRY_BYTES, seq,
+                    -1 if step is None else _count(step), t0, t1,
+                    -1 if samples is None else _count(samples),
+                    -1 if tokens is None else _count(tokens),
+                    _NAN if flops is None else _flops(flops))
+        self._written = written = written + 1
+        _WRITTEN_PACK(self.view, layout.WRITTEN_AT, written)
 
     def mark_sent(self, seq_end: int) -> None:
         """Every step below ``seq_end`` reached the agent's socket (the sender thread)."""
