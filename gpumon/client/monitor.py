@@ -175,7 +175,11 @@ class StepMonitor:
         # the process die before sending it (client/core/ring.py); only toward an agent.
         ring = open_ring() if self.socket_path is not None else None
         if ring is not None:
-            self._core.set_ring(ring)
+            try:
+                self._core.set_ring(ring)
+            except (ValueError, BufferError):  # a mapping the core cannot use: no ring
+                ring.close()
+                ring = None
         self.extensions = Extensions(self._core.set_extensions, self._describe, self._core.data_wait,
                                      self._core.set_quiet_until, self._place)
         """Where watchers attach what they measure in each step:
