@@ -5,7 +5,9 @@ TensorBoard logging the same figures.
 
 Blocks of empty steps are timed in rotation, in one process: bare, and hooked (``mon.step()``
 around three ``mon.phase()`` blocks, optionally under ``mon.loader()`` with counts), sending
-to a real Unix datagram socket drained by a reader process (standing in for the agent).
+to a real Unix datagram socket drained by a reader process (standing in for the agent). Each
+hooked monitor writes its steps to a step ring as well; the same loop without the ring
+(``GPUMON_RING=0``), on both cores, measures what the ring costs.
 After each block the hooked records are flushed synchronously and that flush is timed too
 (its CPU time: it may also sleep while the reader drains a full socket): it is the background
 sender's cost per record, paid off the training thread but sharing its interpreter.
@@ -237,6 +239,20 @@ def _have_tensorboard() -> bool:
     return True
 
 
+@contextmanager
+def _ring_off() -> Iterator[None]:
+    """Monitors made inside keep no step ring (the hook before the ring)."""
+    before = os.environ.get("GPUMON_RING")
+    os.environ["GPUMON_RING"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["GPUMON_RING"]
+        else:
+            os.environ["GPUMON_RING"] = before
+
+
 def _memory_watched_monitor(path: str) -> StepMonitor | None:
     """A monitor with the memory-breakdown sampler registered (a small model and its AdamW,
     the default 5 s between samples), or None without torch: what ``watch(model, optimizer)``
@@ -285,12 +301,18 @@ def main() -> None:
             "bare": (bare, None), "hooked": (hooked(mon), mon.flush),
             "bare_loader": (bare_loader, None), "hooked_loader": (hooked_loader(mon), mon.flush),
         }
-        mon_py = None
+        with _ring_off():
+            mon_noring = StepMonitor(run="bench-noring", socket_path=path)
+        cases["hooked_loader_noring"] = (hooked_loader(mon_noring), mon_noring.flush)
+        mon_py = mon_py_noring = None
         if IMPLEMENTATION == "c":  # the pure-Python core too, for the before/after
             from common import pure_python_step_monitor
 
             mon_py = pure_python_step_monitor()(run="bench-python", socket_path=path)
             cases["hooked_loader_python"] = (hooked_loader(mon_py), mon_py.flush)
+            with _ring_off():
+                mon_py_noring = pure_python_step_monitor()(run="bench-python-noring", socket_path=path)
+            cases["hooked_loader_python_noring"] = (hooked_loader(mon_py_noring), mon_py_noring.flush)
         mon_memory = _memory_watched_monitor(path)
         if mon_memory is not None:
             cases["hooked_loader_memory"] = (hooked_loader(mon_memory), mon_memory.flush)
@@ -304,8 +326,11 @@ def main() -> None:
             cases["tensorboard"] = (tensorboard_loop(writer), writer.flush)
         raw = measure(cases, args.blocks, args.block_steps)
         mon.close()
+        mon_noring.close()
         if mon_py is not None:
             mon_py.close()
+        if mon_py_noring is not None:
+            mon_py_noring.close()
         if mon_memory is not None:
             mon_memory.close()
         mon_cpu_wait.close()
@@ -321,9 +346,13 @@ def main() -> None:
     if writer is not None:
         results.append({"case": "TensorBoard: timed by hand + 8 add_scalar",
                         **compare("bare_loader", "tensorboard", raw, False)})
+    results.append({"case": "the same, without the step ring",
+                    **compare("bare_loader", "hooked_loader_noring", raw, True)})
     if mon_py is not None:
         results.append({"case": "the same, pure-Python core (no C build)",
                         **compare("bare_loader", "hooked_loader_python", raw, True)})
+        results.append({"case": "pure-Python core, without the step ring",
+                        **compare("bare_loader", "hooked_loader_python_noring", raw, True)})
     if mon_memory is not None:
         results.append({"case": "the same, memory breakdown watched",
                         **compare("bare_loader", "hooked_loader_memory", raw, True)})

@@ -15,6 +15,7 @@ collector starts itself (``collectors/``), through the agent's public surface.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import socket
@@ -41,6 +42,7 @@ from gpumon.agent.views import AgentCollector, readiness, snapshot_document
 from gpumon.collectors.base import EventWatcher, GpuSource
 from gpumon.collectors.ingest import IngestServer, IngestStatus
 from gpumon.collectors.liveness import ExitWatcher, ProcessLiveness, started_monotonic
+from gpumon.collectors.rings import RingKeeper
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.errors import GpumonError
 from gpumon.export.server import MetricsServer
@@ -76,6 +78,8 @@ class Agent:
         self._exits = ExitWatcher(max_pids=config.max_ranks)
         self.rank_store = RankStore(ttl_s=config.rank_ttl_seconds, max_ranks=config.max_ranks,
                                     alive=self._liveness.alive, started=started_monotonic)
+        self.rings = RingKeeper(config.max_ranks, self.rank_store.count_dropped)
+        """The step rings of the live training processes, read when they end."""
         self.analyzer = SharedAnalyzer(resolution_s=config.interval, thresholds=config.thresholds,
                                        ranks=self.rank_store)
         self.owners = OwnerState(config.node_name or socket.gethostname())
@@ -203,6 +207,7 @@ class Agent:
         if self.ingest is not None:
             self.ingest.stop()
             self.ingest = None
+            self.rings.close()
             for rank in sorted(self.rank_store.ranks(), key=lambda r: (r.run, r.rank)):
                 log.info("final gpumon_steps_total{run=\"%s\",rank=\"%d\"} %d",
                          rank.run, rank.rank, rank.steps_total)
@@ -241,14 +246,17 @@ class Agent:
         return self._server.port
 
     # -- collection ----------------------------------------------------------------
-    def take_records(self, records: list[Record], sender: SenderCredentials) -> None:
+    def take_records(self, records: list[Record], sender: SenderCredentials,
+                     ended: bool = False) -> None:
         """The records of one datagram (ingest's callback): into the rank store; what it
         accepts is told to the sender watchers (the owners collector), then analysed and
-        recorded."""
+        recorded. ``ended``: those of an ended process, read from its step ring."""
         now = time.time()
-        if sender.pid and self._exits.watch(sender.pid):
+        if sender.pid and not ended and self._exits.watch(sender.pid):
             self._take_exits(time.monotonic())  # a successor finds its predecessor's exit known
-        accepted = self.rank_store.ingest(records, sender, time.monotonic(), now)
+        accepted = self.rank_store.ingest(records, sender, time.monotonic(), now, ended)
+        if not ended:
+            self.rings.note(accepted, sender)
         if self._recorder is not None:  # where each rank sits, for a replay's comparisons
             self._recorder.hellos(r for r in records if isinstance(r, HelloRecord))
         if not accepted:
@@ -262,13 +270,14 @@ class Agent:
             self._recorder.steps(accepted)
 
     def _housekeeping(self, now: float, monotonic: float) -> None:
-        self.rank_store.expire(monotonic)  # each rank's analysis goes with it
+        # Each rank's analysis goes with it, and its process's ring.
+        self.rings.forget(self.rank_store.expire(monotonic))
         self._take_exits(monotonic)
         if monotonic - self._liveness_at >= LIVENESS_INTERVAL_S:
             self._liveness_at = monotonic
-            ended = self._liveness.ended(set(self.rank_store.watched_pids()))
+            ended = self._liveness.ended(set(self.rank_store.watched_pids()) | self.rings.pids())
             if ended:
-                self.rank_store.mark_exited(ended, monotonic)
+                self._ended(ended, monotonic)
         self.analyzer.advance(now, self.state.snapshot(now), self.state.gpu_history())
         if self.traces is not None and self.config.trace_auto:
             self.traces.observe(self.analyzer.analyses())
@@ -279,7 +288,16 @@ class Agent:
         """The exits the watcher saw, at the moments it saw them."""
         exits = self._exits.take()
         if exits:
-            self.rank_store.mark_exited(set(exits), monotonic, exits)
+            self._ended(set(exits), monotonic, exits)
+
+    def _ended(self, pids: set[int], monotonic: float,
+               exits: dict[int, float] | None = None) -> None:
+        """Processes ended: what they had not sent, read from their step rings, is ingested as
+        their ranks' steps; then their ranks are marked exited (at ``exits[pid]`` where the
+        moment is known)."""
+        for records, sender in self.rings.drain(pids):
+            self.take_records(records, sender, ended=True)
+        self.rank_store.mark_exited(pids, monotonic, exits)
 
     # -- views -----------------------------------------------------------------------
     def families(self) -> Iterator[Metric]:
@@ -296,7 +314,9 @@ class Agent:
         if not self.config.enabled("ingest"):
             return None
         ingest = self.ingest
-        return ingest.status() if ingest else IngestStatus(self.config.socket, up=False)
+        status = ingest.status() if ingest else IngestStatus(self.config.socket, up=False)
+        return dataclasses.replace(status, rings_held=self.rings.held,
+                                   ring_records_total=self.rings.recovered_total)
 
     def recording_status(self) -> RecorderStatus | None:
         """How the ``--record`` file is doing, or None when nothing is recorded."""

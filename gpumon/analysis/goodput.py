@@ -138,6 +138,13 @@ class TimeLedger:
         self._see(now)
         assert self._start is not None
         self._steps += 1
+        if self._exit is not None:  # it arrived after the process was seen to end
+            self._accounted += duration_s
+            if self._failed:
+                self._badput["lost"] += duration_s
+            else:
+                self._goodput += duration_s
+            return
         began = max(self._start, now - duration_s)
         if not self._stepped:
             self._stepped = True

@@ -30,6 +30,7 @@ import gpumon
 from gpumon.client.core import cuda_clock, step_core
 from gpumon.client.core.extensions import Extensions
 from gpumon.client.core.identity import resolve_identity, resolve_socket_path
+from gpumon.client.core.ring import open_ring
 from gpumon.client.core.sender import Sender
 from gpumon.client.core.spans import SpanReporter, exiting_cleanly
 from gpumon.client.core.stall import StallWatch, monotonic_and_unix
@@ -175,6 +176,15 @@ class StepMonitor:
         self._buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         # The hot-path state, touched only by the training thread.
         self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
+        # Where each completed step is also written as it ends, for the agent to read should
+        # the process die before sending it (client/core/ring.py); only toward an agent.
+        ring = open_ring() if self.socket_path is not None else None
+        if ring is not None:
+            try:
+                self._core.set_ring(ring)
+            except (ValueError, BufferError):  # a mapping the core cannot use: no ring
+                ring.close()
+                ring = None
         self.extensions = Extensions(self._core.set_extensions, self._describe, self._core.data_wait,
                                      self._core.set_quiet_until, self._place)
         """Where watchers attach what they measure in each step:
@@ -190,7 +200,7 @@ class StepMonitor:
 
         hello = HelloRecord(self.run, self.rank, self.world, self.local_rank, os.getpid(),
                             client_version=gpumon.__version__, parallel=self._parallel)
-        self._sender = Sender(transport, hello, self._buffer)
+        self._sender = Sender(transport, hello, self._buffer, ring=ring)
         # Watched from the sender's thread; it holds the core, never the monitor.
         self._stall = StallWatch(self._core, self.run, self.rank, hello.pid or os.getpid(),
                                  self._sender.send_state)
@@ -472,6 +482,7 @@ def _after_fork_in_child() -> None:
             monitor._trace.close()
         monitor.extensions.close()
         monitor._core.stop()
+        monitor._core.set_ring(None)  # the parent's ring, shared with this child: not ours
         monitor._buffer.clear()
 
 

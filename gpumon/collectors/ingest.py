@@ -8,6 +8,10 @@ agent. A stale socket file left by a crashed agent is replaced only when nobody 
 it. The kernel tells us each sender's pid and uid (SCM_CREDENTIALS), so senders can be
 restricted by uid and a record's pid cannot be forged.
 
+A datagram may also carry descriptors (SCM_RIGHTS): a process handing over its step ring
+(``rings.py``). Those go to ``on_ring``, which keeps or closes them; every other path closes
+what a datagram carried, so a sender can never leave a descriptor open in the agent.
+
 Where the service manager holds the socket (``deploy/systemd/gpumon.socket``), the agent takes
 it over instead (``socket_activation``) and leaves it in place when it stops: what is sent
 while the agent restarts waits in the kernel's queue for the next one.
@@ -15,6 +19,7 @@ while the agent restarts waits in the kernel's queue for the next one.
 
 from __future__ import annotations
 
+import array
 import errno
 import grp
 import logging
@@ -48,11 +53,15 @@ PROCESS_SHARE_DATAGRAMS = 1536
 fit); the last 512 stay for the others (up to 60 steps each)."""
 PRESSURE_SENDERS_MAX = 4096
 """Processes counted while the decoder is behind; datagrams from more are refused."""
+MAX_PASSED_FDS = 4
+"""Descriptors read from one datagram: a ring hand-over has one; the kernel closes those beyond
+(and says so with MSG_CTRUNC), so none is ever left open in the agent."""
 _CREDENTIALS = struct.Struct("iII")  # struct ucred: pid, uid, gid
-_ANCILLARY_BYTES = socket.CMSG_SPACE(_CREDENTIALS.size)
+_ANCILLARY_BYTES = socket.CMSG_SPACE(_CREDENTIALS.size) + socket.CMSG_SPACE(4 * MAX_PASSED_FDS)
 
 OnRecords = Callable[[list[Record], SenderCredentials], None]
 OnDropped = Callable[[str, int], None]
+OnRing = Callable[[bytes, list[int], SenderCredentials], None]
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,10 @@ class IngestStatus:
     up: bool
     mode: int | None = None
     group: str | None = None
+    rings_held: int = 0
+    """Step rings of live processes held (``rings.py``)."""
+    ring_records_total: int = 0
+    """Steps read from the rings of ended processes."""
 
 
 class IngestError(GpumonError, RuntimeError):
@@ -181,6 +194,24 @@ def _credentials(ancillary: list[tuple[int, int, bytes]]) -> tuple[int, int] | N
     return None
 
 
+def passed_fds(ancillary: list[tuple[int, int, bytes]]) -> list[int]:
+    """The descriptors a datagram carried (SCM_RIGHTS), now open in this process."""
+    fds: list[int] = []
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.extend(array.array("i", data[:len(data) - len(data) % 4]))
+    return fds
+
+
+def close_fds(fds: list[int]) -> None:
+    """Close descriptors a datagram carried that nobody keeps."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def parse_sender(ancillary: list[tuple[int, int, bytes]]) -> SenderCredentials:
     """The sender's pid/uid from SCM_CREDENTIALS, when the kernel attached them."""
     found = _credentials(ancillary)
@@ -200,10 +231,12 @@ class IngestServer:
     """
 
     def __init__(self, path: Path, on_records: OnRecords, on_dropped: OnDropped,
-                 allowed_uids: tuple[int, ...] = (), group: str | None = None) -> None:
+                 allowed_uids: tuple[int, ...] = (), group: str | None = None,
+                 on_ring: OnRing | None = None) -> None:
         self.path = path
         self._on_records = on_records
         self._on_dropped = on_dropped
+        self._on_ring = on_ring
         self._allowed = frozenset(allowed_uids)
         # blocking: the receiver sleeps until a datagram or stop()
         self._sock, self.inherited = adopt_or_bind(path, socket_group_id(group))
@@ -254,6 +287,7 @@ class IngestServer:
                 behind = None
             elif queued >= QUEUE_DATAGRAMS:
                 self._on_dropped("agent_overloaded", 1)  # bounded memory under a flood
+                close_fds(passed_fds(item[1]))
                 continue
             else:
                 if behind is None:
@@ -263,6 +297,7 @@ class IngestServer:
                 if held >= PROCESS_SHARE_DATAGRAMS or (
                         not held and len(behind) >= PRESSURE_SENDERS_MAX):
                     self._on_dropped("agent_overloaded_process", 1)
+                    close_fds(passed_fds(item[1]))
                     continue
                 behind[pid] = held + 1
             queue.put(item[:3])
@@ -282,12 +317,22 @@ class IngestServer:
                 self._on_dropped("internal_error", 1)
 
     def _handle(self, data: bytes, ancillary: list[tuple[int, int, bytes]], flags: int) -> None:
+        fds = passed_fds(ancillary)
         if flags & socket.MSG_TRUNC or len(data) > MAX_DATAGRAM_BYTES:
+            close_fds(fds)
             self._on_dropped("too_large", 1)
             return
         sender = parse_sender(ancillary)
         if self._allowed and (sender.uid is None or sender.uid not in self._allowed):
+            close_fds(fds)
             self._on_dropped("uid_not_allowed", 1)
+            return
+        if fds or flags & socket.MSG_CTRUNC:  # a ring hand-over, or descriptors to refuse
+            if self._on_ring is None or flags & socket.MSG_CTRUNC:
+                close_fds(fds)
+                self._on_dropped("ring_fds" if self._on_ring else "ring_unexpected", 1)
+            else:
+                self._on_ring(data, fds, sender)
             return
         result = decode_datagram(data)
         for reason in result.rejected:

@@ -76,3 +76,11 @@ def ingest_families(status: IngestStatus | None) -> Iterator[Metric]:
                            "mode.", labels=["path", "group", "mode"])
         info.add_metric([status.path, status.group or "", f"{status.mode:04o}"], 1.0)
         yield info
+    yield GaugeFamily("gpumon_ingest_rings",
+                      "Step rings of live training processes the agent holds, read when they "
+                      "end.", value=float(status.rings_held))
+    recovered = CounterFamily("gpumon_ingest_ring_records",
+                              "Steps read from the rings of ended processes: records they had "
+                              "not sent when they died.", labels=[])
+    recovered.add_metric([], float(status.ring_records_total))
+    yield recovered

@@ -205,8 +205,12 @@ class RankStore:
         self._started = started
 
     def ingest(self, records: list[Record], sender: SenderCredentials, monotonic: float,
-               now_t: float) -> list[StepRecord]:
-        """Apply decoded records; returns the steps accepted (for recording/verdicts)."""
+               now_t: float, ended: bool = False) -> list[StepRecord]:
+        """Apply decoded records; returns the steps accepted (for recording/verdicts).
+
+        ``ended``: the records of ``sender``, a process that has ended, read from its step
+        ring (``collectors/rings.py``): they are its rank's whoever sends for it now (a
+        restart already running is no second job), and say nothing of which process that is."""
         accepted: list[StepRecord] = []
         with self._lock:
             for record in records:
@@ -219,7 +223,7 @@ class RankStore:
                 if reason is not None:
                     self.dropped_total[reason] += 1
                     continue
-                if state is not None:
+                if state is not None and not ended:
                     clash, state.earlier_pids = self._claims.route(
                         key, state.kernel_pid, state.pid, state.exited_monotonic is not None,
                         state.earlier_pids, sender_process(sender, record))
@@ -239,9 +243,11 @@ class RankStore:
                 self._recent.move_to_end(key)
                 # The kernel's word for which process this is; the record's only without it.
                 pid = sender.pid if sender.pid is not None else record.pid
+                if ended:
+                    pid = None
                 if pid is not None:
                     state.pid = pid
-                if sender.pid is not None and sender.pid != state.kernel_pid:
+                if sender.pid is not None and sender.pid != state.kernel_pid and not ended:
                     state.kernel_pid = sender.pid  # a new process of this rank (a restart)
                     state.exited_monotonic = None
                 state.ledger = account_process(state.ledger, pid, sender.pid is not None,
@@ -256,9 +262,14 @@ class RankStore:
                 if isinstance(record, StepRecord):
                     self.records_total["step"] += 1
                     _note_identity(state, record.world, record.local_rank, record.gpu)
+                    latest = state.last_step, state.last_step_end_t, state.last_duration_s
                     state.add_step(record, now_t)
                     ledger_of(state).step(record.duration_s, monotonic)
-                    state.last_step_monotonic = monotonic
+                    if not ended:
+                        state.last_step_monotonic = monotonic
+                    elif latest[1] is not None and (state.last_step_end_t or 0.0) < latest[1]:
+                        # a successor's newer step stays the rank's latest
+                        state.last_step, state.last_step_end_t, state.last_duration_s = latest
                     accepted.append(record)
                 elif isinstance(record, SpanRecord):
                     self.records_total["span"] += 1

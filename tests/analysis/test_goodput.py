@@ -8,7 +8,7 @@ from gpumon.analysis.goodput import CAUSES, MAX_UNSAVED_ENTRIES, TimeLedger
 
 
 def run_steps(ledger: TimeLedger, first: int, count: int, t: float, seconds: float = 1.0) -> float:
-    for n in range(first, first + count):
+    for _ in range(count):
         t += seconds
         ledger.step(seconds, t)
     return t
@@ -175,3 +175,13 @@ def test_unsaved_steps_are_bounded_and_kept_no_earlier_than_due() -> None:
     totals = ledger.totals(1e6)
     assert totals.goodput_s <= 50 * 0.01 + 1e-9
     assert totals.goodput_s + totals.unsaved_s == pytest.approx((MAX_UNSAVED_ENTRIES + 100) * 0.01)
+
+
+def test_a_step_that_arrives_after_the_failure_is_lost_with_the_rest() -> None:
+    ledger = TimeLedger()
+    ledger.process(1, 0.0, 0.0)
+    t = run_steps(ledger, 1, 3, 0.0)
+    ledger.ended(t + 0.1)
+    ledger.step(1.0, t + 0.2)  # its last datagram, read after the exit
+    totals = ledger.totals(t + 0.2)
+    assert totals.badput_s["lost"] == pytest.approx(4.0) and totals.unsaved_s == 0.0

@@ -3,6 +3,8 @@ clock the test moves by hand."""
 
 from __future__ import annotations
 
+import array
+import os
 import socket
 import sys
 import tempfile
@@ -23,6 +25,8 @@ class Receiver:
         self.path = path
         self.records: list[Record] = []
         self.rejected: list[str] = []
+        self.rings: list[bytes] = []
+        """Ring hand-overs (datagrams carrying a descriptor), which ingest takes apart."""
         self.arrivals: list[float] = []
         self._sock: socket.socket | None = None
         self._thread: threading.Thread | None = None
@@ -51,11 +55,20 @@ class Receiver:
     def _run(self) -> None:
         while self._sock is not None:
             try:
-                data = self._sock.recv(1 << 16)
+                data, ancillary, _, _ = self._sock.recvmsg(1 << 16, socket.CMSG_SPACE(64))
             except TimeoutError:
                 continue
             except OSError:
                 return
+            fds = [fd for level, kind, raw in ancillary
+                   if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS
+                   for fd in array.array("i", raw[:len(raw) - len(raw) % 4])]
+            if fds:
+                for fd in fds:
+                    os.close(fd)
+                with self._lock:
+                    self.rings.append(data)
+                continue
             result = decode_datagram(data)
             with self._lock:
                 self.records.extend(result.records)

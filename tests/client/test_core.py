@@ -360,7 +360,7 @@ def test_both_cores_offer_the_same_surface() -> None:
         return {name for name in dir(cls) if not name.startswith("_")}
 
     expected = {"step", "phase", "loader", "data_wait", "set_cuda", "set_extensions", "set_quiet_until",
-                "stop", "steps", "in_step", "last_ooms", "open_phase",
+                "set_ring", "stop", "steps", "in_step", "last_ooms", "open_phase",
                 "step_origin"}
     assert surface(step_core.HookCore) == surface(_hook.HookCore) == expected
     assert not [name for name in dir(_hook.HookCore) if name.startswith("_") and not name.startswith("__")]

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from gpumon.agent.scheduler import Periodic
     from gpumon.collectors.base import EventWatcher, GpuSource
     from gpumon.collectors.ingest import IngestServer
+    from gpumon.collectors.rings import RingKeeper
     from gpumon.collectors.samples import SenderCredentials
     from gpumon.state.node import NodeState
     from gpumon.state.owners import OwnerState
@@ -45,6 +46,8 @@ class CollectorAgent(Protocol):
     """The ingest server, once the ``ingest`` collector has made it."""
     ingest_problem: str | None
     """Why there is no ingest server, when making it failed."""
+    rings: RingKeeper
+    """The step rings the training processes hand over, kept until they end."""
 
     @property
     def config(self) -> CollectorSettings: ...
@@ -69,7 +72,8 @@ class CollectorAgent(Protocol):
 
     def run_watcher(self, watcher: EventWatcher) -> None: ...
 
-    def take_records(self, records: list[Record], sender: SenderCredentials) -> None: ...
+    def take_records(self, records: list[Record], sender: SenderCredentials,
+                     ended: bool = False) -> None: ...
 
     def watch_senders(self, seen: Callable[[int], None]) -> None: ...
 

@@ -22,7 +22,7 @@ def start(agent: CollectorAgent) -> None:
     try:
         ingest = IngestServer(Path(config.socket), agent.take_records,
                               agent.rank_store.count_dropped, config.allowed_uids,
-                              config.socket_group)
+                              config.socket_group, on_ring=agent.rings.take)
     except IngestError as exc:
         # GPU and host metrics are still worth serving: say so loudly, keep going.
         agent.ingest_problem = str(exc)

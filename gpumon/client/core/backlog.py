@@ -29,7 +29,9 @@ from its clock (``state/ranks.py``'s ``MAX_CLOCK_SKEW_S``), beyond which it drop
 
 class Backlog:
     """A bounded queue of (datagram, records in it), oldest first; not thread-safe (the
-    sender holds its lock around it)."""
+    sender holds its lock around it). Each datagram may carry a mark, handed back when it
+    leaves: the step sequence number below which it and everything before it was sent (the
+    sender writes it in its step ring, ``ring.py``)."""
 
     def __init__(self, max_records: int = MAX_RECORDS, max_bytes: int = MAX_BYTES,
                  max_age_s: float = MAX_AGE_S, clock: Callable[[], float] = monotonic) -> None:
@@ -37,7 +39,7 @@ class Backlog:
         self.max_bytes = max_bytes
         self.max_age_s = max_age_s
         self._clock = clock
-        self._items: deque[tuple[bytes, int, float]] = deque()
+        self._items: deque[tuple[bytes, int, float, int | None]] = deque()
         self._fresh = 0
         """How many of the newest items were added by this flush (sent now, not late)."""
         self.records = 0
@@ -48,30 +50,35 @@ class Backlog:
     def __len__(self) -> int:
         return len(self._items)
 
-    def add(self, datagrams: Iterable[tuple[bytes, int]]) -> None:
-        """Queue this flush's datagrams behind what waits already."""
+    def add(self, datagrams: Iterable[tuple[bytes, int]],
+            marks: Iterable[int | None] | None = None) -> None:
+        """Queue this flush's datagrams behind what waits already (``marks``: one per
+        datagram, None where it holds no step)."""
         now = self._clock()
         self._fresh = 0
-        for datagram, count in datagrams:
-            self._items.append((datagram, count, now))
+        datagrams = list(datagrams)
+        for (datagram, count), mark in zip(datagrams, marks or [None] * len(datagrams),
+                                           strict=True):
+            self._items.append((datagram, count, now, mark))
             self.records += count
             self.bytes += len(datagram)
             self._fresh += 1
 
     def head(self) -> tuple[bytes, int]:
         """The oldest datagram and its record count (the backlog must not be empty)."""
-        datagram, count, _ = self._items[0]
+        datagram, count, _, _ = self._items[0]
         return datagram, count
 
-    def pop(self, sent: bool) -> None:
-        """Take the oldest datagram off, ``sent`` or given up."""
-        datagram, count, _ = self._items.popleft()
+    def pop(self, sent: bool) -> int | None:
+        """Take the oldest datagram off, ``sent`` or given up; its mark."""
+        datagram, count, _, mark = self._items.popleft()
         self.records -= count
         self.bytes -= len(datagram)
         if len(self._items) < self._fresh:
             self._fresh -= 1
         elif sent:
             self.late_sent += count
+        return mark
 
     def trim(self) -> int:
         """Drop the oldest datagrams beyond the bounds; how many records went."""

@@ -6,7 +6,10 @@ The training thread only appends tuples to a bounded deque; this thread drains i
 ``format_step`` in C where it was built; hellos and events through ``encode_record``), packs
 them into datagrams and sends them without blocking, counting every loss by reason. What
 the agent cannot take yet (absent, restarting, busy) waits in a bounded backlog
-(``backlog.py``) and goes first once it answers.
+(``backlog.py``) and goes first once it answers. Where the process keeps a step ring
+(``ring.py``), this thread hands its descriptor to the agent (again after the agent was
+lost) and marks in it how far the steps were sent, so that the agent, should the process die,
+takes from the ring only what it had not received.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 from gpumon.client.core.backlog import Backlog
 from gpumon.client.core.cuda_clock import CudaClock
+from gpumon.client.core.ring import StepRing
 from gpumon.client.core.step_tuple import (
     FLOPS,
     MARKS,
@@ -46,6 +50,7 @@ from gpumon.wire import (
     encode_record,
     pack_datagrams,
 )
+from gpumon.wire.ring import handover
 from gpumon.wire.step_encoder import LIMITS, Formatter
 
 
@@ -90,9 +95,10 @@ class Sender:
     """Owns the transport and the counters; runs one daemon thread until ``close``."""
 
     def __init__(self, transport: Transport, hello: HelloRecord, buffer: deque[StepTuple],
-                 backlog: Backlog | None = None) -> None:
+                 backlog: Backlog | None = None, ring: StepRing | None = None) -> None:
         """Send ``buffer``'s steps under ``hello``'s identity (its run, rank, world, local
-        rank, pid and GPU); the caller queues ``hello`` itself when it is complete."""
+        rank, pid and GPU); the caller queues ``hello`` itself when it is complete. ``ring``:
+        the process's step ring, handed to the agent and marked as steps are sent."""
         self.transport = transport
         self.hello = hello
         self._encoder = StepEncoder(hello.run, hello.rank, hello.world, hello.local_rank, hello.pid,
@@ -111,6 +117,9 @@ class Sender:
         self._waiting: deque[StepTuple] = deque()
         self.backlog = Backlog() if backlog is None else backlog
         self._held_for = "agent_busy"  # why the backlog's datagrams wait
+        self.ring = ring
+        self._ring_handed = False  # the agent holds the ring's descriptor
+        self.rings_handed = 0
         self._next_seq = 0
         self._agent_lost = False
         self._pid = os.getpid()
@@ -187,9 +196,11 @@ class Sender:
         now = perf_counter()
         unix_offset = time.time() - now
         records: list[bytes] = []
+        seq_ends: list[int | None] = []  # per record: its step's sequence number + 1
         while self._control:
             try:
                 records.append(encode_record(self._control.popleft()))
+                seq_ends.append(None)
             except (TypeError, ValueError):
                 self._count_drop("unencodable", 1)
         for _ in range(len(self._buffer)):
@@ -217,9 +228,12 @@ class Sender:
                 measured = self._resolve(measured, deferred)
             self._waiting.popleft()
             records.append(self._encode_step(item, phases, unix_offset, gpu_phases or (), measured).encode())
+            seq_ends.append(item[SEQ] + 1)
             if not len(records) % GIL_YIELD_RECORDS:
                 time.sleep(0)  # the GIL, to a training thread back from a torch op and waiting for it
-        self._send(records, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
+        if self.ring is not None:
+            self.ring.set_unix_offset(unix_offset)
+        self._send(records, seq_ends, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
         if final and self.backlog:
             self._count_drop(self._held_for, self.backlog.clear())
 
@@ -248,10 +262,13 @@ class Sender:
                                     item[SAMPLES], item[TOKENS], item[FLOPS], item[MEMORY], measured,
                                     device_phases)
 
-    def _send(self, encoded: list[bytes], budget_s: float) -> None:
+    def _send(self, encoded: list[bytes], seq_ends: list[int | None], budget_s: float) -> None:
         backlog = self.backlog
-        backlog.add(pack_datagrams(encoded))
+        datagrams = pack_datagrams(encoded)
+        backlog.add(datagrams, _marks(datagrams, seq_ends))
         deadline = perf_counter() + budget_s
+        if self.ring is not None and not self._ring_handed:
+            self._hand_ring(self.ring)
         while backlog:
             datagram, count = backlog.head()
             try:
@@ -267,8 +284,12 @@ class Sender:
                     time.sleep(BUSY_RETRY_S)
                     continue
                 self._agent_lost = self._agent_lost or reason == "no_agent"
+                if reason == "no_agent":
+                    self._ring_handed = False  # a restarted agent holds none
                 break
-            backlog.pop(sent=reason is None)
+            mark = backlog.pop(sent=reason is None)
+            if reason is None and mark is not None and self.ring is not None:
+                self.ring.mark_sent(mark)
             if reason is None:
                 self.records_sent += count
                 self.datagrams_sent += 1
@@ -281,8 +302,37 @@ class Sender:
         if dropped:
             self._count_drop(self._held_for, dropped)
 
+    def _hand_ring(self, ring: StepRing) -> None:
+        """Give the agent the ring's descriptor (a ``ring`` datagram carrying it); tried
+        again at the next flush when the agent cannot take it yet."""
+        send_fd = getattr(self.transport, "send_fd", None)
+        if send_fd is None:
+            return
+        try:
+            reason = send_fd(handover(self.hello.run, self.hello.rank), ring.fd)
+        except Exception:
+            reason = "send_error"
+        if reason is None:
+            self._ring_handed = True
+            self.rings_handed += 1
+
     def _count_drop(self, reason: str, count: int) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+
+def _marks(datagrams: list[tuple[bytes, int]], seq_ends: list[int | None]) -> list[int | None]:
+    """Per datagram, the sequence number below which its steps (and every earlier one) are
+    sent once it is: its last step's, or None when it holds none."""
+    marks: list[int | None] = []
+    at = 0
+    for _, count in datagrams:
+        mark = None
+        for end in seq_ends[at:at + count]:
+            if end is not None:
+                mark = end
+        marks.append(mark)
+        at += count
+    return marks
 
 
 def _deferred(measured: dict[str, object] | None) -> dict[str, Any]:

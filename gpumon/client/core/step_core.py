@@ -34,6 +34,7 @@ from gpumon.client.core.cuda_clock import MEMORY_OOMS
 if TYPE_CHECKING:
     from gpumon.client.core.cuda_clock import CudaClock, Mark, MemoryTuple
     from gpumon.client.core.extensions import StepExtensions
+    from gpumon.client.core.ring import StepRing
     from gpumon.client.core.step_tuple import StepTuple
 
 T = TypeVar("T")
@@ -75,6 +76,7 @@ class HookCore:
         self._loading = False  # the loader waits for the next item
         self._quiet_until = -math.inf  # until then (perf_counter) no extension needs a call
         self._extensions_called = False  # the open step's extensions were told it began
+        self._ring: StepRing | None = None  # where each completed step is also written
 
     def step(
         self,
@@ -133,6 +135,11 @@ class HookCore:
         """Until ``perf_counter()`` reads ``t``, a step begins and ends without calling the
         extensions: each one said it has nothing to do before then (``StepExtensions``)."""
         self._quiet_until = t
+
+    def set_ring(self, ring: StepRing | None) -> None:
+        """Write each completed step into ``ring`` too, as it ends (``None``: stop): what
+        the sender has not sent yet survives the process (``client/core/ring.py``)."""
+        self._ring = ring
 
     def stop(self) -> None:
         """Record no more steps and call no more extensions (the monitor closed, or this is
@@ -263,6 +270,9 @@ class Step:
                 (m._seq, self._step, t0, t1, phases, self._samples, self._tokens, self._flops, mem, marks,
                  fields)
             )
+            ring = m._ring
+            if ring is not None:
+                ring.write(m._seq, self._step, t0, t1, self._samples, self._tokens, self._flops)
         m._seq += 1
 
 

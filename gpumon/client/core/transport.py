@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import errno
 import socket
 from typing import Protocol
@@ -50,6 +51,25 @@ class UnixDatagramTransport:
             if err.errno == errno.EMSGSIZE:
                 return "too_large"
             return "send_error"
+        return None
+
+    def send_fd(self, datagram: bytes, fd: int) -> str | None:
+        """Send one datagram carrying ``fd`` (SCM_RIGHTS: the agent gets its own descriptor
+        of the same file); a failure is returned, not raised."""
+        try:
+            if self._sock is None:
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+                self._sock.setblocking(False)
+            self._sock.sendmsg([datagram], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                             array.array("i", [fd]))], 0, self.path)
+        except (FileNotFoundError, ConnectionRefusedError, NotADirectoryError):
+            return "no_agent"
+        except BlockingIOError:
+            return "agent_busy"
+        except PermissionError:
+            return "permission_denied"
+        except OSError as err:
+            return "agent_busy" if err.errno == errno.ENOBUFS else "send_error"
         return None
 
     def close(self) -> None:

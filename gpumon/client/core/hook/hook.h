@@ -36,6 +36,7 @@ extern PyObject *str_append, *str_event, *str_memory, *str_share_gap_s, *str_dat
 extern PyObject *step_kwnames[5]; /* samples, tokens, flops, step, memory */
 extern PyObject *str_shape, *str_step_ctx, *str_phase_ctx, *str_forward, *str_backward,
     *str_optimizer, *none3[3];
+extern PyObject *str_view;
 extern PyObject *str_give_up, *str_python_call, *str_python_backward, *str_python_fetch,
     *str_python_optimizer_pre, *str_python_optimizer_post, *str_is_compiling_flag;
 
@@ -86,6 +87,10 @@ typedef struct {
     char loading;           /* the loader waits for the next item */
     char extensions_called; /* the open step's extensions were told it began */
     double quiet_until;     /* until then no extension needs a call (set_quiet_until) */
+    Py_buffer ring_view;    /* the step ring's mapping, held while ring != NULL (set_ring) */
+    char *ring;             /* its bytes (gpumon/wire/ring.py's layout), or NULL: no ring */
+    long long ring_capacity;
+    long long ring_written;
     PyObject *weakreflist;
 } HookCore;
 

@@ -6,6 +6,7 @@
 
 PyObject *str_append, *str_event, *str_memory, *str_share_gap_s, *str_data, *str_begin, *str_end,
     *str_device_interval_s;
+PyObject *str_view;
 PyObject *step_kwnames[5];
 PyObject *str_shape, *str_step_ctx, *str_phase_ctx, *str_forward, *str_backward, *str_optimizer,
     *none3[3];
@@ -62,6 +63,7 @@ PyInit__hook(void)
     INTERN(str_begin, "begin");
     INTERN(str_end, "end");
     INTERN(str_device_interval_s, "device_interval_s");
+    INTERN(str_view, "view");
     INTERN(str_shape, "shape");
     INTERN(str_step_ctx, "step");
     INTERN(str_phase_ctx, "phase");

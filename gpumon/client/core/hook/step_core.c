@@ -30,6 +30,72 @@ add_seconds(PyObject *phases, PyObject *name, double seconds)
     return rc;
 }
 
+/* The step ring (gpumon/wire/ring.py's layout; client/core/ring.py's StepRing.write is the
+   Python twin): a count as it holds it, a non-negative int, else -1. */
+static long long
+ring_count(PyObject *value)
+{
+    if (value == NULL || !PyLong_CheckExact(value))
+        return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+    if (overflow || v < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    return v;
+}
+
+static double
+ring_flops(PyObject *value)
+{
+    if (value != NULL && PyFloat_CheckExact(value))
+        return PyFloat_AS_DOUBLE(value);
+    if (value != NULL && PyLong_CheckExact(value)) {
+        double v = PyLong_AsDouble(value);
+        if (v == -1.0 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return Py_NAN;
+        }
+        return v;
+    }
+    return Py_NAN;
+}
+
+#define RING_HEADER_BYTES 64
+#define RING_CAPACITY_AT 8
+#define RING_WRITTEN_AT 16
+
+typedef struct {
+    long long seq, step;
+    double t0, t1;
+    long long samples, tokens;
+    double flops;
+} RingEntry;
+
+/* One completed step into the ring: a memcpy and the count's store, nothing that can fail or
+   wait. The agent reads the ring only once this process has ended. */
+static void
+ring_write(HookCore *m, Step *step, double t0, double t1)
+{
+    RingEntry e = {m->seq, ring_count(step->step), t0, t1, ring_count(step->samples),
+                   ring_count(step->tokens), ring_flops(step->flops)};
+    long long written = m->ring_written;
+    memcpy(m->ring + RING_HEADER_BYTES + (written % m->ring_capacity) * sizeof(RingEntry), &e,
+           sizeof(RingEntry));
+    m->ring_written = written + 1;
+    __atomic_store_n((long long *)(m->ring + RING_WRITTEN_AT), written + 1, __ATOMIC_RELEASE);
+}
+
+static void
+ring_release(HookCore *self)
+{
+    if (self->ring != NULL) {
+        self->ring = NULL;
+        PyBuffer_Release(&self->ring_view);
+    }
+}
+
 static PyObject *
 HookCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
@@ -109,6 +175,7 @@ HookCore_clear(HookCore *self)
     Py_CLEAR(self->phase_clock);
     Py_CLEAR(self->extensions);
     self->open_phase = NULL;
+    ring_release(self);
     return 0;
 }
 
@@ -264,6 +331,39 @@ HookCore_set_quiet_until(HookCore *self, PyObject *t)
 }
 
 static PyObject *
+HookCore_set_ring(HookCore *self, PyObject *ring)
+{
+    ring_release(self);
+    if (ring == Py_None)
+        Py_RETURN_NONE;
+    PyObject *view = PyObject_GetAttr(ring, str_view);
+    if (view == NULL)
+        return NULL;
+    Py_buffer buffer;
+    int rc = PyObject_GetBuffer(view, &buffer, PyBUF_WRITABLE | PyBUF_SIMPLE);
+    Py_DECREF(view);
+    if (rc < 0)
+        return NULL;
+    unsigned int capacity = 0;
+    long long written = 0;
+    if (buffer.len >= RING_HEADER_BYTES) {
+        memcpy(&capacity, (char *)buffer.buf + RING_CAPACITY_AT, sizeof(capacity));
+        memcpy(&written, (char *)buffer.buf + RING_WRITTEN_AT, sizeof(written));
+    }
+    if (capacity == 0 || written < 0 ||
+        buffer.len < RING_HEADER_BYTES + (Py_ssize_t)capacity * (Py_ssize_t)sizeof(RingEntry)) {
+        PyBuffer_Release(&buffer);
+        PyErr_SetString(PyExc_ValueError, "set_ring: not a step ring's mapping");
+        return NULL;
+    }
+    self->ring_view = buffer;
+    self->ring = buffer.buf;
+    self->ring_capacity = capacity;
+    self->ring_written = written;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
 HookCore_stop(HookCore *self, PyObject *unused)
 {
     self->enabled = 0;
@@ -339,6 +439,9 @@ static PyMethodDef HookCore_methods[] = {
     {"set_quiet_until", (PyCFunction)HookCore_set_quiet_until, METH_O,
      "set_quiet_until(t)\n--\n\n"
      "Until perf_counter() reads t, steps begin and end without calling the extensions."},
+    {"set_ring", (PyCFunction)HookCore_set_ring, METH_O,
+     "set_ring(ring)\n--\n\n"
+     "Write each completed step into ring's mapping too, as it ends (None: stop)."},
     {"stop", (PyCFunction)HookCore_stop, METH_NOARGS,
      "stop()\n--\n\nRecord no more steps and call no more extensions."},
     {NULL},
@@ -554,6 +657,8 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
         if (r == NULL)
             goto error;
         Py_DECREF(r);
+        if (m->ring != NULL)
+            ring_write(m, self, t0, t1);
     }
     m->seq += 1;
     Py_DECREF(phases);
