@@ -28,6 +28,7 @@ from gpumon.export.health_metrics import (
     recording_families,
 )
 from gpumon.export.memory_metrics import MemoryFamilies
+from gpumon.export.moe_metrics import MoeFamilies
 from gpumon.export.owner_metrics import owner_families
 from gpumon.export.rank_state_metrics import rank_state_families
 from gpumon.export.step_metrics import StepFamilies
@@ -54,6 +55,7 @@ class AgentCollector:
         self._rank_store = rank_store
         self._step_families = StepFamilies()  # keeps each run's series rendered
         self._memory_families = MemoryFamilies()
+        self._moe_families = MoeFamilies()
 
     def collect(self) -> Iterator[Metric]:
         """Every metric family, rendered from one snapshot."""
@@ -74,6 +76,7 @@ class AgentCollector:
             live)
         yield from self._step_families.analyses(ranks)
         yield from self._memory_families.families(ranks)
+        yield from self._moe_families.families(ranks)
         yield from rank_state_families(rank_conditions(ranks, time.monotonic()))
         yield from eviction_families(self._rank_store.evictions())
         yield from conflict_families(self._rank_store.conflicts())
@@ -88,7 +91,8 @@ class AgentCollector:
         steps = StepFamilies()
         return [*node_families(snap), *steps.steps([], {}, {}, {}, {}),
                 *owner_families(Ownership(), [], {}, {}), *steps.analyses([]),
-                *MemoryFamilies().families([]), *rank_state_families({}),
+                *MemoryFamilies().families([]), *MoeFamilies().families([]),
+                *rank_state_families({}),
                 *eviction_families({}), *conflict_families({}),
                 *ingest_families(IngestStatus("", True, 0o660, "")),
                 *recording_families(RecorderStatus("", 0, 0, 0, 0, None))]
