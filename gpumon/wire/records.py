@@ -160,8 +160,11 @@ class ParallelLayout:
 
     @property
     def peers_key(self) -> tuple[object, ...]:
-        """What a rank's data-parallel replicas share: every coordinate but ``dp``."""
-        return (self.tp, self.pp, self.ep, self.cp, self.other)
+        """What the ranks that do the same work share: every coordinate but ``dp`` and ``ep``.
+        Expert-parallel ranks hold different experts but run the same layers around them, and
+        a balanced router gives each the same tokens: the one holding the busy experts is the
+        one its peers wait for in the all-to-all, so they are compared with each other."""
+        return (self.tp, self.pp, self.cp, self.other)
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ PUBLIC_ALERTS = (
     "GpumonInputBound", "GpumonCommunicationBound", "GpumonLowMFU", "GpumonGpuIdleWhileTraining",
     "GpumonStepTimeRegression", "GpumonRankStraggler", "GpumonTrainingStalled", "GpumonXidError",
     "GpumonGpuLost", "GpumonThermalThrottling", "GpumonAgentDown", "GpumonIngestDropping",
-    "GpumonRankExited", "GpumonPipelineImbalance",
+    "GpumonRankExited", "GpumonPipelineImbalance", "GpumonExpertImbalance",
 )
 SEVERITIES = {"critical", "warning", "info"}
 _SERIES = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)?\{(?P<labels>.*)\}$')

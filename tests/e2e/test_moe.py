@@ -3,6 +3,10 @@
 - A tiny Hugging Face Mixtral (``jobs/moe_hf_job.py``), unmodified, under ``gpumon run``: each
   layer's expert load in the agent's ``/metrics`` is what the job computes from the router
   logits the model returns.
+- A torch-native expert-parallel layer (``jobs/moe_ep_job.py``, two ranks on gloo,
+  ``all_to_all_single`` dispatch) reporting through ``mon.expert_load``, its routing skewed by
+  construction: the ratio and dead experts exact, its all-to-alls measured as issued, and the
+  rank holding the busy experts read as the one its peer waits for.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import pytest
 
 from gpumon.client.watchers.expert_window import MOE_WINDOW_STEPS
 from gpumon.testing import AgentProcess, scrape_metrics, value
-from tests.e2e.distributed import AGENT, JOBS, watched
+from tests.e2e.distributed import AGENT, JOBS, flagged_share, run_job, watched
 
 pytestmark = [pytest.mark.slow, AGENT]
 
@@ -40,3 +44,38 @@ def test_a_hugging_face_mixtral_reads_as_its_router_routed(agent: AgentProcess, 
         assert value(metrics, "gpumon_moe_experts", **labels) == 8
         skewed += own["max_ratio"] > 1.2
     assert skewed  # the job's skewed routers still read as skewed: not a balanced default
+
+
+def _figures(counts: list[int]) -> tuple[float, float, int]:
+    mean = sum(counts) / len(counts)
+    std = (sum((c - mean) ** 2 for c in counts) / len(counts)) ** 0.5
+    return max(counts) / mean, std / mean, counts.count(0)
+
+
+def test_expert_parallel_routing_skewed_by_construction(agent: AgentProcess, tmp_path: Path) -> None:
+    """Two expert-parallel ranks, the experts of rank 0 the busy ones: each rank's ratio is the
+    one its own routing makes, its all-to-alls are those it issued, and rank 0 is the rank its
+    peer waits for."""
+    steps = 40
+    job = run_job(agent, tmp_path, "moe_ep_job.py", 2, ["--steps", str(steps)], run="moe-ep",
+                  expect_steps=2 * steps)
+    metrics = scrape_metrics(agent)
+    for rank in (0, 1):
+        truth = job.summary(rank)
+        window = truth["counts"][-MOE_WINDOW_STEPS:]
+        ratio, cv, dead = _figures([sum(step[e] for step in window) for e in range(4)])
+        labels = {"run": "moe-ep", "rank": str(rank), "layer": "0"}
+        assert value(metrics, "gpumon_moe_expert_load_max_ratio", **labels) == pytest.approx(ratio, abs=1e-6)
+        assert ratio == pytest.approx(2.5)  # the construction's 40 of 64 tokens over 16
+        assert value(metrics, "gpumon_moe_expert_load_cv", **labels) == pytest.approx(cv, abs=1e-6)
+        assert value(metrics, "gpumon_moe_dead_experts", **labels) == dead == 1
+        for record, sizes in zip(job.steps(rank), truth["all_to_all_bytes"], strict=True):
+            count, size, _ = record["comm"]["ops"]["all_to_all"]
+            assert (count, size) == (len(sizes), sum(sizes))
+    # Rank 0 holds the busy experts: it computes while rank 1 waits for it in the all-to-all.
+    assert flagged_share(job.verdicts(0)[WARMUP:]) > 0.5
+    assert flagged_share(job.verdicts(1)) == 0
+    assert value(metrics, "gpumon_rank_straggler_score", run="moe-ep", rank="0") < 0.75
+
+
+WARMUP = 24  # steps before the straggler rule has its window

@@ -63,10 +63,9 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         with torch.no_grad():
-            history.append([
-                torch.bincount(torch.topk(torch.softmax(logits.float(), dim=-1), TOP_K, dim=-1).indices.reshape(-1),
-                               minlength=EXPERTS).tolist()
-                for logits in out.router_logits])
+            chosen = [torch.topk(torch.softmax(logits.float(), dim=-1), TOP_K, dim=-1).indices
+                      for logits in out.router_logits]
+            history.append([torch.bincount(c.reshape(-1), minlength=EXPERTS).tolist() for c in chosen])
         if args.sleep:
             time.sleep(args.sleep)
     window = history[-args.window:]
