@@ -7,6 +7,8 @@
   ``all_to_all_single`` dispatch) reporting through ``mon.expert_load``, its routing skewed by
   construction: the ratio and dead experts exact, its all-to-alls measured as issued, and the
   rank holding the busy experts read as the one its peer waits for.
+- DeepSpeed-MoE (``jobs/moe_deepspeed_job.py``) on CPU under ``gpumon run``: each rank's layer
+  as its gate's own ``exp_counts``.
 """
 
 from __future__ import annotations
@@ -79,3 +81,22 @@ def test_expert_parallel_routing_skewed_by_construction(agent: AgentProcess, tmp
 
 
 WARMUP = 24  # steps before the straggler rule has its window
+
+
+def test_deepspeed_moe_reads_as_its_gate_counted(agent: AgentProcess, tmp_path: Path) -> None:
+    """DeepSpeed-MoE runs on the CPU (``DS_ACCELERATOR=cpu``, gloo): unmodified, under ``gpumon
+    run``, each rank's layer reads as its gate's own ``exp_counts`` over the window."""
+    steps = MOE_WINDOW_STEPS + 10
+    job = watched(agent, tmp_path, "ds-moe",
+                  [str(JOBS / "moe_deepspeed_job.py"), "--out", str(tmp_path / "ds-moe"), "--steps",
+                   str(steps), "--window", str(MOE_WINDOW_STEPS)], expect_steps=2 * steps, torchrun=2)
+    metrics = scrape_metrics(agent)
+    for rank in (0, 1):
+        own = job.summary(rank)["layer"]
+        (layer, figures), = job.steps(rank)[-1]["moe"]["layers"].items()
+        assert figures[1] == own["tokens"]
+        labels = {"run": "ds-moe", "rank": str(rank), "layer": layer}
+        assert value(metrics, "gpumon_moe_expert_load_max_ratio", **labels) == pytest.approx(
+            own["max_ratio"], rel=0.02)
+        assert value(metrics, "gpumon_moe_expert_load_cv", **labels) == pytest.approx(own["cv"], rel=0.02)
+        assert value(metrics, "gpumon_moe_dead_experts", **labels) == own["dead"]
