@@ -87,7 +87,14 @@ class ExpertLoadWatch:
         counted) to ``layer``'s accumulator."""
         import torch
 
-        flat = indices.reshape(-1).to(torch.int64)
+        flat = indices.reshape(-1)
+        if flat.device.type == "cpu":  # one kernel, and nothing to wait for on the host
+            try:
+                self.count(layer, experts, torch.bincount(flat, minlength=experts + 1)[:experts])
+                return
+            except RuntimeError:  # a negative entry: the general path below
+                pass
+        flat = flat.to(torch.int64)
         valid = (flat >= 0) & (flat < experts)
         slots = torch.where(valid, flat, torch.full_like(flat, experts))
         counts = torch.zeros(experts + 1, dtype=torch.int64, device=flat.device)
