@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 
 from gpumon.client.watchers.expert_window import MOE_WINDOW_STEPS
+from gpumon.report.page import render
+from gpumon.report.recording import load_file
 from gpumon.testing import AgentProcess, scrape_metrics, value
 from tests.e2e.distributed import AGENT, JOBS, flagged_share, run_job, watched
 
@@ -46,6 +48,11 @@ def test_a_hugging_face_mixtral_reads_as_its_router_routed(agent: AgentProcess, 
         assert value(metrics, "gpumon_moe_experts", **labels) == 8
         skewed += own["max_ratio"] > 1.2
     assert skewed  # the job's skewed routers still read as skewed: not a balanced default
+    # gpumon report draws each layer over time from the recording.
+    model = load_file(job.recording, run="mixtral")
+    assert sorted(model.moe_ratio) == sorted(truth["layers"])
+    page = render(model)
+    assert 'id="moe"' in page and "layer 2" in page
 
 
 def _figures(counts: list[int]) -> tuple[float, float, int]:
@@ -78,6 +85,10 @@ def test_expert_parallel_routing_skewed_by_construction(agent: AgentProcess, tmp
     assert flagged_share(job.verdicts(0)[WARMUP:]) > 0.5
     assert flagged_share(job.verdicts(1)) == 0
     assert value(metrics, "gpumon_rank_straggler_score", run="moe-ep", rank="0") < 0.75
+    # gpumon report: the layer's load over time beside each rank's all-to-all time.
+    model = load_file(job.recording, run="moe-ep")
+    assert list(model.moe_ratio) == ["0"] and sorted(model.all_to_all) == [0, 1]
+    assert 'id="moe"' in render(model)
 
 
 WARMUP = 24  # steps before the straggler rule has its window
