@@ -42,6 +42,10 @@ before ``--budget-s``):
 6b. deepspeed (``deepspeed``): a world-size-1 DeepSpeed job (ZeRO-2, NCCL) through
    ``mon.watch(engine)`` alone: one step per optimizer step with the engine's phases, ZeRO's
    memory breakdown, the framework and stage exported ("not available" without DeepSpeed).
+6c. moe (``moe``): each MoE layer's expert load counted on the GPU with no synchronisation
+   (torch's CUDA sync debug mode set to ``error`` around the hook, the step's end, and whole
+   steps of a layer that synchronises nothing reported through ``mon.expert_load``), the
+   counts arriving in the agent's /metrics as the job counted them.
 7. memory (``memory``, where that module exists): the live memory breakdown against
    ``torch.cuda.memory_stats()``.
 7a. trace (``trace``): a profiler trace of a watched DDP job asked of the agent
@@ -83,6 +87,7 @@ if str(ROOT) not in sys.path:
 from gpu_checks import agent as agent_checks  # noqa: E402
 from gpu_checks import ddp, hook, model_parallel, nvml, oom, owners, stall  # noqa: E402
 from gpu_checks import deepspeed as deepspeed_check  # noqa: E402
+from gpu_checks import moe as moe_check  # noqa: E402
 from gpu_checks import run as run_check  # noqa: E402
 from gpu_checks import trace as trace_check  # noqa: E402
 from gpu_checks.environment import section_environment  # noqa: E402
@@ -194,6 +199,13 @@ def main() -> int:
             r["note"] = "no CUDA: DeepSpeed's CPU accelerator on gloo (dry run of the code path), not NCCL"
         deepspeed_check.section_deepspeed(report, r, st["torch"], st["agent"], st["device"])
 
+    def moe_load(r: dict[str, Any]) -> None:
+        if st["torch"] is None:
+            raise SkipSection("torch did not import")
+        if st["device"] != "cuda":
+            r["note"] = "no CUDA: the counts on the CPU, no sync debug mode (dry run of the code path)"
+        moe_check.section_moe(report, r, st["torch"], st["agent"], st["device"])
+
     try:
         report.run("environment", environment)
         report.run("nvml_setup", nvml_setup)
@@ -216,6 +228,7 @@ def main() -> int:
             report.run("functional", functional, need_s=20)
             report.run("p2p", p2p, need_s=25)
             report.run("deepspeed", watched_deepspeed, need_s=25)
+            report.run("moe", moe_load, need_s=20)
             report.run("memory", lambda r: memory_section(report, r), need_s=20)
             report.run("trace", lambda r: trace_check.section_trace(report, r, st["torch"], agent,
                                                                    st["device"]), need_s=30)

@@ -306,6 +306,42 @@ def _parallelism_panels() -> list[Panel]:
     ]
 
 
+def _moe_panels() -> list[Panel]:
+    """Each MoE layer's expert load, layer x time, beside the all-to-all it makes ranks wait in."""
+    a2a = 'op="all_to_all"'
+    return [
+        row("Mixture of experts"),
+        Panel("status-history", "MoE expert load by layer (busiest expert ÷ mean)",
+              "For each MoE layer, over every node, the busiest expert's tokens over the mean "
+              "per expert in the ranks' last 50 steps (1 = balanced; docs/moe.md). A layer "
+              "that stays at 2 or more, or has experts with no token, fires "
+              "GpumonExpertImbalance: the ranks holding its busy experts compute while the "
+              "others wait in the all-to-all (the panel beside).",
+              [Target(f"run_layer:gpumon_moe_expert_load_max_ratio:max{{{RUN_ONLY}}}",
+                      "layer {{layer}}")], min=1, width=12,
+              thresholds=[(None, "green"), (1.5, "yellow"), (2, "red")]),
+        timeseries("All-to-all time and exposed communication per rank",
+                   "Seconds per step each rank's all-to-alls were in flight (the MoE dispatch "
+                   "and combine), and its exposed communication (blocked on any collective). A "
+                   "rank whose experts are the busy ones waits least: its peers' exposed time "
+                   "is their wait for it.",
+                   Target(f"sum by (rank) (rate(gpumon_collective_seconds_total{{{RUN},{a2a}}}[{RATE}]))"
+                          f"\n  / sum by (rank) (rate(gpumon_steps_total{{{RUN}}}[{RATE}]))",
+                          "rank {{rank}} all-to-all"),
+                   Target(_per_step("gpumon_comm_exposed_seconds_total"), "rank {{rank}} exposed"),
+                   unit="s"),
+        timeseries("Dead experts per layer", "Experts of each MoE layer that received no token "
+                   "in the rank's last 50 steps, the most over the selected ranks: they get no "
+                   "gradient and stop learning.",
+                   Target(f"max by (layer) (gpumon_moe_dead_experts{{{RUN}}})", "layer {{layer}}"),
+                   thresholds=[(None, "green"), (1, "red")]),
+        timeseries("MoE expert load CV per layer", "Coefficient of variation of the tokens "
+                   "per expert of each layer over the rank's last 50 steps, the most over the "
+                   "selected ranks (0 = balanced).",
+                   Target(f"max by (layer) (gpumon_moe_expert_load_cv{{{RUN}}})", "layer {{layer}}")),
+    ]
+
+
 def _rank_state_panels() -> list[Panel]:
     """Whether each rank steps, and where a stalled run's ranks are."""
     states = {"0": ("stepping", "green"), "1": ("stalled", "red"), "2": ("exited", "purple")}
@@ -460,6 +496,7 @@ def training() -> dict[str, Any]:
                    thresholds=[(None, "green"), (0.15, "red")]),
         *_communication_panels(),
         *_parallelism_panels(),
+        *_moe_panels(),
         row("Memory"),
         timeseries("GPU memory vs capacity", "Per rank: PyTorch allocated, reserved and per-step "
                    "peak, the whole GPU's use (NVML) and its capacity.",

@@ -29,6 +29,7 @@ from gpumon.export.health_metrics import (
     recording_families,
 )
 from gpumon.export.memory_metrics import MemoryFamilies
+from gpumon.export.moe_metrics import MoeFamilies
 from gpumon.export.owner_metrics import owner_families
 from gpumon.export.rank_state_metrics import rank_state_families
 from gpumon.export.step_metrics import StepFamilies
@@ -57,6 +58,7 @@ class AgentCollector:
         self._rank_store = rank_store
         self._step_families = StepFamilies()  # keeps each run's series rendered
         self._memory_families = MemoryFamilies()
+        self._moe_families = MoeFamilies()
 
     def collect(self) -> Iterator[Metric]:
         """Every metric family, rendered from one snapshot."""
@@ -77,6 +79,7 @@ class AgentCollector:
             live)
         yield from self._step_families.analyses(ranks)
         yield from self._memory_families.families(ranks)
+        yield from self._moe_families.families(ranks)
         monotonic = time.monotonic()
         yield from rank_state_families(rank_conditions(ranks, monotonic))
         yield from goodput_families(self._rank_store.time_totals(monotonic),
@@ -94,8 +97,8 @@ class AgentCollector:
         steps = StepFamilies()
         return [*node_families(snap), *steps.steps([], {}, {}, {}, {}),
                 *owner_families(Ownership(), [], {}, {}), *steps.analyses([]),
-                *MemoryFamilies().families([]), *rank_state_families({}),
-                *goodput_families({}, 0.0),
+                *MemoryFamilies().families([]), *MoeFamilies().families([]),
+                *rank_state_families({}), *goodput_families({}, 0.0),
                 *eviction_families({}), *conflict_families({}),
                 *ingest_families(IngestStatus("", True, 0o660, "")),
                 *recording_families(RecorderStatus("", 0, 0, 0, 0, None))]

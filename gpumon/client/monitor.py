@@ -325,6 +325,19 @@ class StepMonitor:
 
         return watch(self, model, optimizer)
 
+    def expert_load(self, layer: int | str, tokens_per_expert: Any) -> None:
+        """Count the tokens a MoE layer's router sent to each of its experts in this step:
+        ``tokens_per_expert`` is a 1-D tensor (on any device: it is added there and copied
+        without waiting, docs/moe.md) or a sequence of ints, one per expert of ``layer`` (an
+        int or a name of 1-32 ``[A-Za-z0-9_.:/-]``). Call it once per layer and forward, for
+        a router ``watch()`` does not recognise; several calls in one step add up. Each step
+        then carries each layer's load over the last 50 steps: the busiest expert's tokens
+        over the mean, the coefficient of variation, the experts that got none. Bad input is
+        logged once per layer and dropped; it never raises into the training loop."""
+        from gpumon.client.watchers.moe import count_expert_load
+
+        count_expert_load(self, layer, tokens_per_expert)
+
     def flush(self) -> None:
         """Send buffered records now, from the calling thread, instead of at the next
         background flush (waits for a flush in progress: at most ~50 ms, when the agent is busy)."""

@@ -130,6 +130,11 @@ class RunModel:
     stage's bubble), for the ranks that received point to point."""
     bubble: dict[int, Mean] = field(default_factory=dict)
     """Rank → its bubble's share of its steps ending in each bin."""
+    moe_ratio: dict[str, Peak] = field(default_factory=dict)
+    """MoE layer → its busiest expert over the mean (over its ranks' last steps), the worst rank
+    in each bin; empty for a run without MoE layers."""
+    all_to_all: dict[int, Mean] = field(default_factory=dict)
+    """Rank → seconds per step its all-to-alls were in flight, for the ranks that issued any."""
     notes: list[str] = field(default_factory=list)
     """What the page must say about its own limits (lines skipped, series missing)."""
 
@@ -148,6 +153,12 @@ class RunModel:
         """``table[key]``, made empty the first time."""
         if key not in table:
             table[key] = Mean(self.bins)
+        return table[key]
+
+    def peak(self, table: dict[Any, Peak], key: Any) -> Peak:
+        """``table[key]``, made empty the first time."""
+        if key not in table:
+            table[key] = Peak(self.bins)
         return table[key]
 
     def rank_verdicts(self, rank: int) -> list[Counter[str]]:

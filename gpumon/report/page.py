@@ -268,6 +268,40 @@ def bubble_figure(model: RunModel) -> go.Figure | None:
     return fig
 
 
+def _layer_key(layer: str) -> tuple[int, tuple[int, ...], str]:
+    parts = layer.split(".")
+    digits = all(p.isdigit() for p in parts)
+    return (0 if digits else 1, tuple(int(p) for p in parts) if digits else (), layer)
+
+
+def moe_figure(model: RunModel) -> go.Figure | None:
+    """Layer x time of the busiest expert over the mean (the worst rank in each bin), and under
+    it each rank's all-to-all seconds per step: the wait the busy experts' ranks cause."""
+    if not model.moe_ratio:
+        return None
+    layers = sorted(model.moe_ratio, key=_layer_key)
+    x = _x(model)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.6, 0.4],
+                        vertical_spacing=0.08)
+    fig.add_trace(go.Heatmap(
+        x=x, y=[f"layer {layer}" for layer in layers], z=[_y(model.moe_ratio[layer]) for layer in layers],
+        colorscale="OrRd", zmin=1, colorbar={"title": {"text": "busiest ÷ mean", "side": "right"},
+                                            "len": 0.55, "y": 0.75, "thickness": 14},
+        hovertemplate="%{y} · %{x}: %{z:.2f}× the mean<extra></extra>"), row=1, col=1)
+    for rank, mean in sorted(model.all_to_all.items()):
+        fig.add_trace(go.Scatter(x=x, y=_y(mean), mode="lines", name=f"rank {rank} all-to-all",
+                                 showlegend=len(model.all_to_all) <= 16, line={"width": 1},
+                                 connectgaps=True, hovertemplate="%{y:.4f} s"), row=2, col=1)
+    _layout(fig, "MoE expert load per layer (its busiest expert over the mean over the ranks' "
+            "last 50 steps, the worst rank; 1 is balanced), and each rank's all-to-all seconds "
+            "per step", "", 300 + 22 * len(layers), model=model)
+    fig.update_yaxes(autorange="reversed", row=1, col=1)
+    fig.update_yaxes(title_text="all-to-all, s / step", row=2, col=1)
+    return fig
+
+
+MOE_FIGURE = "moe"
+MOE_HEADING = "Mixture of experts: expert load by layer, beside the all-to-all"
 BUBBLE_FIGURE = "pipeline-bubble"
 GPU_SECTIONS = ("gpu-activity", "links")
 GPU_IDLE_NOTE = ("No GPU activity in this run: every GPU sample read 0 % busy and no NVLink or "
@@ -360,6 +394,13 @@ def render(model: RunModel) -> str:
                         + fig.to_html(full_html=False, include_plotlyjs=False,
                                       div_id=BUBBLE_FIGURE, config=CONFIG))
         sections.append(section)
+    fig = moe_figure(model)  # a section of its own, for a run with MoE layers only
+    if fig is not None:
+        drawn.append(MOE_FIGURE)
+        sections.append(f"<h2>{html.escape(MOE_HEADING)}</h2>"
+                        f'<p class="caption">{html.escape(fig.layout.meta["caption"])}</p>'
+                        + fig.to_html(full_html=False, include_plotlyjs=False, div_id=MOE_FIGURE,
+                                      config=CONFIG))
     notes = list(model.notes)
     if missing:
         notes.append("Not in this run's data, so not drawn: " + ", ".join(missing) + ".")

@@ -183,6 +183,12 @@ class _Query:
             for t, v in points:
                 if v > 0:
                     strip[model.index(t)][labels.get("bottleneck", "unknown")] += round(v)
+        self.by(f'sum by (rank) (rate(gpumon_collective_seconds_total{{{sel},op="all_to_all"}}[{window}]))'
+                f" / {per_step}", "rank", model.all_to_all, as_int=True)
+        for labels, points in self.series(f"max by (layer) (gpumon_moe_expert_load_max_ratio{{{sel}}})"):
+            peak = model.peak(model.moe_ratio, labels.get("layer", ""))
+            for t, v in points:
+                peak.add(model.index(t), v)
         self._memory()
         self._gpus(window)
         self._parallel(window, since)

@@ -148,6 +148,11 @@ class _Filler:
                 factor = bus_bandwidth_factor(op.name, step.world)
                 if factor and op.seconds > 0:
                     model.mean(model.bus_bandwidth, op.name).add(i, op.bytes / op.seconds * factor)
+                if op.name == "all_to_all":
+                    model.mean(model.all_to_all, step.rank).add(i, op.seconds)
+        if step.moe is not None:
+            for load in step.moe.layers:
+                model.peak(model.moe_ratio, load.layer).add(i, load.max_ratio)
         if step.mem is not None:
             model.memory_peak.setdefault(step.rank, Peak(model.bins)).add(
                 i, step.mem.peak_bytes or step.mem.reserved_bytes)

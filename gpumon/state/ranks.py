@@ -44,6 +44,7 @@ from gpumon.wire import (
     EventRecord,
     HelloRecord,
     MemoryBreakdown,
+    MoeStats,
     ParallelLayout,
     Record,
     SpanRecord,
@@ -109,6 +110,8 @@ class RankTotals:
     """Collective communication, once a step has reported any (measured or a comm phase)."""
     memory_breakdown: MemoryBreakdown | None = None
     """The latest sampled breakdown (``watch(model, optimizer)``)."""
+    moe: MoeStats | None = None
+    """The latest expert load of the rank's MoE layers, over its client's window of steps."""
     kernel_pid: int | None = None
     """The sender's pid as the kernel gave it (SCM_CREDENTIALS): a process the agent can see."""
     report: StateRecord | None = None
@@ -171,6 +174,8 @@ class RankTotals:
                 self.torch_ooms_reported = max(self.torch_ooms_reported, mem.ooms)
         if record.memory_breakdown is not None:
             self.memory_breakdown = record.memory_breakdown
+        if record.moe is not None:
+            self.moe = record.moe
         if wait_s(record) is not None:
             if self.comm is None:
                 self.comm = CommTotals()

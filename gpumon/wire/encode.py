@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 
-from gpumon.wire.fields import check_comm, check_memory_breakdown, check_number
+from gpumon.wire.fields import check_comm, check_memory_breakdown, check_moe, check_number
 from gpumon.wire.limits import MAX_DATAGRAM_BYTES, MEMORY_COMPONENTS, PARALLEL_DIMS, PROTOCOL_VERSION
 from gpumon.wire.records import (
     MEM_WIRE_NAMES,
     CommStats,
     EventRecord,
     MemoryBreakdown,
+    MoeStats,
     ParallelLayout,
     ProtocolError,
     Record,
@@ -62,6 +63,8 @@ def to_wire(record: Record) -> dict[str, object]:
         if record.device_phases is not None:
             fields["dev"] = list(record.device_phases)
         fields["cpu_wait"] = record.cpu_wait_s
+        if record.moe is not None:
+            fields["moe"] = _moe_wire(record.moe)
     elif isinstance(record, EventRecord):
         out["kind"] = "event"
         fields = {
@@ -119,7 +122,7 @@ def encode_record(record: WireRecord | Record) -> bytes:
 
 
 def encode_measured_field(name: str, value: object, duration_s: float) -> str:
-    """``,"name":...`` for a measured step field (``comm``, ``memb``, ``cpu_wait``) given in its wire
+    """``,"name":...`` for a measured step field (``comm``, ``memb``, ``cpu_wait``, ``moe``) given in its wire
     shape, written from what the decoder makes of it: what is sent is exactly what the agent
     will accept. Raises ``ProtocolError`` for an unknown name or a value the agent would drop
     (which would cost the whole step record)."""
@@ -128,6 +131,8 @@ def encode_measured_field(name: str, value: object, duration_s: float) -> str:
         wire = _comm_wire(check_comm(value, duration_s))
     elif name == "memb":
         wire = _breakdown_wire(check_memory_breakdown(value))
+    elif name == "moe":
+        wire = _moe_wire(check_moe(value))
     elif name == "cpu_wait":  # a finite float: its repr is its JSON
         return f',"cpu_wait":{check_number(value, name, duration_s)!r}'
     else:
@@ -163,6 +168,12 @@ def pack_datagrams(encoded: Iterable[bytes], max_bytes: int = MAX_DATAGRAM_BYTES
     if batch:
         datagrams.append((b"[" + b",".join(batch) + b"]", len(batch)))
     return datagrams
+
+
+def _moe_wire(moe: MoeStats) -> dict[str, object]:
+    return {"window": moe.window,
+            "layers": {load.layer: [load.experts, load.tokens, load.max_ratio, load.cv, load.dead]
+                       for load in moe.layers}}
 
 
 def _state_wire(record: StateRecord) -> dict[str, object]:

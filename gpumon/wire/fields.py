@@ -2,7 +2,7 @@
 
 Numbers against their row of ``limits.FIELD_LIMITS``; labels against ``LABEL_LIMITS``, with the
 labels already validated remembered for the decoder's fast path (``KNOWN_LABELS``); and the
-measured step fields (``comm``, ``memb``, ``dev``), each refused with its own reason. Every
+measured step fields (``comm``, ``memb``, ``dev``, ``moe``), each refused with its own reason. Every
 function returns the checked value or raises ``ProtocolError``.
 """
 
@@ -16,15 +16,19 @@ from gpumon.wire.limits import (
     LABEL_LIMITS,
     MAX_COLLECTIVE_KINDS,
     MAX_LABEL_CHARS,
+    MAX_MOE_LAYERS,
     MAX_OTHER_DIMS,
     MEMORY_COMPONENTS,
+    MOE_RATIO_SLACK,
     PARALLEL_DIMS,
     is_label,
 )
 from gpumon.wire.records import (
     CollectiveOp,
     CommStats,
+    ExpertLoad,
     MemoryBreakdown,
+    MoeStats,
     ParallelLayout,
     ProtocolError,
 )
@@ -36,6 +40,7 @@ __all__ = [
     "check_int",
     "check_label",
     "check_memory_breakdown",
+    "check_moe",
     "check_parallel",
     "check_number",
     "remember_label",
@@ -104,6 +109,41 @@ def check_memory_breakdown(value: object) -> MemoryBreakdown:
         raise ProtocolError("bad_memory_breakdown", "not an object")
     parts = [value.get(name) for name in MEMORY_COMPONENTS]
     return MemoryBreakdown(*[None if part is None else check_int(part, "memb") for part in parts])
+
+
+def check_moe(value: object) -> MoeStats:
+    """A step's ``moe`` field, ``{"window": steps, "layers": {layer: [experts, tokens,
+    max_ratio, cv, dead]}}``; anything wrong in it is ``bad_moe``. Beyond each figure's range,
+    the figures of one layer must agree: with tokens routed, at least one expert got some
+    (``dead < experts``), and no expert can hold more than all of them (``max_ratio <=
+    experts``, ``cv <= sqrt(experts - 1)``)."""
+    if not isinstance(value, dict):
+        raise ProtocolError("bad_moe", "not an object")
+    unknown = set(value) - {"window", "layers"}
+    if unknown:
+        raise ProtocolError("bad_moe", f"unknown key {sorted(unknown)[0]!r}")
+    window = check_int(value.get("window"), "moe.window")
+    layers_value = value.get("layers")
+    if not isinstance(layers_value, dict) or not layers_value:
+        raise ProtocolError("bad_moe", "layers")
+    if len(layers_value) > MAX_MOE_LAYERS:
+        raise ProtocolError("bad_moe", "too many layers")
+    layers = []
+    for name, figures in layers_value.items():
+        if not (isinstance(name, str) and is_label(name, LABEL_LIMITS["layer"])):
+            raise ProtocolError("bad_moe", "layer name")
+        if not isinstance(figures, list) or len(figures) != 5:
+            raise ProtocolError("bad_moe", f"{name}: expected [experts, tokens, max_ratio, cv, dead]")
+        experts = check_int(figures[0], "moe.experts")
+        tokens = check_int(figures[1], "moe.tokens")
+        max_ratio = check_number(figures[2], "moe.max_ratio")
+        cv = check_number(figures[3], "moe.cv")
+        dead = check_int(figures[4], "moe.dead")
+        if not (dead < experts and max_ratio <= experts + MOE_RATIO_SLACK
+                and cv <= math.sqrt(experts - 1) + MOE_RATIO_SLACK):
+            raise ProtocolError("bad_moe", f"{name}: figures that cannot be one layer's")
+        layers.append(ExpertLoad(name, experts, tokens, max_ratio, cv, dead))
+    return MoeStats(window, tuple(layers))
 
 
 def check_device_phases(value: object, phases: Mapping[str, float]) -> tuple[str, ...]:

@@ -24,7 +24,7 @@ MAX_OTHER_DIMS = 8
 """Most dimensions of other names (a mesh's, as the job named them) a layout may carry."""
 MEMORY_COMPONENTS = ("parameters", "gradients", "optimizer_states", "activations", "other")
 """The parts of a rank's memory the sampled breakdown (``memb``) names, in wire and field order."""
-STEP_MEASURED_FIELDS = ("comm", "memb", "cpu_wait")
+STEP_MEASURED_FIELDS = ("comm", "memb", "cpu_wait", "moe")
 """Optional step fields a watcher on the training thread may add (``encode_measured_field``)."""
 
 MAX_RUN_CHARS = 128
@@ -41,6 +41,18 @@ MAX_STACK_FRAMES = 48
 """Most frames a ``state`` record's stack may hold (the innermost are kept)."""
 MAX_FRAME_TEXT_CHARS = 128
 """Longest file or function name in a stack frame (a file keeps its last path components)."""
+
+MAX_MOE_LAYERS = 64
+"""Most MoE layers one step's ``moe`` may summarise: a 64-layer summary of 4096-expert layers
+with 32-character names still leaves a typical record under ``MAX_DATAGRAM_BYTES``."""
+MAX_MOE_LAYER_CHARS = 32
+"""Longest MoE layer name (``3``, ``model.layers.3``, what ``expert_load`` was told)."""
+MAX_EXPERTS = 4096
+"""Most experts one MoE layer may have."""
+MAX_MOE_WINDOW = 10_000
+"""Longest window of steps an expert-load summary may cover."""
+MOE_RATIO_SLACK = 1e-3
+"""How far a summary's ratio or CV may pass its bound (rounding by clients)."""
 
 MAX_WORLD_SIZE = 1 << 20
 """Largest accepted world size; rank and local_rank must be below it."""
@@ -74,6 +86,7 @@ DROP_REASONS = (
     "bad_stack",
     "bad_parallel",
     "bad_span",
+    "bad_moe",
 )
 """Every reason ``decode_datagram`` can give for a rejected object or datagram."""
 
@@ -108,6 +121,10 @@ _COUNT = Limit(integer=True, high=MAX_INT)
 
 def _in_comm(integer: bool, high: float, within_step: bool = False) -> Limit:
     return Limit(integer, high, within_step=within_step, type_reason="bad_comm", value_reason="bad_comm")
+
+
+def _in_moe(integer: bool, high: float, low: int = 0) -> Limit:
+    return Limit(integer, high, low=low, type_reason="bad_moe", value_reason="bad_moe")
 
 
 FIELD_LIMITS: dict[str, Limit] = {
@@ -146,12 +163,19 @@ FIELD_LIMITS: dict[str, Limit] = {
     "flight.bytes": Limit(integer=True, high=MAX_INT, type_reason="bad_state", value_reason="bad_state"),
     "flight.since": Limit(integer=False, high=MAX_UNIX_TIME_S, type_reason="bad_state",
                           value_reason="bad_state"),
+    "moe.window": _in_moe(integer=True, high=MAX_MOE_WINDOW, low=1),
+    "moe.experts": _in_moe(integer=True, high=MAX_EXPERTS, low=1),
+    "moe.tokens": _in_moe(integer=True, high=MAX_INT, low=1),
+    "moe.max_ratio": _in_moe(integer=False, high=MAX_EXPERTS + MOE_RATIO_SLACK, low=1),
+    "moe.cv": _in_moe(integer=False, high=64.0),
+    "moe.dead": _in_moe(integer=True, high=MAX_EXPERTS - 1),
     "frame.line": Limit(integer=True, high=MAX_INT, type_reason="bad_stack", value_reason="bad_stack"),
 }
 """Every numeric field by name (``mem``, ``memb``: each of their counts; ``phase``: each phase;
 ``comm.*``: the figures inside ``comm``; ``cpu_wait``: seconds the training thread was
 runnable but waiting for a CPU; ``since``, ``threshold``, ``launched``, ``flight.*`` and
-``frame.line``: a ``state`` record's; ``seconds`` and ``bytes``: a ``span`` record's;
+``frame.line``: a ``state`` record's; ``seconds`` and ``bytes``: a ``span`` record's; ``moe.*``:
+the figures of one layer of a step's expert-load summary, ``moe.window`` the steps it covers;
 ``zero_stage``: a hello's ZeRO stage; ``parallel``: each
 coordinate of a hello's layout)."""
 
@@ -166,6 +190,7 @@ LABEL_LIMITS: dict[str, int] = {
     "gpu": MAX_GPU_CHARS,
     "collective": MAX_COLLECTIVE_CHARS,
     "dev": MAX_LABEL_CHARS,
+    "layer": MAX_MOE_LAYER_CHARS,
 }
 """Longest value of each label field; every label is ``[A-Za-z0-9_.:/-]+``. ``dev`` (the
 phases a step timed on the GPU) lists names of its own ``phases``, each once, so it holds at

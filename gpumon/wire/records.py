@@ -68,6 +68,31 @@ class MemoryBreakdown:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertLoad:
+    """One MoE layer's routing over the last ``MoeStats.window`` steps: how many experts it
+    has, the tokens routed (each token counted once per expert it went to), the busiest
+    expert's tokens over the mean (1 when balanced), the coefficient of variation of the
+    experts' tokens, and the experts that got none."""
+
+    layer: str
+    experts: int
+    tokens: int
+    max_ratio: float
+    cv: float
+    dead: int
+
+
+@dataclass(frozen=True, slots=True)
+class MoeStats:
+    """A rank's expert load per MoE layer, summarised in the client over its last ``window``
+    steps: the counts per expert never travel (64 experts x 32 layers would not fit a
+    datagram), and the agent exports one series per layer, never per expert."""
+
+    window: int
+    layers: tuple[ExpertLoad, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One training step as reported by a rank."""
 
@@ -95,6 +120,8 @@ class StepRecord:
     """Seconds of the step its training thread was runnable but waiting for a CPU (the
     kernel's run delay): time the host took from the rank, not work the rank did. ``None``:
     not measured."""
+    moe: MoeStats | None = None
+    """The expert load of the rank's MoE layers over its last steps (the wire's ``moe``)."""
 
     @property
     def t_end(self) -> float | None:
@@ -133,8 +160,11 @@ class ParallelLayout:
 
     @property
     def peers_key(self) -> tuple[object, ...]:
-        """What a rank's data-parallel replicas share: every coordinate but ``dp``."""
-        return (self.tp, self.pp, self.ep, self.cp, self.other)
+        """What the ranks that do the same work share: every coordinate but ``dp`` and ``ep``.
+        Expert-parallel ranks hold different experts but run the same layers around them, and
+        a balanced router gives each the same tokens: the one holding the busy experts is the
+        one its peers wait for in the all-to-all, so they are compared with each other."""
+        return (self.tp, self.pp, self.cp, self.other)
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,7 @@ PUBLIC_ALERTS = (
     "GpumonStepTimeRegression", "GpumonRankStraggler", "GpumonTrainingStalled", "GpumonXidError",
     "GpumonGpuLost", "GpumonThermalThrottling", "GpumonAgentDown", "GpumonIngestDropping",
     "GpumonRankExited", "GpumonPipelineImbalance", "GpumonGoodputLow", "GpumonWorkAtRisk",
+    "GpumonExpertImbalance",
 )
 SEVERITIES = {"critical", "warning", "info"}
 _SERIES = re.compile(r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)?\{(?P<labels>.*)\}$')

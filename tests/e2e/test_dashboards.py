@@ -224,7 +224,12 @@ def _feed(agent: AgentProcess, gpus: list[str], stop: threading.Event) -> None:
                            "optimizer": 0.02},
                 "comm": {"exposed": exposed, "busy": exposed + 0.04,
                          "ops": {"all_reduce": [4, 64 * 1024**2, exposed + 0.04],
-                                 "broadcast": [1, 4096, 0.001]}},
+                                 "broadcast": [1, 4096, 0.001],
+                                 "all_to_all": [4, 8 * 1024**2, 0.01]}},
+                # Two MoE layers over the last steps (watch() of a MoE model): layer 1 skewed,
+                # one of its experts idle.
+                "moe": {"window": min(step + 1, 50),
+                        "layers": {"0": [8, 4096 * 2, 1.2, 0.1, 0], "1": [8, 4096 * 2, 2.6, 0.9, 1]}},
                 "samples": 32, "tokens": 4096, "flops": 1e14, "gpu": gpus[rank % len(gpus)],
                 "mem": {"allocated": peak - 2 * GIB, "reserved": peak + GIB, "peak": peak,
                         "retries": step // 20, "ooms": 0},

@@ -213,5 +213,5 @@ def test_every_row_is_applied_at_its_bounds(key: str) -> None:
 
 def test_every_label_row_is_a_length() -> None:
     assert set(LABEL_LIMITS) == {"run", "phase", "event", "client_version", "framework", "gpu",
-                                 "collective", "dev", "parallel", "api"}
+                                 "collective", "dev", "parallel", "api", "layer"}
     assert all(isinstance(n, int) and n > 0 for n in LABEL_LIMITS.values())

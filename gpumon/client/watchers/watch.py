@@ -10,7 +10,8 @@ step as phases, a step per accumulation boundary, the collectives ``deepspeed.co
 what ZeRO holds on this rank (``deepspeed``, ``deepspeed_memory``). All three also
 get the training thread's wait for a CPU (``cpu_wait``): what slows a rank slows its peers. Any torch
 module → its sampled memory breakdown (``memory``), with the optimizer's states when one is
-given (a later call with the optimizer adds it). Anything it
+given (a later call with the optimizer adds it); its MoE routers → each layer's expert load
+(``moe``). Anything it
 cannot measure it leaves alone and says so once in the log; it never raises into the
 training code. Calling it again with the same model does nothing: each watcher attaches
 through ``monitor.extensions.attach``, which registers one extension of each class per monitor.
@@ -49,7 +50,17 @@ def watch(monitor: Watched, model: M, optimizer: Any = None) -> M:
         _watch_memory(monitor, model, optimizer)
     except Exception:
         log.warning("gpumon: could not watch %s's memory", type(model).__name__, exc_info=True)
+    try:
+        _watch_experts(monitor, model)
+    except Exception:
+        log.warning("gpumon: could not watch %s's MoE layers", type(model).__name__, exc_info=True)
     return model
+
+
+def _watch_experts(monitor: Watched, model: object) -> None:
+    if callable(getattr(model, "named_modules", None)) and "torch" in sys.modules:
+        from gpumon.client.watchers.moe import watch_experts
+        watch_experts(monitor, model)
 
 
 def _watch_memory(monitor: Watched, model: object, optimizer: Any) -> None:
