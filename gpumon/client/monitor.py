@@ -220,7 +220,7 @@ class StepMonitor:
         self._sender.add_control(self._sender.hello)
         core = self._core
         self._spans = SpanReporter(self._sender, lambda: core.steps)
-        _watch_checkpoints(self._spans)
+        watch_checkpoints(self._spans)
         self._finalizer = weakref.finalize(self, self._sender.close)
         _live_monitors.add(self)
         for callback in _on_new_monitor:
@@ -465,8 +465,9 @@ def _phase_clock(name: Any) -> bool:
     return name in HOST_CLOCK_PHASES
 
 
-def _watch_checkpoints(spans: SpanReporter) -> None:
-    """Recognise the process's checkpoint saves and evaluations for ``spans`` (never raises)."""
+def watch_checkpoints(spans: SpanReporter | None = None) -> None:
+    """Recognise the process's checkpoint saves and evaluations for ``spans`` (None: from now,
+    for the monitor to come: ``gpumon run``'s hooks); never raises."""
     try:
         from gpumon.client.watchers.checkpoints import watch_checkpoints
 

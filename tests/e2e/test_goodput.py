@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from gpumon.analysis.goodput import CAUSES
-from gpumon.testing import AgentProcess, free_port
+from gpumon.testing import AgentProcess
 from gpumon.testing.metrics import value
 from tests.e2e.distributed import AGENT, JOBS, watched
 
@@ -75,9 +75,8 @@ def measured(agent: AgentProcess, rank: int) -> dict[str, float]:
 def test_a_restarted_run_accounts_every_second_of_each_rank(agent: AgentProcess,
                                                             tmp_path: Path) -> None:
     out = tmp_path / RUN
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--max-restarts", "1", "--monitor-interval", "0.1",
-                "--master-port", str(free_port())]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"]
     watched(agent, tmp_path, RUN, [str(JOBS / "restart_job.py"), "--out", str(out),
                                    "--steps", str(STEPS), "--every", str(EVERY),
                                    "--crash-after", str(CRASH_AFTER)],

@@ -171,6 +171,7 @@ def install() -> bool:
         compiler.run_as_python(dataloader._BaseDataLoaderIter, "__next__", next_)
 
     _patch(torch, "compile", lambda original: _wrap_compile(original, run_as_python))
+    _monitor_module.watch_checkpoints()  # a restore before the first step counts too
     if torch_compiled():  # the job compiled before the hooks went in
         run_as_python()
     if _state.narrowed:  # put back after take_out(): the models are known

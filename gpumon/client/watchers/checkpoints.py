@@ -27,6 +27,7 @@ import logging
 import sys
 import threading
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
 from time import perf_counter
 from types import ModuleType
@@ -42,6 +43,9 @@ MIN_CHECKPOINT_BYTES = 1 << 20
 WRAPPED_MARK = "__gpumon_checkpoint__"
 
 _reporters: weakref.WeakSet[SpanReporter] = weakref.WeakSet()
+_early: deque[tuple[str, float, bool, str, int | None]] = deque(maxlen=16)
+"""Spans before the process had a monitor (``gpumon run`` makes it at the first training step:
+a restore comes before), told to the first one (their time is the rank's startup)."""
 _inside = threading.local()
 _install_lock = threading.Lock()
 _patched: set[str] = set()
@@ -90,9 +94,14 @@ TAPS: tuple[Tap, ...] = (
 )
 
 
-def watch_checkpoints(reporter: SpanReporter) -> None:
-    """Report this process's checkpoints and evaluations to ``reporter`` from now on."""
-    _reporters.add(reporter)
+def watch_checkpoints(reporter: SpanReporter | None) -> None:
+    """Report this process's checkpoints and evaluations to ``reporter`` from now on (None:
+    wrap the functions now, and keep what they see for the first monitor)."""
+    if reporter is not None:
+        _reporters.add(reporter)
+        while _early:
+            kind, seconds, ok, api, nbytes = _early.popleft()
+            reporter.report(kind, seconds, ok, steps=0, api=api, nbytes=nbytes)
     with _install_lock:
         if not any(isinstance(f, _AfterImport) for f in sys.meta_path):
             sys.meta_path.insert(0, _AfterImport())
@@ -128,7 +137,7 @@ def tensor_bytes(value: object, depth: int = 6, budget: list[int] | None = None)
 def _wrap(tap: Tap, fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if not _reporters or getattr(_inside, "depth", False) or not on_training_thread():
+        if getattr(_inside, "depth", False) or not on_training_thread():
             return fn(*args, **kwargs)
         steps = _steps()
         _inside.depth = True
@@ -167,6 +176,10 @@ def _report(tap: Tap, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
         if not tap.always and not optimizer and nbytes < MIN_CHECKPOINT_BYTES:
             return
     pending = tap.asynchronous and ok
+    if not _reporters:
+        if not pending:
+            _early.append((tap.kind, seconds, ok, tap.api, nbytes))
+        return
     for reporter in list(_reporters):
         reporter.report(tap.kind, seconds, None if pending else ok, steps=steps, api=tap.api,
                         nbytes=nbytes, pending=pending)

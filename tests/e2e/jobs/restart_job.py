@@ -104,7 +104,10 @@ def main() -> None:
     signal.signal(signal.SIGTERM, stopped)
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    # A store of this attempt's own: torchrun's store keeps the last attempt's addresses, which
+    # a restarted rank could read before its peer has written its new one.
+    dist.init_process_group("gloo", init_method=f"file://{args.out / f'store.{attempt}'}",
+                            rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     model = DDP(Model(args.work_s))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     checkpoint = args.out / "checkpoint.pt"
@@ -118,6 +121,19 @@ def main() -> None:
         first = state["step"] + 1
         timeline.note("load_end", step=state["step"])
     x = torch.randn(32, 256)
+    try:
+        train(args, attempt, rank, first, model, optimizer, x, timeline, checkpoint)
+    except BaseException as exc:  # a peer's crash reaches the survivor as gloo's error
+        timeline.note("exit", why=type(exc).__name__)
+        os._exit(1)  # at once: the timeline's exit is the process's
+    dist.destroy_process_group()
+    timeline.note("exit", why="done")
+    sys.stdout.flush()
+
+
+def train(args: argparse.Namespace, attempt: int, rank: int, first: int, model: DDP,
+          optimizer: torch.optim.Optimizer, x: torch.Tensor, timeline: Timeline,
+          checkpoint: Path) -> None:
     for step in range(first, args.steps + 1):
         timeline.note("step_start", step=step)
         if attempt == 0 and rank == args.crash_rank and step == args.crash_after + 1:
@@ -136,9 +152,6 @@ def main() -> None:
                 torch.save(state, f)
             os.replace(args.out / "checkpoint.tmp", checkpoint)
             timeline.note("save_end", step=step)
-    dist.destroy_process_group()
-    timeline.note("exit", why="done")
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":
