@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 
 HOUSEKEEPING_INTERVAL_S = 1.0
 LIVENESS_INTERVAL_S = 5.0
+TIME_LINE_INTERVAL_S = 10.0
+"""How often the recording gets each rank's time so far (``time`` lines)."""
 """How often the training processes are looked for in /proc: an exit is seen within 5 s."""
 
 
@@ -96,6 +98,7 @@ class Agent:
         self.ingest_problem: str | None = None
         self._recorder: Recorder | None = None
         self._liveness_at = 0.0
+        self._times_at = 0.0
         self.started_at = time.time()
         self.traces: TraceDesk | None = None
         """Profiler traces asked of the ranks (docs/traces.md); made once ingest runs."""
@@ -228,6 +231,7 @@ class Agent:
             self._xid.close()
             self._xid = None
         if self._recorder is not None:
+            self._record_times(time.time(), time.monotonic())
             self._recorder.close()
             self._recorder = None
         self._exits.close()
@@ -282,7 +286,16 @@ class Agent:
         if self.traces is not None and self.config.trace_auto:
             self.traces.observe(self.analyzer.analyses())
         if self._recorder is not None:
+            if monotonic - self._times_at >= TIME_LINE_INTERVAL_S:
+                self._record_times(now, monotonic)
             self._recorder.flush()
+
+    def _record_times(self, now: float, monotonic: float) -> None:
+        """Where each rank's time went, into the recording (a report's figures)."""
+        assert self._recorder is not None
+        self._times_at = monotonic
+        self._recorder.times(self.rank_store.time_totals(monotonic),
+                             lambda m: now - (monotonic - m), now)
 
     def _take_exits(self, monotonic: float) -> None:
         """The exits the watcher saw, at the moments it saw them."""

@@ -1,4 +1,5 @@
-"""`--record FILE.jsonl`: append every step record and GPU sample the agent sees.
+"""`--record FILE.jsonl`: append every step record and GPU sample the agent sees, and where each
+rank's time went (``time`` lines, every ``TIME_LINE_INTERVAL_S`` and at the end).
 
 Step lines are wire records (kind "step"); GPU lines follow the recording format in
 docs/architecture.md §6. Writes are buffered and flushed at least every second by the
@@ -20,10 +21,11 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from gpumon.analysis.goodput import CAUSES, TimeTotals
 from gpumon.collectors.gpu_fields import GPU_FIELDS
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.errors import GpumonError
@@ -39,6 +41,16 @@ MAX_BACKLOG_BYTES = 16 * 1024 * 1024
 
 # GpuSample field -> recording key.
 _GPU_KEYS = tuple((f.name, f.record) for f in GPU_FIELDS if f.record is not None)
+
+
+def time_line(run: str, rank: int, totals: TimeTotals, unix_of: Callable[[float], float],
+              now_t: float) -> dict[str, Any]:
+    """Where a rank's time went as a recording line (docs/goodput.md)."""
+    return {"kind": "time", "t": round(now_t, 3), "run": run, "rank": rank,
+            "goodput": round(totals.goodput_s, 3),
+            "badput": {cause: round(seconds, 3) for cause, seconds in totals.badput_s.items()},
+            "unsaved": round(totals.unsaved_s, 3), "restarts": totals.restarts,
+            "restarted_at": [round(unix_of(t), 3) for t in totals.restarted_at]}
 
 
 def gpu_line(sample: GpuSample, static: GpuStatic | None = None) -> dict[str, Any]:
@@ -66,6 +78,21 @@ def sample_from_line(line: dict[str, Any]) -> GpuSample:
         values["process_memory_bytes"] = {int(pid): int(used) for pid, used in processes.items()}
     return GpuSample(index=int(line["gpu"]), t=float(line["t"]), up=line.get("up", True),
                      **values)
+
+
+def time_from_line(line: dict[str, Any]) -> tuple[str, int, float, TimeTotals]:
+    """Inverse of :func:`time_line`: (run, rank, when, its figures, ``restarted_at`` in unix
+    time); raises ``KeyError``, ``TypeError`` or ``ValueError`` on a line that is not one."""
+    badput = line["badput"]
+    if not isinstance(badput, dict) or set(badput) != set(CAUSES):
+        raise ValueError("badput: one figure per cause")
+    restarted = line.get("restarted_at", [])
+    if not isinstance(restarted, list):
+        raise TypeError("restarted_at")
+    totals = TimeTotals(float(line["goodput"]), {c: float(badput[c]) for c in CAUSES},
+                        float(line["unsaved"]), int(line["restarts"]),
+                        restarted_at=tuple(float(t) for t in restarted))
+    return str(line["run"]), int(line["rank"]), float(line["t"]), totals
 
 
 class RecordingError(GpumonError, OSError):
@@ -118,6 +145,15 @@ class Recorder:
         compares each rank with its replicas, as the agent did)."""
         lines = [json.dumps(to_wire(r), separators=(",", ":")) for r in records
                  if r.parallel is not None]
+        with self._lock:
+            self._pending.extend(lines)
+
+    def times(self, totals: Mapping[tuple[str, int], TimeTotals], unix_of: Callable[[float], float],
+              now_t: float) -> None:
+        """Queue where each rank's time went so far (a ``time`` line each; the last of a rank
+        is its figures; ``restarts`` lists its successors' starts, unix time)."""
+        lines = [json.dumps(time_line(run, rank, t, unix_of, now_t), separators=(",", ":"))
+                 for (run, rank), t in sorted(totals.items())]
         with self._lock:
             self._pending.extend(lines)
 

@@ -31,6 +31,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+MAX_RESTART_TIMES = 64
+"""Restart moments kept per rank (for a report's time axis)."""
+
 CAUSES = ("startup", "checkpoint", "evaluation", "stalled", "lost", "restart", "other")
 """Every badput cause, in the order reports list them."""
 
@@ -51,6 +54,9 @@ class TimeTotals:
     saves_failed: int = 0
     loads_ok: int = 0
     loads_failed: int = 0
+    restarted_at: tuple[float, ...] = ()
+    """When its successors started, of the latest ``MAX_RESTART_TIMES`` restarts (the clock
+    the ledger was given)."""
 
     @property
     def wall_s(self) -> float:
@@ -67,6 +73,7 @@ class TimeLedger:
         self._unsaved: deque[list[float]] = deque()  # [ordinal, seconds], oldest first
         self._unsaved_s = 0.0
         self.restarts = 0
+        self._restarted_at: deque[float] = deque(maxlen=MAX_RESTART_TIMES)
         self._counts = [0, 0, 0, 0]  # saves ok, failed; loads ok, failed
         # The current (or last) process.
         self._pid: int | None = None
@@ -94,6 +101,7 @@ class TimeLedger:
             if self._failed and self._exit is not None:
                 self._badput["restart"] += max(0.0, start - self._exit)
                 self.restarts += 1
+                self._restarted_at.append(start)
             self._other_base = self._other_now()
         self._pid, self._start, self._horizon = pid, start, start
         self._stepped, self._accounted, self._finished = False, 0.0, False
@@ -221,7 +229,7 @@ class TimeLedger:
         badput["other"] = self._other_max
         saves_ok, saves_failed, loads_ok, loads_failed = self._counts
         return TimeTotals(self._goodput, badput, self._unsaved_s, self.restarts, saves_ok,
-                          saves_failed, loads_ok, loads_failed)
+                          saves_failed, loads_ok, loads_failed, tuple(self._restarted_at))
 
     # -- inside ----------------------------------------------------------------------------
     def _see(self, now: float) -> None:

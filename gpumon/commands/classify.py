@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpumon.agent.recorder import sample_from_line
+from gpumon.agent.recorder import sample_from_line, time_from_line
+from gpumon.analysis.goodput import TimeTotals
 from gpumon.analysis.stream import StepAnalyzer, StepVerdict
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.wire import HelloRecord, ParallelLayout, ProtocolError, StepRecord, decode_record
@@ -25,6 +26,8 @@ class Recording:
     steps: list[StepRecord] = field(default_factory=list)
     layouts: dict[tuple[str, int], ParallelLayout] = field(default_factory=dict)
     """Each rank's place in its job's parallelism, from the recorded hellos (the latest)."""
+    times: dict[tuple[str, int], tuple[float, TimeTotals]] = field(default_factory=dict)
+    """Where each rank's time went, from its latest ``time`` line: (unix time, figures)."""
     skipped: Counter[str] = field(default_factory=Counter)
     skipped_at: list[tuple[int, str]] = field(default_factory=list)
     """(line number from 1, reason) of every line skipped, in file order."""
@@ -75,6 +78,14 @@ def load_recording(lines: Iterable[str]) -> Recording:
                 continue
             if isinstance(hello, HelloRecord) and hello.parallel is not None:
                 recording.layouts[(hello.run, hello.rank)] = hello.parallel
+        elif kind == "time":
+            try:
+                run, rank, t, totals = time_from_line(line)
+            except (KeyError, TypeError, ValueError):
+                recording.skip(number, "bad_time_line")
+                continue
+            if t >= recording.times.get((run, rank), (float("-inf"),))[0]:
+                recording.times[(run, rank)] = (t, totals)
         else:
             recording.skip(number, "unknown_kind")
     for samples in recording.samples.values():
