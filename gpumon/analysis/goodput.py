@@ -89,6 +89,7 @@ class TimeLedger:
         self._failed = False
         self._period: tuple[str, float] | None = None  # (cause, since) of an open period
         self._steps = 0  # the process's steps received so far
+        self._restored = False  # a restore before its first step was counted
 
     # -- the process -----------------------------------------------------------------------
     def process(self, pid: int | None, start: float, now: float) -> None:
@@ -106,7 +107,7 @@ class TimeLedger:
         self._pid, self._start, self._horizon = pid, start, start
         self._stepped, self._accounted, self._finished = False, 0.0, False
         self._exit, self._failed, self._period, self._preserved = None, False, None, 0
-        self._steps = 0
+        self._steps, self._restored = 0, False
 
     @property
     def pid(self) -> int | None:
@@ -181,11 +182,15 @@ class TimeLedger:
         training thread ``seconds`` (after the first step: badput; before it, part of the
         startup); ``saved``: an asynchronous save finished writing. A save that succeeded
         keeps the process's first ``steps`` steps (the steps it had completed when the save
-        began; all received so far where the hook did not say). Returns that count, for the
-        run's other ranks, or None."""
+        began; all received so far where the hook did not say). The reads of a restore before
+        the process's first step (a framework reads its weights, optimizer and scheduler
+        apart) count as one restore. Returns that count, for the run's other ranks, or None."""
         self._see(now)
-        if kind in ("save", "saved", "load") and ok is not None:
+        restoring = kind == "load" and not self._stepped
+        if kind in ("save", "saved", "load") and ok is not None and not (
+                restoring and self._restored):  # the reads of one restore, before the first step
             self._counts[(2 if kind == "load" else 0) + (0 if ok else 1)] += 1
+            self._restored = self._restored or bool(restoring and ok)
         if seconds > 0 and self._stepped and kind != "saved":
             cause = "evaluation" if kind == "eval" else "checkpoint"
             if self._period is not None and self._period[0] == "evaluation" and cause == "evaluation":

@@ -185,3 +185,13 @@ def test_a_step_that_arrives_after_the_failure_is_lost_with_the_rest() -> None:
     ledger.step(1.0, t + 0.2)  # its last datagram, read after the exit
     totals = ledger.totals(t + 0.2)
     assert totals.badput_s["lost"] == pytest.approx(4.0) and totals.unsaved_s == 0.0
+
+
+def test_the_reads_of_one_restore_before_the_first_step_are_one_restore() -> None:
+    ledger = TimeLedger()
+    ledger.process(1, 0.0, 0.0)
+    ledger.span("load", 0.5, True, None, 1.0)  # the weights
+    ledger.span("load", 0.2, True, None, 1.2)  # the optimizer
+    t = run_steps(ledger, 1, 2, 2.0)
+    ledger.span("load", 0.3, True, None, t + 0.3)  # a restore later on is one of its own
+    assert ledger.totals(t).loads_ok == 2

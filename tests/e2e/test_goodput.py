@@ -1,18 +1,21 @@
-"""Where real runs' time went, against each job's own timeline: a torchrun job restarted after a
-crash, resuming from its last checkpoint (no gpumon code in it, under ``gpumon run``).
+"""Where real runs' time went, against each job's own timeline (``timelines.py``), under
+``gpumon run`` with no gpumon code in the jobs: a torchrun job restarted after a crash, resuming
+from its last checkpoint; a Hugging Face ``Trainer`` with ``save_steps`` that crashes and is
+run again with ``resume_from_checkpoint``; a job saving with ``torch.distributed.checkpoint``'s
+``async_save`` that crashes while its last save is still writing.
 
-The truth is what the processes wrote themselves (``jobs/restart_job.py``): their kernel start
-times, each step, save and restore, and their exits. For each rank, goodput plus badput is its
-wall time within 10 %, and each cause is within 30 % of the truth.
+The truth is what the processes wrote themselves: their kernel start times, each step, save
+and restore, and their exits. For each rank, goodput plus badput is its wall time within 10 %,
+and each cause is within 30 % of the truth.
 """
 
 from __future__ import annotations
 
-import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,6 +23,8 @@ from gpumon.analysis.goodput import CAUSES
 from gpumon.testing import AgentProcess
 from gpumon.testing.metrics import value
 from tests.e2e.distributed import AGENT, JOBS, watched
+from tests.e2e.timelines import notes, truth
+from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.slow, AGENT]
 
@@ -27,41 +32,9 @@ RUN = "restart-job"
 STEPS, EVERY, CRASH_AFTER = 100, 20, 50
 
 
-def timeline(out: Path, rank: int, attempt: int) -> list[dict[str, Any]]:
-    path = out / f"rank{rank}.attempt{attempt}.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def truth(out: Path, rank: int) -> dict[str, float]:
-    """Where the rank's time went, by its own notes."""
-    attempts = [timeline(out, rank, a) for a in (0, 1)]
-    saved = max(e["step"] for a in (0,) for e in timeline(out, 0, a) if e["what"] == "save_end")
-    got: dict[str, float] = dict.fromkeys(CAUSES, 0.0)
-    got["goodput"] = 0.0
-    for n, events in enumerate(attempts):
-        start = next(e["at"] for e in events if e["what"] == "start")
-        first = next(e["t"] for e in events if e["what"] == "step_start")
-        got["startup"] += first - start
-        begun: dict[int, float] = {}
-        for e in events:
-            if e["what"] == "step_start":
-                begun[e["step"]] = e["t"]
-            elif e["what"] == "step_end":
-                seconds = e["t"] - begun[e["step"]]
-                got["lost" if n == 0 and e["step"] > saved else "goodput"] += seconds
-            elif e["what"] == "save_end":
-                got["checkpoint"] += e["t"] - next(
-                    s["t"] for s in events if s["what"] == "save_start" and s["step"] == e["step"])
-    exit0 = next(e["t"] for e in attempts[0] if e["what"] == "exit")
-    got["restart"] = next(e["at"] for e in attempts[1] if e["what"] == "start") - exit0
-    got["wall"] = (next(e["t"] for e in attempts[1] if e["what"] == "exit")
-                   - next(e["at"] for e in attempts[0] if e["what"] == "start"))
-    return got
-
-
-def measured(agent: AgentProcess, rank: int) -> dict[str, float]:
+def measured(agent: AgentProcess, rank: int, run: str = RUN) -> dict[str, float]:
     metrics = agent.metrics()
-    labels = {"run": RUN, "rank": str(rank)}
+    labels = {"run": run, "rank": str(rank)}
     got = {cause: value(metrics, "gpumon_badput_seconds_total", cause=cause, **labels)
            for cause in CAUSES}
     got["goodput"] = value(metrics, "gpumon_goodput_seconds_total", **labels)
@@ -87,15 +60,70 @@ def test_a_restarted_run_accounts_every_second_of_each_rank(agent: AgentProcess,
     while time.monotonic() < deadline and measured(agent, 1)["unsaved"] > 0:
         time.sleep(0.25)  # the last records (the clean finish) arrive
     for rank in (0, 1):
-        want, got = truth(out, rank), measured(agent, rank)
-        report = f"rank {rank}: truth {want}, gpumon {got}"
-        total = got["goodput"] + sum(got[c] for c in CAUSES)
-        assert total == pytest.approx(want["wall"], rel=0.10), report
-        assert got["unsaved"] == 0.0, report  # the run finished cleanly: everything kept
-        assert got["restarts"] == 1, report
-        assert got["loads"] == 1, report
-        for part in ("goodput", "startup", "lost", "restart"):
-            assert got[part] == pytest.approx(want[part], rel=0.30), (part, report)
-        if rank == 0:
-            assert got["checkpoint"] == pytest.approx(want["checkpoint"], rel=0.30), report
-            assert got["saves"] == STEPS // EVERY, report
+        attempts = [notes(out / f"rank{rank}.attempt{n}.jsonl") for n in (0, 1)]
+        saves = [notes(out / f"rank0.attempt{n}.jsonl") for n in (0, 1)]
+        got = measured(agent, rank)
+        check(truth(attempts, saves), got, f"rank {rank}")
+        assert got["restarts"] == 1 and got["loads"] == 1, got
+        assert got["saves"] == (STEPS // EVERY if rank == 0 else 0), got
+
+
+def check(want: dict[str, float], got: dict[str, float], who: str,
+          causes: tuple[str, ...] = ("goodput", "startup", "checkpoint", "lost", "restart")) -> None:
+    """Every second counted once (within 10 %), each cause within 30 % of the truth."""
+    report = f"{who}: truth {want}, gpumon {got}"
+    total = got["goodput"] + sum(got[c] for c in CAUSES)
+    assert total == pytest.approx(want["wall"], rel=0.10), report
+    for part in causes:
+        assert got[part] == pytest.approx(want[part], rel=0.30), (part, report)
+
+
+def gpumon_run(agent: AgentProcess, run: str, args: list[str]) -> int:
+    """Run a job under ``gpumon run``; its exit status (a crash is expected of some)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    for name in ("GPUMON_RUN", "GPUMON_SOCKET", "GPUMON_PURE_PYTHON", "GPUMON_RUN_DISABLE"):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-m", "gpumon.cli", "run", "--run", run, "--socket",
+                           str(agent.socket_path), "--", sys.executable, *args],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    return done.returncode
+
+
+def settled(agent: AgentProcess, run: str, want: float) -> dict[str, float]:
+    """The rank's figures once their goodput and badput account for ``want`` seconds (the
+    last records arrive after the process ends), or as they are after 10 s."""
+    deadline = time.monotonic() + 10
+    while True:
+        got = measured(agent, 0, run)
+        if got["goodput"] + sum(got[c] for c in CAUSES) >= 0.95 * want \
+                or time.monotonic() > deadline:
+            return got
+        time.sleep(0.25)
+
+
+def test_a_hugging_face_run_resumed_from_its_checkpoint(agent: AgentProcess,
+                                                        tmp_path: Path) -> None:
+    run, out = "hf-resume", tmp_path / "hf-resume"
+    job = [str(JOBS / "hf_resume_job.py"), "--out", str(out), "--steps", "40", "--every", "10"]
+    assert gpumon_run(agent, run, [*job, "--crash-at", "25"]) == 1
+    time.sleep(2.0)  # the scheduler takes its time to run it again
+    assert gpumon_run(agent, run, [*job, "--attempt", "1", "--resume"]) == 0
+    want = truth([notes(out / "attempt0.jsonl"), notes(out / "attempt1.jsonl")])
+    got = settled(agent, run, want["wall"])
+    check(want, got, "hf")
+    assert got["unsaved"] == 0.0 and got["restarts"] == 1, got
+    assert got["saves"] == 4 and got["loads"] == 1, got  # 10, 20; 30, 40; the resume
+
+
+def test_an_async_save_counts_what_it_blocked_and_keeps_only_once_written(
+        agent: AgentProcess, tmp_path: Path) -> None:
+    run, out = "dcp-async", tmp_path / "dcp-async"
+    job = [str(JOBS / "dcp_async_job.py"), "--out", str(out), "--steps", "60", "--every", "20",
+           "--crash-at", "45"]
+    assert gpumon_run(agent, run, job) == 1
+    want = truth([notes(out / "attempt0.jsonl")])
+    assert want["lost"] > want["goodput"]  # the save of step 40 was still writing
+    got = settled(agent, run, want["wall"])
+    check(want, got, "dcp")
+    assert got["saves"] == 1, got  # the save of step 20; step 40's never completed
+    assert got["unsaved"] == 0.0, got  # lost at the crash

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import os
 import signal
 import sys
@@ -24,23 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from timeline import Timeline
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-
-def process_start_unix() -> float:
-    """When this process started, by the kernel (``/proc/self/stat``), as unix time."""
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    age = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    return time.time() - age
-
-
-class Timeline:
-    def __init__(self, path: Path) -> None:
-        self._file = path.open("a")
-
-    def note(self, what: str, **fields: object) -> None:
-        self._file.write(json.dumps({"what": what, "t": time.time(), **fields}) + "\n")
-        self._file.flush()
 
 
 class SlowFile(io.FileIO):
@@ -95,7 +79,6 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     args.out.mkdir(parents=True, exist_ok=True)
     timeline = Timeline(args.out / f"rank{rank}.attempt{attempt}.jsonl")
-    timeline.note("start", at=process_start_unix(), pid=os.getpid())
 
     def stopped(signum: int, frame: object) -> None:
         timeline.note("exit", why="sigterm")
@@ -138,8 +121,7 @@ def train(args: argparse.Namespace, attempt: int, rank: int, first: int, model: 
         timeline.note("step_start", step=step)
         if attempt == 0 and rank == args.crash_rank and step == args.crash_after + 1:
             time.sleep(args.work_s * 3)  # dies in the middle of its step
-            timeline.note("exit", why="crash")
-            os._exit(1)
+            timeline.crash()
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()
@@ -152,6 +134,7 @@ def train(args: argparse.Namespace, attempt: int, rank: int, first: int, model: 
                 torch.save(state, f)
             os.replace(args.out / "checkpoint.tmp", checkpoint)
             timeline.note("save_end", step=step)
+            timeline.note("save_done", step=step)
 
 
 if __name__ == "__main__":

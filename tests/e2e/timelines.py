@@ -1,0 +1,54 @@
+"""Where a job's time went by its own notes (``jobs/timeline.py``): the truth the goodput tests
+hold gpumon's accounting to, computed from nothing of gpumon's.
+
+A job's attempts are its processes for one rank, in order; ``saves`` are the notes of the
+process that saves (the rank itself, or rank 0 for a job where it alone writes). A save
+preserves the steps up to its step once it is done (``save_done``); the steps of a process that
+crashed after its last completed save are lost; every other completed step is goodput.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gpumon.analysis.goodput import CAUSES
+
+Events = list[dict[str, Any]]
+
+
+def notes(path: Path) -> Events:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def truth(attempts: list[Events], saves: list[Events] | None = None) -> dict[str, float]:
+    """The rank's time by cause, its goodput and its wall time, in seconds."""
+    saves = saves if saves is not None else attempts
+    got: dict[str, float] = dict.fromkeys((*CAUSES, "goodput"), 0.0)
+    for n, events in enumerate(attempts):
+        start = _first(events, "start")["at"]
+        got["startup"] += _first(events, "step_start")["t"] - start
+        exit_ = _first(events, "exit")
+        crashed = exit_["why"] != "done"
+        done = [e for e in saves[n] if e["what"] == "save_done" and e["t"] <= exit_["t"]]
+        kept = max((e["step"] for e in done), default=0) if crashed else float("inf")
+        begun: dict[int, float] = {}
+        saving: dict[int, float] = {}
+        for e in events:
+            if e["what"] == "step_start":
+                begun[e["step"]] = e["t"]
+            elif e["what"] == "step_end":
+                got["goodput" if e["step"] <= kept else "lost"] += e["t"] - begun[e["step"]]
+            elif e["what"] == "save_start":
+                saving[e["step"]] = e["t"]
+            elif e["what"] == "save_end":
+                got["checkpoint"] += e["t"] - saving[e["step"]]
+        if n + 1 < len(attempts):
+            got["restart"] += _first(attempts[n + 1], "start")["at"] - exit_["t"]
+    got["wall"] = _first(attempts[-1], "exit")["t"] - _first(attempts[0], "start")["at"]
+    return got
+
+
+def _first(events: Events, what: str) -> dict[str, Any]:
+    return next(e for e in events if e["what"] == what)
