@@ -54,4 +54,4 @@ def goodput_families(totals: Mapping[tuple[str, int], TimeTotals],
     yield GaugeFamily(
         "gpumon_unsaved_threshold_seconds",
         "The age of unsaved work past which GpumonWorkAtRisk fires (the agent's "
-        "--unsaved-alert).", value=unsaved_alert_s)
+        "unsaved_alert_seconds).", value=unsaved_alert_s)

@@ -69,7 +69,8 @@ def test_shards_evaluate_what_reads_their_own_nodes() -> None:
     # instance, so two shards never write the same series); never a run-level `run:` series.
     records = [rule for group in shard for rule in group["rules"] if "record" in rule]
     assert records and all(r["record"].startswith(("run_rank:", "run_rank_phase:", "run_node:",
-                                                    "run_node_bottleneck:", "run_node_cause:"))
+                                                    "run_node_bottleneck:", "run_node_cause:",
+                                                    "run_node_layer:"))
                            for r in records)
     for rule in records:
         for by in re.findall(r"\b(?:sum|count|max|min|topk) by \(([^)]*)\)", rule["expr"]):
@@ -92,7 +93,8 @@ def test_the_centre_reads_one_series_per_node_not_per_rank() -> None:
     for rule in records:
         assert not re.search(r"\bgpumon_[a-z_]+", re.sub(RECORDED, "", rule["expr"])), rule["record"]
         for series in (m[0] for m in RECORDED.finditer(rule["expr"])):
-            assert series.startswith(("run_node:", "run_node_bottleneck:", "run_node_cause:")) \
+            assert series.startswith(("run_node:", "run_node_bottleneck:", "run_node_cause:",
+                                                    "run_node_layer:")) \
                 or series in outputs, \
                 (rule["record"], series)
     alerts = {r["alert"] for g in central for r in g["rules"] if "alert" in r}
