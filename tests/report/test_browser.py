@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from gpumon.testing.recordings import GIB, Run, write
+from gpumon.testing.recordings import GIB, Run, time_totals, write
 from tests.helpers import ROOT, agent_env
 from tests.report.browser import open_page
 
-FIGURES = {"step-phases", "verdicts", "step-heatmap", "memory", "gpu-activity", "links", "comm"}
+FIGURES = {"time-by-cause", "step-phases", "verdicts", "step-heatmap", "memory", "gpu-activity",
+           "links", "comm"}
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,26 @@ def test_memory_is_drawn_against_the_device(
     assert len({rank for rank, _ in parts}) == 1
     assert [part for _, part in parts] == [
         "parameters", "gradients", "optimizer_states", "activations", "other"]
+
+
+def test_each_ranks_time_is_drawn_by_cause_and_its_restart_on_the_time_axis(
+        drawn: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
+    page, _ = drawn
+    bars = {t["name"]: t for t in page["figures"]["time-by-cause"]["data"]}
+    assert list(bars) == ["goodput", "unsaved", "startup", "checkpoint", "lost", "restart",
+                          "other"]
+    run = Run()
+    for name, trace in bars.items():
+        assert trace["type"] == "bar" and trace["y"] == ["rank 0", "rank 1", "rank 2"]
+        want = [time_totals(run, rank) for rank in range(run.ranks)]
+        assert trace["x"] == pytest.approx([
+            t.goodput_s if name == "goodput" else t.unsaved_s if name == "unsaved"
+            else t.badput_s[name] for t in want], rel=1e-4)
+    # Rank 1 restarted half-way through the run: marked there, on the step time's axis.
+    restarted = time_totals(run, 1).restarted_at[0] - page["meta"]["start"]
+    phases = page["figures"]["step-phases"]
+    assert [s["x0"] for s in phases["shapes"]] == [pytest.approx(restarted, abs=1e-3)]
+    assert [n["text"] for n in phases["notes"]] == ["↻ rank 1"]
 
 
 @pytest.mark.parametrize("width", [1400, 390], ids=["desktop", "phone"])
