@@ -12,9 +12,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpumon.agent.recorder import time_line
-from gpumon.analysis.goodput import CAUSES, TimeTotals
-
 GIB = 2**30
 CAPACITY = 80 * GIB
 
@@ -37,9 +34,9 @@ class Run:
     gpus_active: bool = True
     """False: every GPU sample reads no activity and no traffic (a node whose GPUs the job
     never used)."""
-    times: bool = True
-    """Whether the recording ends with each rank's time line (``time_totals``), as the
-    agent writes at its stop; False: a recording made before the agent accounted time."""
+    times: bool = False
+    """Whether the recording ends with each rank's time line (``time_figures``), as the
+    agent writes at its stop; without, a recording made before the agent accounted time."""
 
 
 def step_line(run: Run, rank: int, step: int, rng: random.Random) -> dict[str, object]:
@@ -88,21 +85,20 @@ def gpu_line(run: Run, gpu: int, t: float) -> dict[str, object]:
     return line
 
 
-def time_totals(run: Run, rank: int) -> TimeTotals:
-    """Where the rank's time went, in round shares of the run's span: rank 1 (where there is
-    one) failed half-way, lost its unsaved steps and was restarted. Rounded as the recording
-    rounds them (milliseconds), so a replay reads back these very figures."""
+def time_figures(run: Run, rank: int) -> dict[str, object]:
+    """The rank's time line, as the agent writes it at its stop (``agent/recorder.py``), in
+    round shares of the run's span: rank 1 (where there is one) failed half-way, lost its
+    unsaved steps and was restarted."""
     span = run.steps * run.step_s
-    badput = dict.fromkeys(CAUSES, 0.0)
-    badput.update(startup=2.0 + rank, checkpoint=round(0.05 * span, 3),
-                  other=round(0.03 * span, 3))
-    restarted: tuple[float, ...] = ()
+    badput = {"startup": 2.0 + rank, "checkpoint": round(0.05 * span, 3), "evaluation": 0.0,
+              "stalled": 0.0, "lost": 0.0, "restart": 0.0, "other": round(0.03 * span, 3)}
+    restarted: list[float] = []
     if rank == 1:
         badput.update(lost=round(0.1 * span, 3), restart=3.0)
-        restarted = (round(run.t0 + span / 2, 3),)
-    return TimeTotals(goodput_s=round(0.8 * span, 3), badput_s=badput,
-                      unsaved_s=round(0.02 * span, 3), restarts=len(restarted),
-                      restarted_at=restarted)
+        restarted = [round(run.t0 + span / 2, 3)]
+    return {"kind": "time", "t": round(run.t0 + span + 1.0, 3), "run": run.run, "rank": rank,
+            "goodput": round(0.8 * span, 3), "badput": badput, "unsaved": round(0.02 * span, 3),
+            "restarts": len(restarted), "restarted_at": restarted}
 
 
 def lines(run: Run) -> Iterator[dict[str, object]]:
@@ -119,9 +115,8 @@ def lines(run: Run) -> Iterator[dict[str, object]]:
         for rank in range(run.ranks):
             yield step_line(run, rank, step, rng)
     if run.times:
-        end = run.t0 + run.steps * run.step_s + 1.0
         for rank in range(run.ranks):
-            yield time_line(run.run, rank, time_totals(run, rank), lambda t: t, end)
+            yield time_figures(run, rank)
 
 
 def write(path: Path, run: Run) -> Path:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpumon.agent.recorder import time_line
+from gpumon.agent.recorder import time_from_line, time_line
 from gpumon.analysis.goodput import CAUSES, TimeTotals
 from gpumon.report.goodput import (
     PARTS,
@@ -25,9 +25,14 @@ from gpumon.report.make import load
 from gpumon.report.model import RunModel
 from gpumon.report.page import render
 from gpumon.report.prometheus import restart_moments
-from gpumon.testing.recordings import Run, time_totals, write
+from gpumon.testing.recordings import Run, time_figures, write
 
-RUN = Run(ranks=3, steps=60)
+RUN = Run(ranks=3, steps=60, times=True)
+
+
+def time_totals(run: Run, rank: int) -> TimeTotals:
+    """The figures of the rank's time line in the recording, as the agent reads its own."""
+    return time_from_line(time_figures(run, rank))[3]
 
 
 def summary_rows(page: str) -> dict[str, str]:
