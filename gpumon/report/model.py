@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpumon.analysis.goodput import TimeTotals
 from gpumon.errors import GpumonError
 from gpumon.wire import ParallelLayout
 
@@ -135,6 +136,10 @@ class RunModel:
     in each bin; empty for a run without MoE layers."""
     all_to_all: dict[int, Mean] = field(default_factory=dict)
     """Rank → seconds per step its all-to-alls were in flight, for the ranks that issued any."""
+    time_totals: dict[int, TimeTotals] = field(default_factory=dict)
+    """Rank → where its time went, the agent's latest figures (goodput, unsaved, badput by
+    cause; ``restarted_at`` in unix time); empty where the source has none (a recording made
+    before the agent accounted time), and the page then says nothing of goodput."""
     notes: list[str] = field(default_factory=list)
     """What the page must say about its own limits (lines skipped, series missing)."""
 

@@ -16,6 +16,13 @@ import plotly.graph_objects as go
 from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
+from gpumon.report.goodput import (
+    TIME_FIGURE,
+    TIME_HEADING,
+    goodput_rows,
+    mark_restarts,
+    time_figure,
+)
 from gpumon.report.model import (
     GPU_METRICS,
     LINK_METRICS,
@@ -340,6 +347,7 @@ def _summary(model: RunModel) -> str:
     if s.samples_per_s is not None:
         rows.append(("throughput", f"{s.samples_per_s:,.1f} samples/s"
                      + (f", {s.tokens_per_s:,.0f} tokens/s" if s.tokens_per_s else "")))
+    rows += goodput_rows(model)
     rows.append(("MFU", f"{s.mfu:.1%}" if s.mfu is not None else "not reported (no flops)"))
     rows.append(("steps per wall", ", ".join(f"{k} {_share(v)}" for k, v in s.walls.items())
                  or "no verdicts"))
@@ -371,8 +379,17 @@ def render(model: RunModel) -> str:
     bins (the run's start in unix seconds, their width), for whoever reads the figures' data."""
     sections, missing, drawn = [], [], []
     idle = gpu_idle(model)
+    fig = time_figure(model)  # a section for a run whose source accounted its time
+    if fig is not None:
+        drawn.append(TIME_FIGURE)
+        sections.append(f"<h2>{html.escape(TIME_HEADING)}</h2>"
+                        f'<p class="caption">{html.escape(fig.layout.meta["caption"])}</p>'
+                        + fig.to_html(full_html=False, include_plotlyjs=False,
+                                      div_id=TIME_FIGURE, config=CONFIG))
     for div_id, heading, build in FIGURES:
         fig = build(model)
+        if fig is not None and div_id == "step-phases":
+            mark_restarts(fig, model, _unit(model)[1])
         if fig is None:
             if idle and div_id in GPU_SECTIONS:
                 sections.append(f"<h2>{html.escape(heading)}</h2>"

@@ -17,6 +17,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from gpumon.analysis.goodput import CAUSES, TimeTotals
 from gpumon.report.model import (
     GPU_METRICS,
     LINK_METRICS,
@@ -102,6 +103,16 @@ def _points(series: dict[str, Any]) -> list[tuple[float, float]]:
         if math.isfinite(value):
             out.append((float(t), value))
     return out
+
+
+def restart_moments(points: list[tuple[float, float]]) -> list[float]:
+    """The times of a restart counter's range points where it went up, once per restart it
+    counted there; a fall (an agent restarted, its counters anew) restarts the count."""
+    moments: list[float] = []
+    for (_, before), (t, after) in zip(points, points[1:], strict=False):
+        if after > before:
+            moments += [t] * round(after - before)
+    return moments
 
 
 def load_prometheus(url: str, run: str, since: str, timeout_s: float) -> RunModel:
@@ -192,6 +203,7 @@ class _Query:
         self._memory()
         self._gpus(window)
         self._parallel(window, since)
+        self._times(since)
         self._summary(since)
 
     def _phases(self, phases: dict[str, Mean], exposed: Mean | None,
@@ -287,6 +299,35 @@ class _Query:
                 f"sum by (rank) (rate(gpumon_step_duration_seconds_sum{{{sel}}}[{window}]))",
                 "rank", model.bubble, as_int=True)
 
+    def _times(self, since: str) -> None:
+        """Where each rank's time went: its counters' last values over the range, summed over
+        the agents that counted it (a rank continued on another node), and its restarts at
+        the range points where its restart counter went up (within a point's step)."""
+        sel, last = self.sel, f"[{since}]))"
+        goodput = self._per_rank(f"sum by (rank) (last_over_time(gpumon_goodput_seconds_total"
+                                 f"{{{sel}}}{last}")
+        if not goodput:
+            return
+        badput: dict[int, dict[str, float]] = {}
+        for r in self.source.instant(f"sum by (rank, cause) (last_over_time("
+                                     f"gpumon_badput_seconds_total{{{sel}}}{last}"):
+            value, cause = float(r["value"][1]), r["metric"].get("cause", "")
+            if cause in CAUSES and math.isfinite(value):
+                badput.setdefault(int(r["metric"].get("rank", "0")), {})[cause] = value
+        unsaved = self._per_rank(f"sum by (rank) (last_over_time(gpumon_unsaved_seconds"
+                                 f"{{{sel}}}{last}")
+        restarts = self._per_rank(f"sum by (rank) (last_over_time(gpumon_rank_restarts_total"
+                                  f"{{{sel}}}{last}")
+        moments: dict[int, list[float]] = {}
+        for labels, points in self.series(f"sum by (rank) (gpumon_rank_restarts_total{{{sel}}})"):
+            moments[int(labels.get("rank", "0"))] = restart_moments(points)
+        for rank, kept in goodput.items():
+            causes = badput.get(rank, {})
+            self.model.time_totals[rank] = TimeTotals(
+                goodput_s=kept, badput_s={c: causes.get(c, 0.0) for c in CAUSES},
+                unsaved_s=unsaved.get(rank, 0.0), restarts=round(restarts.get(rank, 0.0)),
+                restarted_at=tuple(moments.get(rank, ())))
+
     def _summary(self, since: str) -> None:
         model, sel, summary = self.model, self.sel, self.model.summary
         seconds = model.end - model.start
@@ -337,4 +378,4 @@ class _Query:
                           f"of its peaks (last reading)")
 
 
-__all__ = ["PrometheusSource", "load_prometheus", "parse_duration"]
+__all__ = ["PrometheusSource", "load_prometheus", "parse_duration", "restart_moments"]

@@ -1,7 +1,7 @@
 """A run from a recording: its steps replayed through the verdict engine ``gpumon classify``
 uses (``replay.py``), put into time bins as they come with the GPU samples recorded beside
-them, and each rank's layout from its recorded hello. Memory does not grow with the recording's
-length."""
+them, each rank's layout from its recorded hello, and where each rank's time went from its
+latest ``time`` line. Memory does not grow with the recording's length."""
 
 from __future__ import annotations
 
@@ -79,6 +79,8 @@ def load_file(path: Path, run: str | None = None) -> RunModel:
     model = RunModel(run=name, source=f"recording {path.name}", start=start, end=end,
                      bins=bin_count(start, end, BIN_STEPS * slow))
     _skipped(model, found)
+    model.time_totals = {rank: totals for (run_name, rank), (_, totals)
+                         in sorted(found.times.items()) if run_name == name}
     filler = _Filler(model, found, typical=statistics.median(durations))
     with _lines(path) as lines:
         analyses = replay(lines, name, found, filler.step, filler.sample, filler.verdict,

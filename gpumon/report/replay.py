@@ -7,7 +7,8 @@ nothing grows with its length:
 
 1. the scan: the runs there are, the run's first and last times, a sample of its step times
    (for the time bins), the GPUs, the sampling interval, each rank's layout (its hello's place
-   in the job's parallelism) and the lines skipped;
+   in the job's parallelism), where each rank's time went (its latest ``time`` line) and the
+   lines skipped;
 2. the replay: the run's steps, put back into the order they ended within ``REORDER_S`` (an
    agent appends them as their datagrams arrive), go to the engine as the live agent feeds
    it, with ``StepAnalyzer.process`` run once per sampling interval of the recording's time,
@@ -31,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from gpumon.analysis.goodput import TimeTotals
 from gpumon.analysis.stream import RankAnalysis, StepAnalyzer, StepVerdict
 from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.commands.classify import load_recording
@@ -55,6 +57,8 @@ class Scan:
     statics: dict[int, GpuStatic] = field(default_factory=dict)
     layouts: dict[tuple[str, int], ParallelLayout] = field(default_factory=dict)
     """(run, rank) → its place in the job's parallelism, from its latest hello."""
+    times: dict[tuple[str, int], tuple[float, TimeTotals]] = field(default_factory=dict)
+    """(run, rank) → where its time went, from its latest ``time`` line: (unix time, figures)."""
     gaps: list[float] = field(default_factory=list)
     skipped: Counter[str] = field(default_factory=Counter)
     skipped_at: list[int] = field(default_factory=list)
@@ -79,6 +83,9 @@ def parsed(lines: Iterable[str], scan: Scan | None = None,
             yield one.steps[0]
         if scan is not None:
             scan.layouts.update(one.layouts)
+            for key, (t, totals) in one.times.items():
+                if t >= scan.times.get(key, (float("-inf"),))[0]:
+                    scan.times[key] = (t, totals)
         for index, samples in one.samples.items():
             if scan is not None and index not in scan.statics:
                 scan.statics[index] = one.statics[index]

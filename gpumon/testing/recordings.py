@@ -34,6 +34,9 @@ class Run:
     gpus_active: bool = True
     """False: every GPU sample reads no activity and no traffic (a node whose GPUs the job
     never used)."""
+    times: bool = False
+    """Whether the recording ends with each rank's time line (``time_figures``), as the
+    agent writes at its stop; without, a recording made before the agent accounted time."""
 
 
 def step_line(run: Run, rank: int, step: int, rng: random.Random) -> dict[str, object]:
@@ -82,6 +85,22 @@ def gpu_line(run: Run, gpu: int, t: float) -> dict[str, object]:
     return line
 
 
+def time_figures(run: Run, rank: int) -> dict[str, object]:
+    """The rank's time line, as the agent writes it at its stop (``agent/recorder.py``), in
+    round shares of the run's span: rank 1 (where there is one) failed half-way, lost its
+    unsaved steps and was restarted."""
+    span = run.steps * run.step_s
+    badput = {"startup": 2.0 + rank, "checkpoint": round(0.05 * span, 3), "evaluation": 0.0,
+              "stalled": 0.0, "lost": 0.0, "restart": 0.0, "other": round(0.03 * span, 3)}
+    restarted: list[float] = []
+    if rank == 1:
+        badput.update(lost=round(0.1 * span, 3), restart=3.0)
+        restarted = [round(run.t0 + span / 2, 3)]
+    return {"kind": "time", "t": round(run.t0 + span + 1.0, 3), "run": run.run, "rank": rank,
+            "goodput": round(0.8 * span, 3), "badput": badput, "unsaved": round(0.02 * span, 3),
+            "restarts": len(restarted), "restarted_at": restarted}
+
+
 def lines(run: Run) -> Iterator[dict[str, object]]:
     """The recording's lines in time order, as an agent appends them."""
     rng = random.Random(run.seed)
@@ -95,6 +114,9 @@ def lines(run: Run) -> Iterator[dict[str, object]]:
             next_gpu_t += run.gpu_every_s
         for rank in range(run.ranks):
             yield step_line(run, rank, step, rng)
+    if run.times:
+        for rank in range(run.ranks):
+            yield time_figures(run, rank)
 
 
 def write(path: Path, run: Run) -> Path:

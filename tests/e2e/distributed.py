@@ -128,3 +128,23 @@ def exposed_share(steps: list[dict[str, Any]]) -> float:
     """Exposed communication seconds over step seconds."""
     return float(sum(s["comm"]["exposed"] for s in steps)) / float(sum(s["duration"] for s in steps))
 
+
+
+RESTART_STEPS, RESTART_EVERY, RESTART_CRASH_AFTER = 100, 20, 50
+"""``jobs/restart_job.py``'s run: its steps, its checkpoint interval, the step its rank 1 dies in
+on the first attempt."""
+
+
+def restarted_job(agent: AgentProcess, tmp_path: Path, run: str) -> Job:
+    """``jobs/restart_job.py`` on 2 ranks under ``gpumon run`` and ``torchrun --max-restarts 1``:
+    rank 1 dies mid-step after ``RESTART_CRASH_AFTER`` steps, torchrun restarts both ranks, which
+    restore the last checkpoint and finish; each process writes its own timeline under
+    ``tmp_path / run``."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"]
+    redone = RESTART_STEPS - 2 * RESTART_EVERY  # from the checkpoint before the crash on
+    return watched(agent, tmp_path, run, [str(JOBS / "restart_job.py"), "--out", str(tmp_path / run),
+                                          "--steps", str(RESTART_STEPS), "--every", str(RESTART_EVERY),
+                                          "--crash-after", str(RESTART_CRASH_AFTER)],
+                   expect_steps=2 * RESTART_CRASH_AFTER + 2 * redone, launcher=launcher,
+                   crashes=2)  # the crashing rank, and its peer torchrun stops

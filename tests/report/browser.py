@@ -34,7 +34,9 @@ for(const div of document.querySelectorAll('.plotly-graph-div')){
   ticks:[...div.querySelectorAll('g.colorbar g.tick text, g.colorbar .cbaxis text')].map(t=>{
    const r=t.getBoundingClientRect();return [r.top,r.bottom];}),
   width:div.getBoundingClientRect().width,
-  data:(div.data||[]).map(t=>({name:t.name,type:t.type,x:t.x,y:t.y,z:t.z,text:t.text}))};}
+  data:(div.data||[]).map(t=>({name:t.name,type:t.type,x:t.x,y:t.y,z:t.z,text:t.text})),
+  shapes:((div.layout||{}).shapes||[]).map(s=>({x0:s.x0,x1:s.x1})),
+  notes:((div.layout||{}).annotations||[]).map(a=>({x:a.x,text:a.text}))};}
 out.overflow=document.documentElement.scrollWidth-window.innerWidth;out.inner=window.innerWidth;
 const pre=document.createElement('pre');pre.id='browser-check';
 pre.textContent=JSON.stringify(out);document.body.appendChild(pre);},100));</script>"""
@@ -42,10 +44,10 @@ pre.textContent=JSON.stringify(out);document.body.appendChild(pre);},100));</scr
 
 def open_page(page: Path, tmp: Path, width: int = 1400) -> dict[str, Any]:
     """What the page drew in Chromium, its window ``width`` px wide: ``errors`` (console),
-    ``figures`` by div id (with each colour bar's tick labels, top and bottom, and the
-    figure's width), ``inner`` (the window's inner width: headless Chromium opens no window
-    narrower than 500 px), ``overflow`` (how far the page is wider than it) and ``meta``,
-    the page's own account of its figures and time bins."""
+    ``figures`` by div id (with each colour bar's tick labels, top and bottom, the figure's
+    width, its layout's shapes and annotations), ``inner`` (the window's inner width:
+    headless Chromium opens no window narrower than 500 px), ``overflow`` (how far the page
+    is wider than it) and ``meta``, the page's own account of its figures and time bins."""
     chromium = require_tool("chromium")
     text = page.read_text(encoding="utf-8")
     assert text.count("<head>") == 1 and text.count("</body>") == 1

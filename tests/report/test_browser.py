@@ -12,17 +12,19 @@ from typing import Any
 
 import pytest
 
-from gpumon.testing.recordings import GIB, Run, write
+from gpumon.agent.recorder import time_from_line
+from gpumon.testing.recordings import GIB, Run, time_figures, write
 from tests.helpers import ROOT, agent_env
 from tests.report.browser import open_page
 
-FIGURES = {"step-phases", "verdicts", "step-heatmap", "memory", "gpu-activity", "links", "comm"}
+FIGURES = {"time-by-cause", "step-phases", "verdicts", "step-heatmap", "memory", "gpu-activity",
+           "links", "comm"}
 
 
 @pytest.fixture(scope="module")
 def drawn(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     tmp = tmp_path_factory.mktemp("browser")
-    recording = write(tmp / "run.jsonl", Run())
+    recording = write(tmp / "run.jsonl", Run(times=True))
     page = tmp / "run.html"
     result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", str(recording),
                              "-o", str(page)], capture_output=True, text=True, env=agent_env(),
@@ -94,12 +96,32 @@ def test_memory_is_drawn_against_the_device(
         "parameters", "gradients", "optimizer_states", "activations", "other"]
 
 
+def test_each_ranks_time_is_drawn_by_cause_and_its_restart_on_the_time_axis(
+        drawn: tuple[dict[str, Any], list[dict[str, Any]]]) -> None:
+    page, _ = drawn
+    bars = {t["name"]: t for t in page["figures"]["time-by-cause"]["data"]}
+    assert list(bars) == ["goodput", "unsaved", "startup", "checkpoint", "lost", "restart",
+                          "other"]
+    run = Run(times=True)
+    for name, trace in bars.items():
+        assert trace["type"] == "bar" and trace["y"] == ["rank 0", "rank 1", "rank 2"]
+        want = [time_from_line(time_figures(run, rank))[3] for rank in range(run.ranks)]
+        assert trace["x"] == pytest.approx([
+            t.goodput_s if name == "goodput" else t.unsaved_s if name == "unsaved"
+            else t.badput_s[name] for t in want], rel=1e-4)
+    # Rank 1 restarted half-way through the run: marked there, on the step time's axis.
+    restarted = time_figures(run, 1)["restarted_at"][0] - page["meta"]["start"]
+    phases = page["figures"]["step-phases"]
+    assert [s["x0"] for s in phases["shapes"]] == [pytest.approx(restarted, abs=1e-3)]
+    assert [n["text"] for n in phases["notes"]] == ["↻ rank 1"]
+
+
 @pytest.mark.parametrize("width", [1400, 390], ids=["desktop", "phone"])
 def test_a_short_run_on_idle_gpus_says_so_and_draws_nothing_empty_or_overlapping(
         tmp_path: Path, width: int) -> None:
     """Ten seconds of two ranks on GPUs that never worked: no empty GPU or link plot (the page
     says why), a colour bar whose labels do not overlap, nothing wider than the window."""
-    recording = write(tmp_path / "idle.jsonl", Run(steps=25, ranks=2, straggler=1,
+    recording = write(tmp_path / "idle.jsonl", Run(steps=25, ranks=2, straggler=1, times=True,
                                                    gpus_active=False))
     page = tmp_path / "idle.html"
     result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", str(recording),

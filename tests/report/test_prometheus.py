@@ -19,8 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from gpumon.analysis.goodput import CAUSES
 from gpumon.report.page import render
 from gpumon.report.prometheus import PrometheusSource, load_prometheus
+from gpumon.testing.metrics import parse_metrics, value
+from gpumon.testing.net import http_get
 from gpumon.testing.pipeline import start_victoria_metrics
 from gpumon.testing.recordings import Run, step_line
 from tests.helpers import (
@@ -63,7 +66,8 @@ def _feed(agent: AgentProcess, stop: threading.Event) -> None:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Prometheus and VictoriaMetrics, both scraping the agent every second, by name → URL."""
+    """Prometheus and VictoriaMetrics, both scraping the agent every second, by name → URL
+    (and the agent's own, as ``agent``)."""
     tmp = tmp_path_factory.mktemp("report-prometheus")
     agent = start_agent(tmp, "--simulate", "3", "--interval", "0.25")
     stop = threading.Event()
@@ -83,7 +87,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         wait_for(lambda: victoria.query('gpumon_step_flag{run="llm",flag="straggler"} == 1'),
                  timeout=30, what="the straggler in VictoriaMetrics")
         time.sleep(4)
-        yield {"prometheus": server.url, "victoria-metrics": victoria.url}
+        yield {"prometheus": server.url, "victoria-metrics": victoria.url, "agent": agent.url}
     finally:
         stop.set()
         feeder.join(5)
@@ -111,6 +115,21 @@ def test_a_report_from_prometheus_shows_the_run(servers: dict[str, str], name: s
     assert [round(v, 2) for v in stacked if v] and all(
         v == pytest.approx(0.2, rel=0.05) for v in stacked if v)
 
+    # Where each rank's time went: the agent's counters as last scraped, so never past what
+    # the agent counts now (its time only grows); the rank's startup (before its first step)
+    # was settled before the first scrape, so it is the agent's; no restart.
+    metrics = parse_metrics(http_get(servers["agent"] + "/metrics")[1].decode())
+    assert sorted(model.time_totals) == [0, 1, 2]
+    for rank, totals in model.time_totals.items():
+        labels = {"run": "llm", "rank": str(rank)}
+        now = {cause: value(metrics, "gpumon_badput_seconds_total", cause=cause, **labels)
+               for cause in CAUSES}
+        assert totals.badput_s["startup"] == pytest.approx(now["startup"], rel=1e-6)
+        assert 0 < totals.wall_s <= (value(metrics, "gpumon_goodput_seconds_total", **labels)
+                                     + value(metrics, "gpumon_unsaved_seconds", **labels)
+                                     + sum(now.values()) + 1e-6), (rank, totals, now)
+        assert totals.restarts == 0 and totals.restarted_at == ()
+
     page = tmp_path / "llm.html"
     result = subprocess.run([sys.executable, "-m", "gpumon.cli", "report", "--prometheus",
                              url, "--run", "llm", "--since", "2m", "-o", str(page)],
@@ -119,8 +138,8 @@ def test_a_report_from_prometheus_shows_the_run(servers: dict[str, str], name: s
     assert result.returncode == 0, result.stderr
     drawn = open_page(page, tmp_path)
     assert drawn["errors"] == []
-    assert set(drawn["figures"]) == {"step-phases", "verdicts", "step-heatmap", "memory",
-                                     "gpu-activity", "links", "comm"}
+    assert set(drawn["figures"]) == {"time-by-cause", "step-phases", "verdicts", "step-heatmap",
+                                     "memory", "gpu-activity", "links", "comm"}
     assert all(f["svg"] and f["drawn"] for f in drawn["figures"].values())
     heatmap = drawn["figures"]["step-heatmap"]["data"][0]
     assert [y for y in heatmap["y"] if "straggler" in y] == ["rank 2 ⚠ straggler (compute)"]
