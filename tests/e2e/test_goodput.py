@@ -22,14 +22,13 @@ import pytest
 from gpumon.analysis.goodput import CAUSES
 from gpumon.testing import AgentProcess
 from gpumon.testing.metrics import value
-from tests.e2e.distributed import AGENT, JOBS, watched
-from tests.e2e.timelines import notes, truth
+from tests.e2e.distributed import AGENT, JOBS, RESTART_EVERY, RESTART_STEPS, restarted_job
+from tests.e2e.timelines import notes, rank_truth, truth
 from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.slow, AGENT]
 
 RUN = "restart-job"
-STEPS, EVERY, CRASH_AFTER = 100, 20, 50
 
 
 def measured(agent: AgentProcess, rank: int, run: str = RUN) -> dict[str, float]:
@@ -47,25 +46,15 @@ def measured(agent: AgentProcess, rank: int, run: str = RUN) -> dict[str, float]
 
 def test_a_restarted_run_accounts_every_second_of_each_rank(agent: AgentProcess,
                                                             tmp_path: Path) -> None:
-    out = tmp_path / RUN
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", "2", "--max-restarts", "1", "--monitor-interval", "0.1"]
-    watched(agent, tmp_path, RUN, [str(JOBS / "restart_job.py"), "--out", str(out),
-                                   "--steps", str(STEPS), "--every", str(EVERY),
-                                   "--crash-after", str(CRASH_AFTER)],
-            # each rank: every step up to the crash, then from the checkpoint before it on
-            expect_steps=2 * CRASH_AFTER + 2 * (STEPS - 2 * EVERY), launcher=launcher,
-            crashes=2)  # the crashing rank, and its peer torchrun stops
+    job = restarted_job(agent, tmp_path, RUN)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and measured(agent, 1)["unsaved"] > 0:
         time.sleep(0.25)  # the last records (the clean finish) arrive
     for rank in (0, 1):
-        attempts = [notes(out / f"rank{rank}.attempt{n}.jsonl") for n in (0, 1)]
-        saves = [notes(out / f"rank0.attempt{n}.jsonl") for n in (0, 1)]
         got = measured(agent, rank)
-        check(truth(attempts, saves), got, f"rank {rank}")
+        check(rank_truth(job.out, rank), got, f"rank {rank}")
         assert got["restarts"] == 1 and got["loads"] == 1, got
-        assert got["saves"] == (STEPS // EVERY if rank == 0 else 0), got
+        assert got["saves"] == (RESTART_STEPS // RESTART_EVERY if rank == 0 else 0), got
 
 
 def check(want: dict[str, float], got: dict[str, float], who: str,

@@ -22,6 +22,12 @@ def notes(path: Path) -> Events:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def rank_truth(out: Path, rank: int, attempts: int = 2) -> dict[str, float]:
+    """``truth`` of one rank of ``jobs/restart_job.py`` (rank 0 saves for the run)."""
+    return truth([notes(out / f"rank{rank}.attempt{n}.jsonl") for n in range(attempts)],
+                 [notes(out / f"rank0.attempt{n}.jsonl") for n in range(attempts)])
+
+
 def truth(attempts: list[Events], saves: list[Events] | None = None) -> dict[str, float]:
     """The rank's time by cause, its goodput and its wall time, in seconds."""
     saves = saves if saves is not None else attempts

@@ -22,7 +22,7 @@ from gpumon.report.make import load, write
 from gpumon.testing import AgentProcess
 from gpumon.testing.metrics import first
 from tests.e2e.distributed import AGENT, restarted_job
-from tests.e2e.test_goodput import timeline, truth
+from tests.e2e.timelines import notes, rank_truth
 from tests.report.browser import open_page
 
 pytestmark = [pytest.mark.slow, AGENT]
@@ -65,7 +65,7 @@ def test_the_report_of_a_restarted_run_shows_where_its_time_went(agent: AgentPro
     assert got.unsaved_s == 0.0 and got.restarts == 2  # finished cleanly; each rank restarted
 
     # What the job's own timeline says.
-    truths = [truth(job.out, rank) for rank in (0, 1)]
+    truths = [rank_truth(job.out, rank) for rank in (0, 1)]
     want = {part: sum(t[part] for t in truths) for part in ("goodput", "wall", *CAUSES)}
     report = f"truth {want}, report {got}"
     assert got.settled_s == pytest.approx(want["wall"], rel=0.10), report
@@ -93,7 +93,8 @@ def test_the_report_of_a_restarted_run_shows_where_its_time_went(agent: AgentPro
     markers = drawn["figures"]["step-phases"]["notes"]
     start = drawn["meta"]["start"]
     for rank in (0, 1):
-        successor = next(e["at"] for e in timeline(job.out, rank, 1) if e["what"] == "start")
+        successor = next(e["at"] for e in notes(job.out / f"rank{rank}.attempt1.jsonl")
+                         if e["what"] == "start")
         assert model.time_totals[rank].restarted_at == (pytest.approx(successor, abs=1.0),)
         near = [m for m in markers if abs(m["x"] - (successor - start)) <= 1.0
                 and str(rank) in re.findall(r"\d+", m["text"])]
