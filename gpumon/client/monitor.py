@@ -21,7 +21,6 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from time import time
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -34,6 +33,7 @@ from gpumon.client.core.ring import open_ring
 from gpumon.client.core.sender import Sender
 from gpumon.client.core.spans import SpanReporter, exiting_cleanly
 from gpumon.client.core.stall import StallWatch, monotonic_and_unix
+from gpumon.client.core.stats import ClientStats
 from gpumon.client.core.step_tuple import StepTuple
 from gpumon.client.core.transport import Transport, UnixDatagramTransport
 from gpumon.client.watchers.layout import from_argument, merge
@@ -80,33 +80,6 @@ _live_monitors: weakref.WeakSet[StepMonitor] = weakref.WeakSet()
 _on_new_monitor: list[Callable[[StepMonitor], None]] = []
 """Called with every monitor made in this process, once it is set up (``gpumon run``'s hooks
 learn so that the job watches itself, without a look at every step)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ClientStats:
-    """What a monitor did so far: steps timed, records sent, records lost by reason, fields
-    left out as invalid, and errors raised inside watchers (``watch()``), which never reach
-    the training loop."""
-
-    steps: int
-    records_sent: int
-    datagrams_sent: int
-    dropped: dict[str, int] = field(default_factory=dict)
-    invalid_fields: int = 0
-    extension_errors: int = 0
-    gpu_fields_missed: int = 0
-    """Measured fields timed on the GPU (a step's ``comm`` under NCCL) left out because the
-    GPU had not passed their events in time."""
-    state_reports: int = 0
-    """``state`` records sent: the hook's word that it is alive, and where a stalled rank is
-    (not counted among ``records_sent``; one that could not be sent is not retried)."""
-    backlog_records: int = 0
-    """Records waiting for the agent (absent, restarting or busy), sent in order once it
-    answers; bounded (``client/core/backlog.py``), the excess counted in ``dropped``."""
-    backlog_bytes: int = 0
-    """The datagrams they fill."""
-    late_records: int = 0
-    """Records sent after waiting in the backlog (counted among ``records_sent`` too)."""
 
 
 class StepMonitor:
@@ -361,6 +334,7 @@ class StepMonitor:
             last_ooms = core.last_ooms
             if mem is not None and last_ooms is not None and mem[cuda_clock.MEMORY_OOMS] > last_ooms:
                 self._event("oom", "an out-of-memory error ended the last step", core.steps)
+                finished = False  # the run ended by its OOM, not by finishing
         if finished:
             self._spans.finished()
         self._spans.closed = True

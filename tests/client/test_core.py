@@ -570,7 +570,7 @@ def test_both_cores_under_a_monitor_send_the_same_records(monkeypatch: pytest.Mo
     assert [s.samples for s in steps] == [8, 9, 10, None, None]
     assert [s.comm.ops[0].count if s.comm else None for s in steps] == [None, None, None, 1, 4]
     assert steps[3].mem == MemoryStats(allocated_bytes=5) and set(steps[3].phases_s) == {"comm"}
-    [oom] = [r for r in c_records if isinstance(r, EventRecord)]
+    [oom] = [r for r in c_records if isinstance(r, EventRecord) and r.event == "oom"]
     assert (oom.event, oom.step) == ("oom", 43)
     assert c_stats.steps == 5 and c_stats.invalid_fields == 2
 

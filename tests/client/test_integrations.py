@@ -41,7 +41,7 @@ def test_cpu_example_reports_every_step(receiver: Receiver) -> None:
     )  # fmt: skip
     steps = receiver.wait_for_steps(30)
     assert [s.step for s in steps] == list(range(30))
-    assert summary["records_sent"] == 31 and summary["dropped"] == {}
+    assert summary["records_sent"] == 32 and summary["dropped"] == {}  # the hello, the finish
     assert summary["samples_per_second"] > 0
     for s in steps:
         assert s.run == "cpu-example" and s.samples == 32

@@ -39,7 +39,7 @@ def test_every_step_arrives_exactly_once(receiver: Receiver) -> None:
     assert len(receiver.hellos()) == 1
     assert receiver.rejected == []
     stats = mon.stats
-    assert stats.records_sent == 501 and stats.dropped == {}
+    assert stats.records_sent == 502 and stats.dropped == {}  # the hello, the finish
     assert stats.datagrams_sent > 1  # batches were split to fit the datagram limit
 
 
@@ -101,7 +101,7 @@ def test_absent_agent_never_blocks_or_raises(tmp_path: Path) -> None:
     mon.close()
     stats = mon.stats
     assert stats.records_sent == 0
-    assert stats.dropped == {"no_agent": 1001}
+    assert stats.dropped == {"no_agent": 1002}  # the hello, the finish
 
 
 def test_stale_socket_file_counts_as_absent_agent(socket_path: Path) -> None:
@@ -178,7 +178,7 @@ def test_agent_that_never_reads_does_not_block_the_loop(socket_path: Path) -> No
         stats = mon.stats
         assert threading.get_ident() not in senders  # a step never sends: only the sender thread
         assert stats.dropped.get("agent_busy", 0) > 0
-        assert stats.records_sent + sum(stats.dropped.values()) == stats.steps + 1
+        assert stats.records_sent + sum(stats.dropped.values()) == stats.steps + 2
     finally:
         stuck.stop()
 
