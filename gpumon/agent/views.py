@@ -36,7 +36,8 @@ from gpumon.export.step_metrics import StepFamilies
 from gpumon.state.node import NodeSnapshot, NodeState
 from gpumon.state.owners import Ownership, OwnerState
 from gpumon.state.rank_states import rank_conditions
-from gpumon.state.ranks import RankStore, RankTotals
+from gpumon.state.rank_totals import RankTotals
+from gpumon.state.ranks import RankStore
 from gpumon.state.recording import RecorderStatus
 from gpumon.wire import PARALLEL_DIMS, ParallelLayout
 

@@ -15,7 +15,7 @@ from prometheus_client.core import Metric
 
 from gpumon.analysis.memory import project_zero
 from gpumon.export.exposition import GaugeFamily, RenderCache
-from gpumon.state.ranks import RankTotals
+from gpumon.state.rank_totals import RankTotals
 from gpumon.wire import MEMORY_COMPONENTS
 
 RANK_LABELS = ["run", "rank"]

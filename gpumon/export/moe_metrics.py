@@ -13,7 +13,7 @@ from typing import NamedTuple
 from prometheus_client.core import Metric
 
 from gpumon.export.exposition import GaugeFamily, RenderCache
-from gpumon.state.ranks import RankTotals
+from gpumon.state.rank_totals import RankTotals
 
 LAYER_LABELS = ["run", "rank", "layer"]
 

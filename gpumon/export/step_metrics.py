@@ -25,7 +25,7 @@ from gpumon.collectors.samples import OWNER_LABELS, Owner, ProcessSample
 from gpumon.export.exposition import CounterFamily, GaugeFamily, HistogramFamily, RenderCache
 from gpumon.state.collectives import BANDWIDTH_STEPS
 from gpumon.state.owners import Ownership
-from gpumon.state.ranks import DURATION_BUCKETS_S, RankTotals
+from gpumon.state.rank_totals import DURATION_BUCKETS_S, RankTotals
 from gpumon.wire import PARALLEL_DIMS
 
 RANK_LABELS = ["run", "rank"]

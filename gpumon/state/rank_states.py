@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from gpumon.analysis.stall import RankCondition, RankProgress, join_run
-from gpumon.state.ranks import RankTotals
+from gpumon.state.rank_totals import RankTotals
 
 
 def rank_conditions(ranks: list[RankTotals], now_monotonic: float) -> dict[tuple[str, int], RankCondition]:

@@ -24,37 +24,27 @@ another job under the same name, watched apart (``rank_conflicts``).
 
 from __future__ import annotations
 
-import itertools
 import threading
-from bisect import bisect_left
-from collections import Counter, OrderedDict, defaultdict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-from gpumon.analysis.comm import wait_s
-from gpumon.analysis.goodput import TimeLedger, TimeTotals
-from gpumon.analysis.stream import RankAnalysis, RankKey, RankTracker, new_tracker
+from gpumon.analysis.goodput import TimeTotals
+from gpumon.analysis.stream import RankKey, RankTracker, new_tracker
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.collectors.sender_shares import SenderShares
-from gpumon.state.collectives import CommTotals
 from gpumon.state.rank_conflicts import RankClaims, sender_process
 from gpumon.state.rank_time import FINISHED_EVENT, account_process, account_state, preserve_run
+from gpumon.state.rank_totals import RankTotals, copy_totals, ledger_of, next_version, note_identity
 from gpumon.wire import (
-    KNOWN_PHASES,
     EventRecord,
     HelloRecord,
-    MemoryBreakdown,
-    MoeStats,
     ParallelLayout,
     Record,
     SpanRecord,
     StateRecord,
     StepRecord,
 )
-
-# Step-duration histogram buckets (seconds): from fast fine-tuning steps to slow
-# large-model steps; le="+Inf" is added on export.
-DURATION_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 IDLE_EVICT_S = 60.0
 """A pair silent this long may give its place to a new pair of the same sender."""
@@ -69,118 +59,6 @@ MAX_ITEMS_PER_S = 1e10
 """Samples or tokens per second and rank; beyond 2**53 a counter stops counting."""
 RATE_FLOOR_S = 1e-3
 """A step shorter than this is judged as if it took this long."""
-_KNOWN_PHASES = frozenset(KNOWN_PHASES)
-# Process-wide, so that no two states of a (run, rank), even across an expiry or two stores,
-# ever carry the same version: a renderer may reuse its text for a version it has seen.
-_versions = itertools.count(1)
-
-
-@dataclass
-class RankTotals:
-    """The record of one rank of one run: what ingest has counted for it (its identity,
-    running totals and latest readings) and the analyzer's state for it."""
-
-    run: str
-    rank: int
-    last_seen_monotonic: float
-    world: int | None = None
-    local_rank: int | None = None
-    pid: int | None = None
-    uid: int | None = None
-    gpu_hint: str | int | None = None
-    steps_total: int = 0
-    phase_seconds_total: defaultdict[str, float] = field(
-        default_factory=lambda: defaultdict(float))
-    samples_total: int = 0
-    tokens_total: int = 0
-    flops_total: float = 0.0
-    duration_bucket_counts: list[int] = field(
-        default_factory=lambda: [0] * (len(DURATION_BUCKETS_S) + 1))
-    duration_sum_s: float = 0.0
-    last_step: int | None = None
-    last_step_end_t: float | None = None
-    last_duration_s: float | None = None
-    memory_allocated_bytes: int | None = None
-    memory_reserved_bytes: int | None = None
-    memory_peak_bytes: int | None = None
-    alloc_retries_total: int | None = None
-    torch_ooms_reported: int = 0
-    oom_events_total: int = 0
-    comm: CommTotals | None = None
-    """Collective communication, once a step has reported any (measured or a comm phase)."""
-    memory_breakdown: MemoryBreakdown | None = None
-    """The latest sampled breakdown (``watch(model, optimizer)``)."""
-    moe: MoeStats | None = None
-    """The latest expert load of the rank's MoE layers, over its client's window of steps."""
-    kernel_pid: int | None = None
-    """The sender's pid as the kernel gave it (SCM_CREDENTIALS): a process the agent can see."""
-    report: StateRecord | None = None
-    """The hook's latest word on its progress, and its place while stalled."""
-    report_monotonic: float | None = None
-    last_step_monotonic: float | None = None
-    exited_monotonic: float | None = None
-    """When the agent saw the process end (``None``: alive, or not seen)."""
-    earlier_pids: tuple[int, ...] = ()
-    """Reported pids this rank's process replaced where the kernel gave none (``rank_conflicts``)."""
-    framework: str | None = None
-    """What drives the rank's loop, as its hello said (``deepspeed``)."""
-    zero_stage: int | None = None
-    """The ZeRO stage it runs, as its hello said."""
-    parallel: ParallelLayout | None = None
-    """Its place in the job's parallelism, as its latest hello said (``None``: not known)."""
-    ledger: TimeLedger | None = field(default=None, compare=False, repr=False)
-    """In the store: where the rank's time went (``analysis.goodput``), from its first record
-    on. None in a copy (``RankStore.time_totals`` reads it)."""
-    version: int = field(default_factory=lambda: next(_versions), compare=False)
-    """Changes whenever anything above does (RankStore stamps it)."""
-    tracker: RankTracker | None = field(default=None, compare=False, repr=False)
-    """In the store: the analyzer's state for the rank, from its first step on
-    (``RankStore.tracker``); it goes with the record. The analyzer's lock guards what is in
-    it. None in a copy."""
-    analysis: RankAnalysis | None = field(default=None, compare=False)
-    """In a copy (``RankStore.ranks``): what the analyzer said of the rank when it was taken,
-    if it has said anything (its ``version`` is its own)."""
-
-    @property
-    def ooms_total(self) -> int:
-        """OOMs: torch's own cumulative count, or escaped-OOM events if more were seen."""
-        return max(self.torch_ooms_reported, self.oom_events_total)
-
-    def add_step(self, record: StepRecord, now_t: float) -> None:
-        """Fold one step into the counters."""
-        self.steps_total += 1
-        for phase, seconds in record.phases_s.items():
-            self.phase_seconds_total[phase if phase in _KNOWN_PHASES else "other"] += seconds
-        self.samples_total += record.samples or 0
-        self.tokens_total += record.tokens or 0
-        self.flops_total += record.flops or 0.0
-        self.duration_bucket_counts[bisect_left(DURATION_BUCKETS_S, record.duration_s)] += 1
-        self.duration_sum_s += record.duration_s
-        self.last_step = record.step
-        end_t = record.t_end
-        self.last_step_end_t = end_t if end_t is not None else now_t
-        self.last_duration_s = record.duration_s
-        mem = record.mem
-        if mem is not None:
-            if mem.allocated_bytes is not None:
-                self.memory_allocated_bytes = mem.allocated_bytes
-            if mem.reserved_bytes is not None:
-                self.memory_reserved_bytes = mem.reserved_bytes
-            if mem.peak_bytes is not None:
-                self.memory_peak_bytes = mem.peak_bytes
-            if mem.alloc_retries is not None:
-                self.alloc_retries_total = mem.alloc_retries
-            if mem.ooms is not None:
-                self.torch_ooms_reported = max(self.torch_ooms_reported, mem.ooms)
-        if record.memory_breakdown is not None:
-            self.memory_breakdown = record.memory_breakdown
-        if record.moe is not None:
-            self.moe = record.moe
-        if wait_s(record) is not None:
-            if self.comm is None:
-                self.comm = CommTotals()
-            self.comm.add(record)
-
 
 class RankStore:
     """Thread-safe map of (run, rank) to RankTotals with TTL expiry and a fair cap; the
@@ -266,7 +144,7 @@ class RankStore:
                     continue
                 if isinstance(record, StepRecord):
                     self.records_total["step"] += 1
-                    _note_identity(state, record.world, record.local_rank, record.gpu)
+                    note_identity(state, record.world, record.local_rank, record.gpu)
                     latest = state.last_step, state.last_step_end_t, state.last_duration_s
                     state.add_step(record, now_t)
                     ledger_of(state).step(record.duration_s, monotonic)
@@ -289,15 +167,15 @@ class RankStore:
                         state.oom_events_total += 1
                     elif record.event == FINISHED_EVENT:
                         ledger_of(state).finished(monotonic)
-                    _note_identity(state, None, None, record.gpu)
+                    note_identity(state, None, None, record.gpu)
                 elif isinstance(record, HelloRecord):
                     self.records_total["hello"] += 1
-                    _note_identity(state, record.world, record.local_rank, record.gpu)
+                    note_identity(state, record.world, record.local_rank, record.gpu)
                     if record.framework is not None:
                         state.framework, state.zero_stage = record.framework, record.zero_stage
                     if record.parallel is not None:
                         state.parallel = record.parallel
-                state.version = next(_versions)
+                state.version = next_version()
         return accepted
 
     def count_dropped(self, reason: str, count: int = 1) -> None:
@@ -355,7 +233,7 @@ class RankStore:
         """Copies of every live rank's state (without step history) and its analysis, for
         rendering."""
         with self._lock:
-            return [_copy(s) for s in self._ranks.values()]
+            return [copy_totals(s) for s in self._ranks.values()]
 
     def tracker(self, key: RankKey) -> RankTracker | None:
         """The analyzer's state for a live rank, made at its first step; None once it has gone."""
@@ -414,7 +292,7 @@ class RankStore:
                     s.exited_monotonic = monotonic
                     if s.ledger is not None and s.ledger.pid == s.kernel_pid:
                         s.ledger.ended((exits or {}).get(s.kernel_pid, monotonic))
-                    s.version = next(_versions)
+                    s.version = next_version()
 
     def time_totals(self, monotonic: float) -> dict[RankKey, TimeTotals]:
         """(run, rank) -> where its time went as of ``monotonic``, of every rank that has any."""
@@ -446,31 +324,3 @@ def implausible(record: Record, now_t: float) -> str | None:
     if max(record.tokens or 0, record.samples or 0) > MAX_ITEMS_PER_S * window_s:
         return "implausible_count"
     return None
-
-
-def ledger_of(state: RankTotals) -> TimeLedger:
-    """The rank's ledger, made at its first use."""
-    if state.ledger is None:
-        state.ledger = TimeLedger()
-    return state.ledger
-
-
-def _note_identity(state: RankTotals, world: int | None, local_rank: int | None,
-                   gpu: str | int | None) -> None:
-    if world is not None:
-        state.world = world
-    if local_rank is not None:
-        state.local_rank = local_rank
-    if gpu is not None:
-        state.gpu_hint = gpu
-
-
-def _copy(state: RankTotals) -> RankTotals:
-    clone = RankTotals(**{k: getattr(state, k) for k in state.__dataclass_fields__})
-    clone.phase_seconds_total = defaultdict(float, state.phase_seconds_total)
-    clone.duration_bucket_counts = list(state.duration_bucket_counts)
-    clone.comm = state.comm.copy() if state.comm is not None else None
-    # Published analyses are never changed: taken as they are, without the analyzer's lock.
-    clone.tracker, clone.analysis = None, state.tracker.analysis if state.tracker else None
-    clone.ledger = None
-    return clone

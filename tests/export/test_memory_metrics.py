@@ -6,7 +6,7 @@ from gpumon.analysis.memory import REMEDIES, attribute_growth
 from gpumon.analysis.stream import RankAnalysis
 from gpumon.export.exposition import render
 from gpumon.export.memory_metrics import MemoryFamilies
-from gpumon.state.ranks import RankTotals
+from gpumon.state.rank_totals import RankTotals
 from gpumon.wire import MemoryBreakdown
 from tests.helpers import parse_metrics
 

@@ -7,7 +7,7 @@ import json
 
 from gpumon.export.exposition import render
 from gpumon.export.moe_metrics import MoeFamilies
-from gpumon.state.ranks import RankTotals
+from gpumon.state.rank_totals import RankTotals
 from gpumon.wire import ExpertLoad, MoeStats, decode_datagram
 from tests.helpers import parse_metrics
 
