@@ -46,6 +46,10 @@ before ``--budget-s``):
    (torch's CUDA sync debug mode set to ``error`` around the hook, the step's end, and whole
    steps of a layer that synchronises nothing reported through ``mon.expert_load``), the
    counts arriving in the agent's /metrics as the job counted them.
+6d. goodput (``goodput``): checkpoints of CUDA state recognised without synchronising (the
+   taps' sizing under sync debug mode ``error``), a ``torch.save`` and a DCP ``async_save``
+   counted in ``gpumon_checkpoints_total``, their time in the checkpoint badput, nothing
+   unsaved once the run finished.
 7. memory (``memory``, where that module exists): the live memory breakdown against
    ``torch.cuda.memory_stats()``.
 7a. trace (``trace``): a profiler trace of a watched DDP job asked of the agent
@@ -87,6 +91,7 @@ if str(ROOT) not in sys.path:
 from gpu_checks import agent as agent_checks  # noqa: E402
 from gpu_checks import ddp, hook, model_parallel, nvml, oom, owners, stall  # noqa: E402
 from gpu_checks import deepspeed as deepspeed_check  # noqa: E402
+from gpu_checks import goodput as goodput_check  # noqa: E402
 from gpu_checks import moe as moe_check  # noqa: E402
 from gpu_checks import run as run_check  # noqa: E402
 from gpu_checks import trace as trace_check  # noqa: E402
@@ -206,6 +211,13 @@ def main() -> int:
             r["note"] = "no CUDA: the counts on the CPU, no sync debug mode (dry run of the code path)"
         moe_check.section_moe(report, r, st["torch"], st["agent"], st["device"])
 
+    def goodput(r: dict[str, Any]) -> None:
+        if st["torch"] is None:
+            raise SkipSection("torch did not import")
+        if st["device"] != "cuda":
+            r["note"] = "no CUDA: CPU state, no sync debug mode (dry run of the code path)"
+        goodput_check.section_goodput(report, r, st["torch"], st["agent"], st["device"])
+
     try:
         report.run("environment", environment)
         report.run("nvml_setup", nvml_setup)
@@ -229,6 +241,7 @@ def main() -> int:
             report.run("p2p", p2p, need_s=25)
             report.run("deepspeed", watched_deepspeed, need_s=25)
             report.run("moe", moe_load, need_s=20)
+            report.run("goodput", goodput, need_s=20)
             report.run("memory", lambda r: memory_section(report, r), need_s=20)
             report.run("trace", lambda r: trace_check.section_trace(report, r, st["torch"], agent,
                                                                    st["device"]), need_s=30)

@@ -158,7 +158,8 @@ class TimeLedger:
         if not self._stepped:
             self._stepped = True
             self._period = None  # anything before the first step is its startup
-            startup = max(0.0, began - self._start - self._accounted)
+            # (what was accounted before it is spans it came before, sent ahead of it)
+            startup = max(0.0, began - self._start)
             self._badput["startup"] += startup
             self._accounted += startup
         kept = duration_s
@@ -171,7 +172,8 @@ class TimeLedger:
             self._accounted += held if cause == "stalled" else max(0.0, began - since)
             self._period = None
         self._accounted += kept
-        if self._steps <= self._preserved:  # a save already covers it (it arrived late)
+        if self._steps <= self._preserved or self._finished:  # a save or the finish covers it
+            # (the sender sends its controls ahead of the steps it still holds)
             self._goodput += kept
         else:
             self._add_unsaved(self._steps, kept)
@@ -180,7 +182,8 @@ class TimeLedger:
              now: float) -> int | None:
         """A save (``kind`` ``save``), restore (``load``) or evaluation (``eval``) held the
         training thread ``seconds`` (after the first step: badput; before it, part of the
-        startup); ``saved``: an asynchronous save finished writing. A save that succeeded
+        startup; ``steps`` says which, for a span that arrives ahead of the steps it
+        followed); ``saved``: an asynchronous save finished writing. A save that succeeded
         keeps the process's first ``steps`` steps (the steps it had completed when the save
         began; all received so far where the hook did not say). The reads of a restore before
         the process's first step (a framework reads its weights, optimizer and scheduler
@@ -191,7 +194,7 @@ class TimeLedger:
                 restoring and self._restored):  # the reads of one restore, before the first step
             self._counts[(2 if kind == "load" else 0) + (0 if ok else 1)] += 1
             self._restored = self._restored or bool(restoring and ok)
-        if seconds > 0 and self._stepped and kind != "saved":
+        if seconds > 0 and (self._stepped or (steps or 0) > 0) and kind != "saved":
             cause = "evaluation" if kind == "eval" else "checkpoint"
             if self._period is not None and self._period[0] == "evaluation" and cause == "evaluation":
                 self._period = None  # the span measured the evaluation the period guessed at

@@ -195,3 +195,24 @@ def test_the_reads_of_one_restore_before_the_first_step_are_one_restore() -> Non
     t = run_steps(ledger, 1, 2, 2.0)
     ledger.span("load", 0.3, True, None, t + 0.3)  # a restore later on is one of its own
     assert ledger.totals(t).loads_ok == 2
+
+
+def test_steps_that_arrive_after_the_finish_are_kept() -> None:
+    ledger = TimeLedger()
+    ledger.process(1, 0.0, 0.0)
+    t = run_steps(ledger, 1, 3, 0.0)
+    ledger.finished(t)
+    ledger.step(1.0, t + 0.1)  # sent after the finish's word, done before it
+    assert ledger.totals(t + 0.1).unsaved_s == 0.0
+    assert ledger.totals(t + 0.1).goodput_s == pytest.approx(4.0)
+
+
+def test_a_save_that_arrives_ahead_of_the_steps_before_it_is_still_a_checkpoint() -> None:
+    ledger = TimeLedger()
+    ledger.process(1, 0.0, 0.0)
+    ledger.span("save", 0.5, True, 3, 4.0)  # the hook sends its spans ahead of queued steps
+    t = run_steps(ledger, 1, 3, 4.0)
+    totals = ledger.totals(t)
+    assert totals.badput_s["checkpoint"] == pytest.approx(0.5)
+    assert totals.badput_s["startup"] == pytest.approx(4.0)  # the first step began at 4
+    assert totals.goodput_s == pytest.approx(3.0)  # the save covered the three steps

@@ -34,7 +34,7 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
     assert not errors, errors
     for name in ("environment", "nvml", "agent_start", "training", "endpoints", "owners", "overhead",
                  "oom", "oom_event", "stall", "deepspeed", "run", "trace", "replay", "agent_stop",
-                 "functional", "p2p"):
+                 "functional", "p2p", "moe", "goodput"):
         assert sections[name]["status"] == "ok", (name, sections[name])
     # Sections that depend on parts still to come say so instead of failing.
     for name in ("ddp", "memory"):
@@ -55,7 +55,8 @@ def test_dry_run_on_the_fake_nvml_passes_every_check_it_can(tmp_path: Path) -> N
                  "trace.request_taken", "trace.written", "trace.phase_ranges_match_records",
                  "trace.hta_loads", "functional.counted_and_sized",
                  "functional.comm_on_every_step", "p2p.receives_counted_with_a_bubble",
-                 "p2p.sends_counted"):
+                 "p2p.sends_counted", "goodput.a_checkpoint", "goodput.saves_counted",
+                 "goodput.checkpoint_time", "goodput.finished_keeps_all"):
         assert checks[name]["ok"] is True, (name, checks[name])
     brought_back = {p.name for p in out.iterdir()}
     assert {"summary.json", "summary.md", "agent.log", "recording.jsonl.gz",

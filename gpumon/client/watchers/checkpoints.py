@@ -209,7 +209,8 @@ def _when_written(result: Any, tap: Tap, steps: int | None) -> None:
 
 def _steps() -> int | None:
     for reporter in list(_reporters):
-        return reporter.steps()
+        if not reporter.closed:
+            return reporter.steps()
     return None
 
 
