@@ -1,8 +1,9 @@
 """Where real runs' time went, against each job's own timeline (``timelines.py``), under
-``gpumon run`` with no gpumon code in the jobs: a torchrun job restarted after a crash, resuming
-from its last checkpoint; a Hugging Face ``Trainer`` with ``save_steps`` that crashes and is
+``gpumon run`` with no gpumon code in the jobs: a Hugging Face ``Trainer`` with ``save_steps`` that crashes and is
 run again with ``resume_from_checkpoint``; a job saving with ``torch.distributed.checkpoint``'s
-``async_save`` that crashes while its last save is still writing.
+``async_save`` that crashes while its last save is still writing. (A torchrun job restarted
+after a crash is checked the same way, and then through its report, in
+``tests/report/test_report_goodput.py``: one run for both.)
 
 The truth is what the processes wrote themselves: their kernel start times, each step, save
 and restore, and their exits. For each rank, goodput plus badput is its wall time within 10 %,
@@ -21,50 +22,12 @@ import pytest
 
 from gpumon.analysis.goodput import CAUSES
 from gpumon.testing import AgentProcess
-from gpumon.testing.metrics import value
-from tests.e2e.distributed import AGENT, JOBS, RESTART_EVERY, RESTART_STEPS, restarted_job
-from tests.e2e.timelines import notes, rank_truth, truth
+from tests.e2e.distributed import AGENT, JOBS
+from tests.e2e.timelines import check, measured, notes, truth
 from tests.helpers import ROOT
 
 pytestmark = [pytest.mark.slow, AGENT]
 
-RUN = "restart-job"
-
-
-def measured(agent: AgentProcess, rank: int, run: str = RUN) -> dict[str, float]:
-    metrics = agent.metrics()
-    labels = {"run": run, "rank": str(rank)}
-    got = {cause: value(metrics, "gpumon_badput_seconds_total", cause=cause, **labels)
-           for cause in CAUSES}
-    got["goodput"] = value(metrics, "gpumon_goodput_seconds_total", **labels)
-    got["unsaved"] = value(metrics, "gpumon_unsaved_seconds", **labels)
-    got["restarts"] = value(metrics, "gpumon_rank_restarts_total", **labels)
-    got["saves"] = value(metrics, "gpumon_checkpoints_total", kind="save", result="ok", **labels)
-    got["loads"] = value(metrics, "gpumon_checkpoints_total", kind="load", result="ok", **labels)
-    return got
-
-
-def test_a_restarted_run_accounts_every_second_of_each_rank(agent: AgentProcess,
-                                                            tmp_path: Path) -> None:
-    job = restarted_job(agent, tmp_path, RUN)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and measured(agent, 1)["unsaved"] > 0:
-        time.sleep(0.25)  # the last records (the clean finish) arrive
-    for rank in (0, 1):
-        got = measured(agent, rank)
-        check(rank_truth(job.out, rank), got, f"rank {rank}")
-        assert got["restarts"] == 1 and got["loads"] == 1, got
-        assert got["saves"] == (RESTART_STEPS // RESTART_EVERY if rank == 0 else 0), got
-
-
-def check(want: dict[str, float], got: dict[str, float], who: str,
-          causes: tuple[str, ...] = ("goodput", "startup", "checkpoint", "lost", "restart")) -> None:
-    """Every second counted once (within 10 %), each cause within 30 % of the truth."""
-    report = f"{who}: truth {want}, gpumon {got}"
-    total = got["goodput"] + sum(got[c] for c in CAUSES)
-    assert total == pytest.approx(want["wall"], rel=0.10), report
-    for part in causes:
-        assert got[part] == pytest.approx(want[part], rel=0.30), (part, report)
 
 
 def gpumon_run(agent: AgentProcess, run: str, args: list[str]) -> int:
@@ -83,7 +46,7 @@ def settled(agent: AgentProcess, run: str, want: float) -> dict[str, float]:
     last records arrive after the process ends), or as they are after 10 s."""
     deadline = time.monotonic() + 10
     while True:
-        got = measured(agent, 0, run)
+        got = measured(agent, run, 0)
         if got["goodput"] + sum(got[c] for c in CAUSES) >= 0.95 * want \
                 or time.monotonic() > deadline:
             return got

@@ -13,7 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpumon.analysis.goodput import CAUSES
+from gpumon.testing import AgentProcess
+from gpumon.testing.metrics import value
 
 Events = list[dict[str, Any]]
 
@@ -58,3 +62,28 @@ def truth(attempts: list[Events], saves: list[Events] | None = None) -> dict[str
 
 def _first(events: Events, what: str) -> dict[str, Any]:
     return next(e for e in events if e["what"] == what)
+
+
+def measured(agent: AgentProcess, run: str, rank: int) -> dict[str, float]:
+    """Where the agent says the rank's time went (``/metrics``), with its restarts and
+    checkpoints."""
+    metrics = agent.metrics()
+    labels = {"run": run, "rank": str(rank)}
+    got = {cause: value(metrics, "gpumon_badput_seconds_total", cause=cause, **labels)
+           for cause in CAUSES}
+    got["goodput"] = value(metrics, "gpumon_goodput_seconds_total", **labels)
+    got["unsaved"] = value(metrics, "gpumon_unsaved_seconds", **labels)
+    got["restarts"] = value(metrics, "gpumon_rank_restarts_total", **labels)
+    got["saves"] = value(metrics, "gpumon_checkpoints_total", kind="save", result="ok", **labels)
+    got["loads"] = value(metrics, "gpumon_checkpoints_total", kind="load", result="ok", **labels)
+    return got
+
+
+def check(want: dict[str, float], got: dict[str, float], who: str,
+          causes: tuple[str, ...] = ("goodput", "startup", "checkpoint", "lost", "restart")) -> None:
+    """Every second counted once (within 10 %), each cause within 30 % of the truth."""
+    report = f"{who}: truth {want}, gpumon {got}"
+    total = got["goodput"] + sum(got[c] for c in CAUSES)
+    assert total == pytest.approx(want["wall"], rel=0.10), report
+    for part in causes:
+        assert got[part] == pytest.approx(want[part], rel=0.30), (part, report)

@@ -1,6 +1,8 @@
-"""`gpumon report` of a real run restarted after a crash: a torchrun job (no gpumon code in it,
-under ``gpumon run``) whose rank 1 dies mid-step, restarted by torchrun from its last checkpoint,
-under an agent that records. Once the agent has stopped (writing each rank's last time line),
+"""A real run restarted after a crash, in ``/metrics`` and in `gpumon report`: a torchrun job (no
+gpumon code in it, under ``gpumon run``) whose rank 1 dies mid-step, restarted by torchrun from
+its last checkpoint, under an agent that records. While the agent runs, each rank's goodput plus
+badput is its wall time within 10 % and each cause within 30 % of the job's own timeline
+(``tests/e2e/timelines.py``), with one restart and one restore each. Once the agent has stopped (writing each rank's last time line),
 the report made from its recording gives the run's goodput ratio and largest loss as the
 recording's time lines say them, and within test_goodput.py's tolerances of the job's own
 timeline (10 % on totals, 30 % per cause); the page marks each rank's restart on the step
@@ -21,8 +23,8 @@ from gpumon.report.goodput import TIME_FIGURE, run_time
 from gpumon.report.make import load, write
 from gpumon.testing import AgentProcess
 from gpumon.testing.metrics import first
-from tests.e2e.distributed import AGENT, restarted_job
-from tests.e2e.timelines import notes, rank_truth
+from tests.e2e.distributed import AGENT, RESTART_EVERY, RESTART_STEPS, restarted_job
+from tests.e2e.timelines import check, measured, notes, rank_truth
 from tests.report.browser import open_page
 
 pytestmark = [pytest.mark.slow, AGENT]
@@ -48,6 +50,11 @@ def test_the_report_of_a_restarted_run_shows_where_its_time_went(agent: AgentPro
     while time.monotonic() < deadline and first(
             agent.metrics(), "gpumon_unsaved_seconds", run=RUN, rank="1") != 0.0:
         time.sleep(0.25)  # the last records (the clean finish) arrive
+    for rank in (0, 1):  # what the agent says, against the job's own timeline
+        live = measured(agent, RUN, rank)
+        check(rank_truth(job.out, rank), live, f"rank {rank}")
+        assert live["unsaved"] == 0.0 and live["restarts"] == 1 and live["loads"] == 1, live
+        assert live["saves"] == (RESTART_STEPS // RESTART_EVERY if rank == 0 else 0), live
     assert agent.stop() == 0, agent.log()[-3000:]  # its stop writes each rank's last time line
 
     model = load(job.recording, run=RUN)
