@@ -1,6 +1,6 @@
 """Where real runs' time went, against each job's own timeline (``timelines.py``), under
-``gpumon run`` with no gpumon code in the jobs: a Hugging Face ``Trainer`` with ``save_steps`` that crashes and is
-run again with ``resume_from_checkpoint``; a job saving with ``torch.distributed.checkpoint``'s
+``gpumon run`` with no gpumon code in the jobs: a Hugging Face ``Trainer`` with ``save_steps``
+that crashes and is run again with ``resume_from_checkpoint``; a job saving with ``torch.distributed.checkpoint``'s
 ``async_save`` that crashes while its last save is still writing. (A torchrun job restarted
 after a crash is checked the same way, and then through its report, in
 ``tests/report/test_report_goodput.py``: one run for both.)
