@@ -3,10 +3,10 @@ gpumon code in it, under ``gpumon run``) whose rank 1 dies mid-step, restarted b
 its last checkpoint, under an agent that records. While the agent runs, each rank's goodput plus
 badput is its wall time within 10 % and each cause within 30 % of the job's own timeline
 (``tests/e2e/timelines.py``), with one restart and one restore each. Once the agent has stopped
-(writing each rank's last time line), the report made from its recording gives the run's goodput ratio and largest loss as the
-recording's time lines say them, and within the same tolerances of the job's own
-timeline (10 % on totals, 30 % per cause); the page marks each rank's restart on the step
-time's axis within a second of the moment its successor process started, by the job's notes."""
+(writing each rank's last time line), the report made from its recording gives the run's
+goodput ratio and largest loss as the recording's time lines say them, and within the same
+tolerances of the job's own timeline; the page marks each rank's restart on the step time's
+axis within a second of the moment its successor process started, by the job's notes."""
 
 from __future__ import annotations
 
