@@ -1,9 +1,9 @@
 """Where real runs' time went, against each job's own timeline (``timelines.py``), under
 ``gpumon run`` with no gpumon code in the jobs: a Hugging Face ``Trainer`` with ``save_steps``
-that crashes and is run again with ``resume_from_checkpoint``; a job saving with ``torch.distributed.checkpoint``'s
-``async_save`` that crashes while its last save is still writing. (A torchrun job restarted
-after a crash is checked the same way, and then through its report, in
-``tests/report/test_report_goodput.py``: one run for both.)
+that crashes and is run again with ``resume_from_checkpoint``; a job saving with
+``torch.distributed.checkpoint``'s ``async_save`` that crashes while its last save is still
+writing. (A torchrun job restarted after a crash is checked the same way, and then through its
+report, in ``tests/report/test_report_goodput.py``: one run for both.)
 
 The truth is what the processes wrote themselves: their kernel start times, each step, save
 and restore, and their exits. For each rank, goodput plus badput is its wall time within 10 %,
