@@ -20,7 +20,7 @@ from gpumon.analysis.stream import RankAnalysis
 from gpumon.collectors.ingest import IngestStatus
 from gpumon.collectors.pollers import TIMEOUT_ERROR as NVML_TIMEOUT
 from gpumon.collectors.samples import GpuSample, HostSample
-from gpumon.export.goodput_metrics import goodput_families
+from gpumon.export.goodput_metrics import GoodputFamilies, goodput_families
 from gpumon.export.gpu_metrics import node_families
 from gpumon.export.health_metrics import (
     conflict_families,
@@ -31,7 +31,7 @@ from gpumon.export.health_metrics import (
 from gpumon.export.memory_metrics import MemoryFamilies
 from gpumon.export.moe_metrics import MoeFamilies
 from gpumon.export.owner_metrics import owner_families
-from gpumon.export.rank_state_metrics import rank_state_families
+from gpumon.export.rank_state_metrics import RankStateFamilies, rank_state_families
 from gpumon.export.step_metrics import StepFamilies
 from gpumon.state.node import NodeSnapshot, NodeState
 from gpumon.state.owners import Ownership, OwnerState
@@ -60,6 +60,8 @@ class AgentCollector:
         self._step_families = StepFamilies()  # keeps each run's series rendered
         self._memory_families = MemoryFamilies()
         self._moe_families = MoeFamilies()
+        self._rank_state_families = RankStateFamilies()
+        self._goodput_families = GoodputFamilies()
 
     def collect(self) -> Iterator[Metric]:
         """Every metric family, rendered from one snapshot."""
@@ -82,9 +84,9 @@ class AgentCollector:
         yield from self._memory_families.families(ranks)
         yield from self._moe_families.families(ranks)
         monotonic = time.monotonic()
-        yield from rank_state_families(rank_conditions(ranks, monotonic))
-        yield from goodput_families(self._rank_store.time_totals(monotonic),
-                                    self._unsaved_alert_s())
+        yield from self._rank_state_families.families(rank_conditions(ranks, monotonic))
+        yield from self._goodput_families.families(self._rank_store.time_totals(monotonic),
+                                                   self._unsaved_alert_s())
         yield from eviction_families(self._rank_store.evictions())
         yield from conflict_families(self._rank_store.conflicts())
         yield from ingest_families(self._ingest())

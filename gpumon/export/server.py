@@ -2,8 +2,8 @@
 
 Bounded (``connections``: a cap on connections, deadlines for slow ones; ``webconfig``: a
 bound on what failed logins cost), IPv4 or IPv6, ``HEAD`` as ``GET`` without the body, and
-gzip for clients that accept it (Prometheus does: 481 KB of text at 64 simulated GPUs × 64
-ranks is 31 KB gzipped).
+gzip for clients that accept it (Prometheus does: 427 KB of text at 8 GPUs × 64 ranks is
+34 KB gzipped).
 
 /metrics answers in OpenMetrics 1.0 to a scraper whose ``Accept`` prefers it (Prometheus
 asks for it first), and in the Prometheus text format (0.0.4) otherwise; the same families
@@ -39,7 +39,10 @@ log = logging.getLogger(__name__)
 
 CONNECTION_TIMEOUT_S = 10.0
 GZIP_MIN_BYTES = 1024  # below this, compressing saves less than it costs
-GZIP_LEVEL = 6
+GZIP_LEVEL = 1
+"""The fastest level: at 8 GPUs x 64 ranks it compresses the 427 KB scrape to 34 KB in half
+the CPU of level 6 (30 KB), and that CPU is the scrape's latency (benchmarks/RESULTS.md,
+"Causes and fixes", Scrape)."""
 
 
 class ServeError(GpumonError, RuntimeError):

@@ -102,6 +102,7 @@ class NvmlDevice:
         self._gpm_values: dict[int, float] = {}
         self._counters: _Counters | None = None
         self._counter_batch: FieldBatch | None = None
+        self._field_batch: FieldBatch | None = None
         self._slow_t = float("-inf")
         self._slow = _SlowReadings()
         self.lost = False
@@ -304,20 +305,24 @@ class NvmlDevice:
         return totals, rates
 
     def _plain_field_values(self) -> dict[str, float]:
-        """The table's field values in one call; one a GPU does not support is not asked again."""
+        """The table's field values in one call, through a request built once (``FieldBatch``:
+        the binding built it anew and read it through its structure classes at every poll);
+        one a GPU does not support is not asked again."""
         wanted = [(f, field_id) for f, field_id in _FIELD_VALUES if f.name not in self._unsupported]
         if not wanted:
             return {}
-        entries = self._optional("field_values", pynvml.nvmlDeviceGetFieldValues,
-                                 [field_id for _, field_id in wanted])
+        ids = [(field_id, 0) for _, field_id in wanted]
+        batch = self._field_batch
+        if batch is None or batch.fields != ids:  # built once; again only when a field goes
+            batch = self._field_batch = FieldBatch(self._handle, ids)
+        answers = self._optional("field_values", _read_batch, batch)
         out: dict[str, float] = {}
-        for (row, _), entry in zip(wanted, entries or (), strict=False):
-            if entry.nvmlReturn == pynvml.NVML_SUCCESS:
-                out[row.name] = row.convert(_field_value(entry))
-            elif entry.nvmlReturn == pynvml.NVML_ERROR_GPU_IS_LOST:
+        for (row, _), (ret, value) in zip(wanted, answers or (), strict=False):
+            if ret == pynvml.NVML_SUCCESS:
+                out[row.name] = row.convert(value)
+            elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
                 raise GpuLost(f"GPU {self.index} is lost")
-            elif entry.nvmlReturn in (pynvml.NVML_ERROR_NOT_SUPPORTED,
-                                      pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+            elif ret in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
                 self._unsupported.add(row.name)
         return out
 
