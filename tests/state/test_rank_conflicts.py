@@ -115,3 +115,22 @@ def test_liveness_of_one_pid_reads_proc(tmp_path: Path) -> None:
     assert not liveness.alive(42)  # the pid now belongs to another process
     stat.write_text("42 (python3) Z 1 1 1 0 -1 0 0 0 0 0 0 0 0 0 20 0 1 0 5000 0 0")
     assert not liveness.alive(42)
+
+
+def test_a_clash_is_no_restart_and_a_restart_before_the_exit_was_seen_is_one() -> None:
+    """Where each rank's time went (``gpumon_rank_restarts_total``): a second live job under
+    the run's name is not a restart of its ranks; a successor whose predecessor ended before
+    the agent's check saw it is one, its start taken from the kernel."""
+    alive = Alive(100, 200)
+    starts = {100: 0.5, 200: 1.5, 300: 9.0}
+    store = RankStore(alive=alive, started=starts.get)
+    store.ingest([step(0)], SenderCredentials(pid=100, uid=1000), 1.0, NOW)
+    store.ingest([step(0)], SenderCredentials(pid=200, uid=1000), 2.0, NOW)  # alive: a clash
+    totals = store.time_totals(3.0)
+    assert totals[("train", 0)].restarts == 0 and totals[("train:clash-200", 0)].restarts == 0
+    alive.pids.discard(100)  # 100 dies; no exit check has run yet when 300 starts
+    store.ingest([step(1)], SenderCredentials(pid=300, uid=1000), 10.0, NOW)
+    totals = store.time_totals(10.0)
+    assert totals[("train", 0)].restarts == 1
+    assert totals[("train", 0)].restarted_at == (9.0,)
+    assert totals[("train", 0)].badput_s["lost"] == 0.05  # its unsaved step
