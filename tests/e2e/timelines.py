@@ -1,7 +1,8 @@
 """Where a job's time went by its own notes (``jobs/timeline.py``): the truth the goodput tests
 hold gpumon's accounting to, computed from nothing of gpumon's.
 
-A job's attempts are its processes for one rank, in order; ``saves`` are the notes of the
+A process's life runs from its kernel start time to its watcher's ``gone``. A job's attempts
+are its processes for one rank, in order; ``saves`` are the notes of the
 process that saves (the rank itself, or rank 0 for a job where it alone writes). A save
 preserves the steps up to its step once it is done (``save_done``); the steps of a process that
 crashed after its last completed save are lost; every other completed step is goodput.
@@ -10,6 +11,7 @@ crashed after its last completed save are lost; every other completed step is go
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +24,14 @@ from gpumon.testing.metrics import value
 Events = list[dict[str, Any]]
 
 
-def notes(path: Path) -> Events:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+def notes(path: Path, wait_s: float = 10.0) -> Events:
+    """A process's notes, once its watcher has noted it gone (within ``wait_s``)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        events = [json.loads(line) for line in path.read_text().splitlines()]
+        if any(e["what"] == "gone" for e in events) or time.monotonic() > deadline:
+            return events
+        time.sleep(0.05)
 
 
 def rank_truth(out: Path, rank: int, attempts: int = 2) -> dict[str, float]:
@@ -41,7 +49,8 @@ def truth(attempts: list[Events], saves: list[Events] | None = None) -> dict[str
         got["startup"] += _first(events, "step_start")["t"] - start
         exit_ = _first(events, "exit")
         crashed = exit_["why"] != "done"
-        done = [e for e in saves[n] if e["what"] == "save_done" and e["t"] <= exit_["t"]]
+        gone = _first(events, "gone")["t"]  # the process's end, by the kernel
+        done = [e for e in saves[n] if e["what"] == "save_done" and e["t"] <= gone]
         kept = max((e["step"] for e in done), default=0) if crashed else float("inf")
         begun: dict[int, float] = {}
         saving: dict[int, float] = {}
@@ -55,8 +64,8 @@ def truth(attempts: list[Events], saves: list[Events] | None = None) -> dict[str
             elif e["what"] == "save_end":
                 got["checkpoint"] += e["t"] - saving[e["step"]]
         if n + 1 < len(attempts):
-            got["restart"] += _first(attempts[n + 1], "start")["at"] - exit_["t"]
-    got["wall"] = _first(attempts[-1], "exit")["t"] - _first(attempts[0], "start")["at"]
+            got["restart"] += _first(attempts[n + 1], "start")["at"] - gone
+    got["wall"] = _first(attempts[-1], "gone")["t"] - _first(attempts[0], "start")["at"]
     return got
 
 

@@ -5,7 +5,7 @@ as a job must. With ``--crash-at N`` it dies at the end of step N, its last save
 
 Its own timeline (``timeline.py``): each step's start and end, each save's call and return (the
 time it held the training thread), the moment its future says it completed, and its exit. A
-step's device work is a sleep inside the forward.
+step's device work is a sleep as its forward begins.
 """
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def main() -> None:
                             world_size=1)
     model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.ReLU(),
                                 torch.nn.Linear(4096, 2048))
+    model.register_forward_pre_hook(lambda module, inputs: time.sleep(args.work_s))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(16, 2048)
     SlowWriter.write_s = args.write_s
     pending = None
     for step in range(1, args.steps + 1):
         timeline.note("step_start", step=step)
-        time.sleep(args.work_s)  # the device's work
         optimizer.zero_grad()
         model(x).square().mean().backward()
         optimizer.step()

@@ -1,12 +1,26 @@
 """A job's own timeline, written as it goes and independent of gpumon: one JSON line per event
-(``what``, unix ``t``), flushed at once, starting with the process's kernel start time."""
+(``what``, unix ``t``), flushed at once, starting with the process's kernel start time and
+ending with the moment the process was gone (``gone``), noted by a small watcher process of its
+own that waits on the process's pidfd (so the teardown after the job's last line counts, and a
+crash's exit is the kernel's)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
+
+WATCHER = """
+import json, os, select, sys, time
+fd = os.pidfd_open(int(sys.argv[2]))
+print("ready", flush=True)
+select.select([fd], [], [])
+with open(sys.argv[1], "a") as f:
+    f.write(json.dumps({"what": "gone", "t": time.time()}) + "\\n")
+"""
 
 
 def process_start_unix() -> float:
@@ -21,6 +35,11 @@ class Timeline:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = path.open("a")
         self.note("start", at=process_start_unix(), pid=os.getpid())
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUMON", "PYTHONPATH"))}
+        watcher = subprocess.Popen([sys.executable, "-S", "-c", WATCHER, str(path), str(os.getpid())],
+                                   stdout=subprocess.PIPE, text=True, env=env,
+                                   start_new_session=True)
+        assert watcher.stdout is not None and watcher.stdout.readline().strip() == "ready"
 
     def note(self, what: str, **fields: object) -> None:
         self._file.write(json.dumps({"what": what, "t": time.time(), **fields}) + "\n")
