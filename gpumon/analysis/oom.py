@@ -22,6 +22,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import combinations
 
 HIGH_RISK = 0.8
 _HEADROOM_FREE_BELOW = 0.75
@@ -63,12 +64,7 @@ def theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float] | No
     Robust to outliers (breakdown point ~29%): one spiking step moves few of the pairwise
     slopes, so it cannot create a trend that least squares would report.
     """
-    slopes = [
-        (y2 - y1) / (t2 - t1)
-        for i, (t1, y1) in enumerate(points)
-        for t2, y2 in points[i + 1 :]
-        if t2 != t1
-    ]
+    slopes = [(y2 - y1) / (t2 - t1) for (t1, y1), (t2, y2) in combinations(points, 2) if t2 != t1]
     if not slopes:
         return None
     slope = statistics.median(slopes)
@@ -168,11 +164,18 @@ def _since_last_drop(points: list[tuple[float, int]], drop_bytes: float) -> list
     """The points from the last one that fell ``drop_bytes`` below the median of the few
     before it (one spike is not a baseline, so the step after it is no fall)."""
     start = 0
-    for i in range(1, len(points)):
-        before = [b for _, b in points[max(start, i - _DROP_BASELINE_POINTS) : i]]
-        if points[i][1] < statistics.median(before) - drop_bytes:
+    peaks = [b for _, b in points]
+    for i in range(1, len(peaks)):
+        if peaks[i] < _median(peaks[max(start, i - _DROP_BASELINE_POINTS) : i]) - drop_bytes:
             start = i
     return points[start:]
+
+
+def _median(values: list[int]) -> float:
+    """``statistics.median`` of a few values, without its generality (called per point)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _headroom_risk(used: float) -> float:

@@ -28,7 +28,7 @@ from gpumon.report.model import (
     RunModel,
     bin_count,
 )
-from gpumon.report.replay import Scan, replay, scan
+from gpumon.report.replay import Scan, quick_scan, replay, scan
 from gpumon.wire import StepRecord
 
 STALL_STEPS = 10
@@ -41,6 +41,8 @@ WINDOWS_PER_BIN = 4
 """The engine's windows per time bin at the coarsest (replay.py: a long run's resolution)."""
 _FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio",
            "tensor_active": "tensor_active_ratio", "dram_active": "dram_active_ratio"}
+_SAMPLE_KEYS = tuple((key, _FIELDS.get(key, key)) for key, _ in (*GPU_METRICS, *LINK_METRICS))
+"""(figure key, ``GpuSample`` attribute) of what a GPU sample adds to the page."""
 
 
 def choose_run(runs: Counter[str], run: str | None, where: str) -> str:
@@ -67,9 +69,28 @@ def _lines(path: Path) -> Iterator[Iterator[str]]:
 
 
 def load_file(path: Path, run: str | None = None) -> RunModel:
-    """The model of ``run`` (or the recording's only run) from a recording file."""
+    """The model of ``run`` (or the recording's only run) from a recording file.
+
+    The first pass reads the JSON alone (``quick_scan``) and the replay checks every line; only
+    where the replay skipped a step or GPU line that the quick pass took, or the quick pass
+    could not decide, is the file scanned again with the records' checks, and replayed."""
+    with _lines(path) as lines:
+        quick = quick_scan(lines)
+    if quick is not None:
+        try:
+            model, check = _load(path, run, quick)
+        except ReportError:
+            pass  # said again, or not, from the checked scan
+        else:
+            if check.skipped == quick.skipped:
+                return model
     with _lines(path) as lines:
         found = scan(lines)
+    return _load(path, run, found)[0]
+
+
+def _load(path: Path, run: str | None, found: Scan) -> tuple[RunModel, Scan]:
+    """The model from a first pass's ``found``, and the replay's own count of skipped lines."""
     if not found.runs and found.skipped:
         raise ReportError(f"{path} holds no readable step: {_skipped_text(found)}")
     name = choose_run(found.runs, run, str(path))
@@ -82,11 +103,12 @@ def load_file(path: Path, run: str | None = None) -> RunModel:
     model.time_totals = {rank: totals for (run_name, rank), (_, totals)
                          in sorted(found.times.items()) if run_name == name}
     filler = _Filler(model, found, typical=statistics.median(durations))
+    check = Scan()
     with _lines(path) as lines:
         analyses = replay(lines, name, found, filler.step, filler.sample, filler.verdict,
-                          min_window_s=model.width_s / WINDOWS_PER_BIN)
+                          min_window_s=model.width_s / WINDOWS_PER_BIN, check=check)
     filler.finish(analyses)
-    return model
+    return model, check
 
 
 def _skipped(model: RunModel, found: Scan) -> None:
@@ -188,10 +210,13 @@ class _Filler:
             return
         i = self.model.index(sample.t)
         held = self.gpu_samples[sample.index]
-        for key, _ in (*GPU_METRICS, *LINK_METRICS):
-            value = getattr(sample, _FIELDS.get(key, key), None)
+        for key, attribute in _SAMPLE_KEYS:  # a day of 8 GPUs at 1 s: 691,200 samples
+            value = getattr(sample, attribute, None)
             if value is not None:
-                self.model.mean(held, key).add(i, value)
+                mean = held.get(key)
+                if mean is None:
+                    mean = held[key] = Mean(self.model.bins)
+                mean.add(i, value)
 
     def verdict(self, v: StepVerdict, end: float) -> None:
         primary = v.verdict.primary.value
