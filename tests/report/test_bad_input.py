@@ -107,3 +107,21 @@ def test_a_recording_with_no_readable_step_says_why(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "holds no readable step: 2 unreadable lines were skipped (" in result.stderr
     assert "first at lines 1, 2)" in result.stderr
+
+
+def test_a_step_line_the_replay_skips_counts_nowhere(tmp_path: Path) -> None:
+    """A step line whose JSON reads well but whose record does not (a negative rank), ending
+    hours after the run: the run's span, bins and figures are those of the recording without
+    it, which the page says it skipped."""
+    lines = write(tmp_path / "run.jsonl", Run(steps=40)).read_text().splitlines()
+    bad = json.loads(next(line for line in lines if '"kind":"step"' in line))
+    bad.update(rank=-1, t_start=bad["t_start"] + 36_000.0)
+    (tmp_path / "clean.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "bad.jsonl").write_text("\n".join([*lines[:9], json.dumps(bad), *lines[9:]]))
+    clean, skipped = load(tmp_path / "clean.jsonl"), load(tmp_path / "bad.jsonl")
+    assert (skipped.start, skipped.end, skipped.bins) == (clean.start, clean.end, clean.bins)
+    assert skipped.summary == clean.summary
+    assert {r: m.values() for r, m in skipped.step_time.items()} \
+        == {r: m.values() for r, m in clean.step_time.items()}
+    assert skipped.notes == ["1 unreadable lines were skipped (bad_value: 1, first at lines 10); "
+                             "the report covers the rest"]
