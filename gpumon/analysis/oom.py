@@ -22,7 +22,6 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import combinations
 
 HIGH_RISK = 0.8
 _HEADROOM_FREE_BELOW = 0.75
@@ -64,7 +63,12 @@ def theil_sen(points: Sequence[tuple[float, float]]) -> tuple[float, float] | No
     Robust to outliers (breakdown point ~29%): one spiking step moves few of the pairwise
     slopes, so it cannot create a trend that least squares would report.
     """
-    slopes = [(y2 - y1) / (t2 - t1) for (t1, y1), (t2, y2) in combinations(points, 2) if t2 != t1]
+    slopes = [
+        (y2 - y1) / (t2 - t1)
+        for i, (t1, y1) in enumerate(points)
+        for t2, y2 in points[i + 1 :]
+        if t2 != t1
+    ]
     if not slopes:
         return None
     slope = statistics.median(slopes)

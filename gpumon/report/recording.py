@@ -147,6 +147,9 @@ class _Filler:
         self.bubble_s: dict[int, float] = defaultdict(float)
         self.received_s: dict[int, float] = defaultdict(float)  # of steps carrying a bubble
         model.comm_exposed, model.comm_overlapped = Mean(model.bins), Mean(model.bins)
+        self.phase_means: list[Mean] = []
+        self.factors: dict[tuple[str, int | None], float | None] = {}
+        """(collective, world) → its bus-bandwidth factor, looked up once."""
 
     def step(self, step: StepRecord) -> None:
         model, summary = self.model, self.model.summary
@@ -160,16 +163,21 @@ class _Filler:
         model.mean(model.step_time, step.rank).add(i, step.duration_s)
         self._parallel(step, i)
         phases = attributed_phases(step)
-        for name in PHASES[:-1]:
-            model.mean(model.phases, name).add(i, phases.get(name, 0.0))
+        if not self.phase_means:  # made on the first step, in the order of PHASES
+            self.phase_means = [model.mean(model.phases, name) for name in PHASES]
+        for name, mean in zip(PHASES[:-1], self.phase_means, strict=False):
+            mean.add(i, phases.get(name, 0.0))
         known = sum(v for k, v in phases.items() if k != "other")
-        model.mean(model.phases, "other").add(i, max(0.0, step.duration_s - known))
+        self.phase_means[-1].add(i, max(0.0, step.duration_s - known))
         assert model.comm_exposed is not None and model.comm_overlapped is not None
         model.comm_exposed.add(i, wait_s(step))
         model.comm_overlapped.add(i, overlapped_s(step))
         if step.comm is not None:
             for op in step.comm.ops:
-                factor = bus_bandwidth_factor(op.name, step.world)
+                key = (op.name, step.world)
+                if key not in self.factors:
+                    self.factors[key] = bus_bandwidth_factor(op.name, step.world)
+                factor = self.factors[key]
                 if factor and op.seconds > 0:
                     model.mean(model.bus_bandwidth, op.name).add(i, op.bytes / op.seconds * factor)
                 if op.name == "all_to_all":
@@ -216,7 +224,9 @@ class _Filler:
                 mean = held.get(key)
                 if mean is None:
                     mean = held[key] = Mean(self.model.bins)
-                mean.add(i, value)
+                if math.isfinite(value):  # Mean.add, inline: eight a sample
+                    mean.sums[i] += value
+                    mean.counts[i] += 1
 
     def verdict(self, v: StepVerdict, end: float) -> None:
         primary = v.verdict.primary.value
