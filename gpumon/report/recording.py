@@ -71,22 +71,21 @@ def _lines(path: Path) -> Iterator[Iterator[str]]:
 def load_file(path: Path, run: str | None = None) -> RunModel:
     """The model of ``run`` (or the recording's only run) from a recording file.
 
-    The first pass reads the JSON alone (``quick_scan``) and the replay checks every line; only
-    where the replay skipped a step or GPU line that the quick pass took, or the quick pass
-    could not decide, is the file scanned again with the records' checks, and replayed."""
+    The first pass is guessed from the text (``quick_scan``) and the replay makes the checked
+    scan as it reads; where the two differ (a line the guess took that the records' checks
+    refuse, a line not in the agent's form read otherwise), the file is replayed again from the
+    checked scan, so the page is always the one a checked first pass gives."""
     with _lines(path) as lines:
         quick = quick_scan(lines)
-    if quick is not None:
-        try:
-            model, check = _load(path, run, quick)
-        except ReportError:
-            pass  # said again, or not, from the checked scan
-        else:
-            if check.skipped == quick.skipped:
-                return model
-    with _lines(path) as lines:
-        found = scan(lines)
-    return _load(path, run, found)[0]
+    try:
+        model, check = _load(path, run, quick)
+    except ReportError:
+        with _lines(path) as lines:
+            check = scan(lines)  # the error, or none, as the checked scan has it
+    else:
+        if check == quick:
+            return model
+    return _load(path, run, check)[0]
 
 
 def _load(path: Path, run: str | None, found: Scan) -> tuple[RunModel, Scan]:

@@ -2,14 +2,16 @@
 
 ``gpumon classify`` holds a recording whole and runs the engine after every step; a day of
 64 ranks is millions of steps, more than memory holds and than that takes time for. Here the
-file is read twice, line by line through classify's own line parser (``load_recording``), and
-nothing grows with its length:
+file is read twice, a line at a time, and nothing grows with its length:
 
 1. the scan: the runs there are, the run's first and last times, a sample of its step times
    (for the time bins), the GPUs, the sampling interval, each rank's layout (its hello's place
    in the job's parallelism), where each rank's time went (its latest ``time`` line) and the
-   lines skipped;
-2. the replay: the run's steps, put back into the order they ended within ``REORDER_S`` (an
+   lines skipped. ``quick_scan`` guesses it from the text of the lines in the agent's own
+   form; the replay makes ``scan``'s, from every line through the records' checks, and the
+   report is kept only where the two agree (else replayed from the checked one);
+2. the replay, every line through classify's own line parser (``parse_line``): the run's
+   steps, put back into the order they ended within ``REORDER_S`` (an
    agent appends them as their datagrams arrive), go to the engine as the live agent feeds
    it, with ``StepAnalyzer.process`` run once per sampling interval of the recording's time,
    as the agent's schedule runs it, with every rank's layout from the start (as ``gpumon
@@ -26,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import json
+import re
 import statistics
 from bisect import bisect_left, bisect_right
 from collections import Counter
@@ -46,8 +48,6 @@ HISTORY_S = 300.0
 """GPU samples kept behind the latest step: far more than any step's window."""
 SAMPLED_DURATIONS = 20_000
 """Step times kept to size the time bins (every n-th, n doubling as they come)."""
-_BIG = 1e15
-"""Beyond any time or duration an agent records (and false for NaN): the quick scan's bound."""
 
 
 @dataclass
@@ -132,39 +132,40 @@ def scan(lines: Iterable[str]) -> Scan:
     return found
 
 
-def quick_scan(lines: Iterable[str]) -> Scan | None:
-    """The first pass from the JSON alone: a step's run, start and duration and a GPU line's
-    index and time taken as they stand, without the record's checks, which the replay makes
-    on every line anyway (a day of 64 ranks is 1.8 million of them). It equals ``scan``'s
-    where the replay then skips no step or GPU line: the caller compares the lines skipped
-    and, where they differ, scans again with ``scan``. ``None`` where a step or GPU line holds
-    other types or values than an agent writes: ``scan`` reads it."""
+_STEP_LINE = re.compile(r'\{"v":1,"kind":"step","run":"([^"\\]+)",[^{}]*?'
+                        r'"t_start":(\d[\d.eE+-]*),"duration":(\d[\d.eE+-]*)[,}]')
+_GPU_LINE = re.compile(r'\{"kind":"gpu","t":(\d[\d.eE+-]*),"gpu":(\d+)[,}]')
+"""Step and GPU lines as the agent writes them (``agent/recorder.py``): what the quick scan reads
+from the text, without parsing the JSON."""
+
+
+def quick_scan(lines: Iterable[str]) -> Scan:
+    """The first pass, guessed: a step's run, start and duration and a GPU line's index and
+    time read from the text where the line has the agent's own form (``_STEP_LINE``,
+    ``_GPU_LINE``), other lines parsed. A day of 64 ranks is 1.8 million lines; parsing each
+    twice was a third of the report's time. The replay reads every line through the records'
+    checks and makes ``scan``'s own from them (``replay``'s ``check``): the caller keeps the
+    report only where the two are equal, and replays again from the replay's otherwise."""
     found = Scan()
     for number, text in enumerate(lines, start=1):
-        try:
-            line = json.loads(text)
-        except ValueError:
-            if text.strip():
-                found.note(number, "skip", "not_json")
+        match = _STEP_LINE.match(text)
+        if match is not None:
+            found.step(match[1], float(match[2]), float(match[3]))
             continue
-        kind = line.get("kind") if isinstance(line, dict) else None
-        if kind == "step":
-            run, t_start, duration = line.get("run"), line.get("t_start"), line.get("duration")
-            if type(run) is not str or type(duration) is not float or not 0.0 <= duration < _BIG:
-                return None
-            if t_start is not None:
-                if type(t_start) is not float or not 0.0 <= t_start < _BIG:
-                    return None
-                found.step(run, t_start, duration)
+        match = _GPU_LINE.match(text)
+        if match is not None and int(match[2]) in found.statics:
+            found.gpu(int(match[2]), float(match[1]))
+            continue
+        kind, value = parse_line(text)
+        if kind == "step" and value.t_start is not None:
+            found.step(value.run, value.t_start, value.duration_s)
         elif kind == "gpu":
-            index, t = line.get("gpu"), line.get("t")
-            if type(index) is not int or type(t) is not float or not 0.0 <= t < _BIG:
-                return None
-            found.gpu(index, t)
-            if index not in found.statics:
-                found.statics[index] = static_from_line(index, line)
+            sample, line = value
+            found.gpu(sample.index, sample.t)
+            if sample.index not in found.statics:
+                found.statics[sample.index] = static_from_line(sample.index, line)
         else:
-            found.note(number, *parse_line(text))
+            found.note(number, kind, value)
     return found
 
 
@@ -200,8 +201,8 @@ def replay(lines: Iterable[str], run: str, found: Scan,
            min_window_s: float = 0.0, check: Scan | None = None) -> list[RankAnalysis]:
     """The second pass: every step of ``run`` to ``on_step`` in the order they ended, every GPU
     sample to ``on_sample``, every verdict to ``on_verdict`` with when its last step ended;
-    returns the engine's last analysis of each rank (its OOM risk). The lines it skips are
-    counted in ``check``."""
+    returns the engine's last analysis of each rank (its OOM risk). ``check`` gets what
+    ``scan`` finds, from the lines as the replay reads them."""
     resolution = max(statistics.median(found.gaps) if found.gaps else 1.0, min_window_s)
     analyzer = StepAnalyzer(resolution_s=resolution)
     gpus: dict[int, _Samples] = {}
@@ -236,9 +237,13 @@ def replay(lines: Iterable[str], run: str, found: Scan,
 
     for item in parsed(lines, check):
         if isinstance(item, GpuSample):
+            if check is not None:
+                check.gpu(item.index, item.t)
             gpus.setdefault(item.index, _Samples()).add(item)
             on_sample(item)
             continue
+        if check is not None and item.t_start is not None:
+            check.step(item.run, item.t_start, item.duration_s)
         if item.run != run or item.t_start is None:
             continue
         end = item.t_start + item.duration_s
