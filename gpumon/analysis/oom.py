@@ -168,11 +168,18 @@ def _since_last_drop(points: list[tuple[float, int]], drop_bytes: float) -> list
     """The points from the last one that fell ``drop_bytes`` below the median of the few
     before it (one spike is not a baseline, so the step after it is no fall)."""
     start = 0
-    for i in range(1, len(points)):
-        before = [b for _, b in points[max(start, i - _DROP_BASELINE_POINTS) : i]]
-        if points[i][1] < statistics.median(before) - drop_bytes:
+    peaks = [b for _, b in points]
+    for i in range(1, len(peaks)):
+        if peaks[i] < _median(peaks[max(start, i - _DROP_BASELINE_POINTS) : i]) - drop_bytes:
             start = i
     return points[start:]
+
+
+def _median(values: list[int]) -> float:
+    """``statistics.median`` of a few values, without its generality (called per point)."""
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def _headroom_risk(used: float) -> float:

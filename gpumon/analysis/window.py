@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from gpumon.analysis.device_timing import window_phases
 from gpumon.collectors.gpu_fields import GPU_FIELDS
@@ -21,6 +22,7 @@ from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 # Fields averaged over a window (the table's ``window`` rows). Memory used is summarised by
 # its maximum instead: the highest point in a step is what matters for pressure, not the mean.
 MEAN_FIELDS = tuple(f.name for f in GPU_FIELDS if f.window)
+_MEAN_GETTERS = tuple((name, attrgetter(name)) for name in MEAN_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,15 +80,18 @@ def summarize_gpu_window(samples: Sequence[GpuSample], t0: float, t1: float) -> 
     if not inside:
         return None
 
-    sums: dict[str, float] = {}
+    # Field by field, each summed in the samples' order: the same sums as sample by sample,
+    # with a window of a long run's replay holding tens of samples.
+    means: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for sample in inside:
-        for name in MEAN_FIELDS:
-            value = getattr(sample, name)
-            if value is not None:
-                sums[name] = sums.get(name, 0.0) + float(value)
-                counts[name] = counts.get(name, 0) + 1
-    means = {name: sums[name] / counts[name] for name in sums}
+    for name, get in _MEAN_GETTERS:
+        values = [value for value in map(get, inside) if value is not None]
+        if values:
+            total = 0.0
+            for value in values:
+                total += float(value)
+            means[name] = total / len(values)
+            counts[name] = len(values)
 
     used = [s.memory_used_bytes for s in inside if s.memory_used_bytes is not None]
     totals = [s.memory_total_bytes for s in sorted(inside, key=lambda s: s.t)

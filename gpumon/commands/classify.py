@@ -9,6 +9,7 @@ from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpumon.agent.recorder import sample_from_line, time_from_line
 from gpumon.analysis.goodput import TimeTotals
@@ -38,56 +39,80 @@ class Recording:
         self.skipped_at.append((line_number, reason))
 
 
+Parsed = tuple[str, Any]
+"""One recording line as ``parse_line`` reads it: ``("step", StepRecord)``, ``("gpu", (GpuSample,
+line))``, ``("hello", ((run, rank), ParallelLayout) or None)``, ``("time", (run, rank, t,
+totals))``, ``("skip", reason)``, or ``("none", None)`` for a blank line or a step line whose
+record is of another type."""
+
+
+def parse_line(text: str) -> Parsed:
+    """One recording line, never raising: what it holds, or why it cannot be used. The one
+    parser of ``load_recording`` and of the report's streaming passes, so both read a file
+    alike."""
+    if not text.strip():
+        return "none", None
+    try:
+        line = json.loads(text)
+    except ValueError:
+        return "skip", "not_json"
+    kind = line.get("kind") if isinstance(line, dict) else None
+    if kind == "step":
+        try:
+            record = decode_record(line)
+        except ProtocolError as exc:
+            return "skip", exc.reason
+        return ("step", record) if isinstance(record, StepRecord) else ("none", None)
+    if kind == "gpu":
+        try:
+            return "gpu", (sample_from_line(line), line)
+        except (KeyError, TypeError, ValueError):
+            return "skip", "bad_gpu_line"
+    if kind == "hello":
+        try:
+            hello = decode_record(line)
+        except ProtocolError as exc:
+            return "skip", exc.reason
+        if isinstance(hello, HelloRecord) and hello.parallel is not None:
+            return "hello", ((hello.run, hello.rank), hello.parallel)
+        return "hello", None
+    if kind == "time":
+        try:
+            return "time", time_from_line(line)
+        except (KeyError, TypeError, ValueError):
+            return "skip", "bad_time_line"
+    return "skip", "unknown_kind"
+
+
+def static_from_line(index: int, line: dict[str, Any]) -> GpuStatic:
+    """What a GPU line says of GPU ``index``: the first line of each GPU names it."""
+    return GpuStatic(index=index, uuid=str(line.get("uuid", f"gpu-{index}")),
+                     name=str(line.get("model", "")), pci_bus_id="",
+                     memory_total_bytes=line.get("memory_total_bytes"))
+
+
 def load_recording(lines: Iterable[str]) -> Recording:
     """Parse recording lines; bad lines are counted by reason, never fatal."""
     recording = Recording()
     for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        try:
-            line = json.loads(text)
-        except ValueError:
-            recording.skip(number, "not_json")
-            continue
-        kind = line.get("kind") if isinstance(line, dict) else None
-        if kind == "gpu":
-            try:
-                sample = sample_from_line(line)
-            except (KeyError, TypeError, ValueError):
-                recording.skip(number, "bad_gpu_line")
-                continue
+        kind, value = parse_line(text)
+        if kind == "step":
+            recording.steps.append(value)
+        elif kind == "gpu":
+            sample, line = value
             recording.samples[sample.index].append(sample)
             if sample.index not in recording.statics:
-                recording.statics[sample.index] = GpuStatic(
-                    index=sample.index, uuid=str(line.get("uuid", f"gpu-{sample.index}")),
-                    name=str(line.get("model", "")), pci_bus_id="",
-                    memory_total_bytes=line.get("memory_total_bytes"))
-        elif kind == "step":
-            try:
-                record = decode_record(line)
-            except ProtocolError as exc:
-                recording.skip(number, exc.reason)
-                continue
-            if isinstance(record, StepRecord):
-                recording.steps.append(record)
+                recording.statics[sample.index] = static_from_line(sample.index, line)
         elif kind == "hello":
-            try:
-                hello = decode_record(line)
-            except ProtocolError as exc:
-                recording.skip(number, exc.reason)
-                continue
-            if isinstance(hello, HelloRecord) and hello.parallel is not None:
-                recording.layouts[(hello.run, hello.rank)] = hello.parallel
+            if value is not None:
+                key, layout = value
+                recording.layouts[key] = layout
         elif kind == "time":
-            try:
-                run, rank, t, totals = time_from_line(line)
-            except (KeyError, TypeError, ValueError):
-                recording.skip(number, "bad_time_line")
-                continue
+            run, rank, t, totals = value
             if t >= recording.times.get((run, rank), (float("-inf"),))[0]:
                 recording.times[(run, rank)] = (t, totals)
-        else:
-            recording.skip(number, "unknown_kind")
+        elif kind == "skip":
+            recording.skip(number, value)
     for samples in recording.samples.values():
         samples.sort(key=lambda s: s.t)
     return recording

@@ -2,14 +2,16 @@
 
 ``gpumon classify`` holds a recording whole and runs the engine after every step; a day of
 64 ranks is millions of steps, more than memory holds and than that takes time for. Here the
-file is read twice, line by line through classify's own line parser (``load_recording``), and
-nothing grows with its length:
+file is read twice, a line at a time, and nothing grows with its length:
 
 1. the scan: the runs there are, the run's first and last times, a sample of its step times
    (for the time bins), the GPUs, the sampling interval, each rank's layout (its hello's place
    in the job's parallelism), where each rank's time went (its latest ``time`` line) and the
-   lines skipped;
-2. the replay: the run's steps, put back into the order they ended within ``REORDER_S`` (an
+   lines skipped. ``quick_scan`` guesses it from the text of the lines in the agent's own
+   form; the replay makes ``scan``'s, from every line through the records' checks, and the
+   report is kept only where the two agree (else replayed from the checked one);
+2. the replay, every line through classify's own line parser (``parse_line``): the run's
+   steps, put back into the order they ended within ``REORDER_S`` (an
    agent appends them as their datagrams arrive), go to the engine as the live agent feeds
    it, with ``StepAnalyzer.process`` run once per sampling interval of the recording's time,
    as the agent's schedule runs it, with every rank's layout from the start (as ``gpumon
@@ -26,16 +28,18 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import re
 import statistics
 from bisect import bisect_left, bisect_right
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpumon.analysis.goodput import TimeTotals
 from gpumon.analysis.stream import RankAnalysis, StepAnalyzer, StepVerdict
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.commands.classify import load_recording
+from gpumon.commands.classify import parse_line, static_from_line
 from gpumon.wire import ParallelLayout, StepRecord
 
 REORDER_S = 30.0
@@ -63,60 +67,105 @@ class Scan:
     skipped: Counter[str] = field(default_factory=Counter)
     skipped_at: list[int] = field(default_factory=list)
     """Line numbers (from 1) of the first skipped lines."""
+    _strides: dict[str, int] = field(default_factory=dict, repr=False)
+    _last_t: dict[int, float] = field(default_factory=dict, repr=False)
+
+    def step(self, run: str, t_start: float, duration_s: float) -> None:
+        """A step of ``run`` with a start: the run's span, and a sample of its step times."""
+        self.runs[run] += 1
+        self.start[run] = min(self.start.get(run, t_start), t_start)
+        self.end[run] = max(self.end.get(run, t_start), t_start + duration_s)
+        kept = self.durations.setdefault(run, [])
+        stride = self._strides.setdefault(run, 1)
+        if self.runs[run] % stride == 0:
+            kept.append(duration_s)
+            if len(kept) >= SAMPLED_DURATIONS:
+                del kept[::2]
+                self._strides[run] = stride * 2
+
+    def gpu(self, index: int, t: float) -> None:
+        """A GPU sample: the sampling interval."""
+        previous = self._last_t.get(index)
+        if previous is not None and t > previous and len(self.gaps) < 1000:
+            self.gaps.append(t - previous)
+        self._last_t[index] = t
+
+    def note(self, number: int, kind: str, value: Any, shown: int = 10) -> None:
+        """What a line other than a step or a GPU sample says: a skip, a layout, a time line."""
+        if kind == "skip":
+            self.skipped[value] += 1
+            if len(self.skipped_at) < shown:
+                self.skipped_at.append(number)
+        elif kind == "hello" and value is not None:
+            key, layout = value
+            self.layouts[key] = layout
+        elif kind == "time":
+            run, rank, t, totals = value
+            if t >= self.times.get((run, rank), (float("-inf"),))[0]:
+                self.times[(run, rank)] = (t, totals)
 
 
-def parsed(lines: Iterable[str], scan: Scan | None = None,
-           shown: int = 10) -> Iterator[StepRecord | GpuSample]:
-    """Each usable line as classify reads it; a skipped line is counted in ``scan``, a hello's
-    layout kept there."""
+def parsed(lines: Iterable[str], scan: Scan | None = None) -> Iterator[StepRecord | GpuSample]:
+    """Each usable line as classify reads it (``parse_line``); what a line other than a step
+    or a GPU sample says, and a GPU's first line, go to ``scan``."""
     for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        one = load_recording([text])
-        if one.skipped:
-            if scan is not None:
-                scan.skipped.update(one.skipped)
-                if len(scan.skipped_at) < shown:
-                    scan.skipped_at.append(number)
-            continue
-        if one.steps:
-            yield one.steps[0]
-        if scan is not None:
-            scan.layouts.update(one.layouts)
-            for key, (t, totals) in one.times.items():
-                if t >= scan.times.get(key, (float("-inf"),))[0]:
-                    scan.times[key] = (t, totals)
-        for index, samples in one.samples.items():
-            if scan is not None and index not in scan.statics:
-                scan.statics[index] = one.statics[index]
-            yield from samples
+        kind, value = parse_line(text)
+        if kind == "step":
+            yield value
+        elif kind == "gpu":
+            sample, line = value
+            if scan is not None and sample.index not in scan.statics:
+                scan.statics[sample.index] = static_from_line(sample.index, line)
+            yield sample
+        elif scan is not None:
+            scan.note(number, kind, value)
 
 
 def scan(lines: Iterable[str]) -> Scan:
-    """The first pass."""
+    """The first pass, every line read as the replay reads it."""
     found = Scan()
-    last_t: dict[int, float] = {}
-    strides: dict[str, int] = {}
     for item in parsed(lines, found):
         if isinstance(item, GpuSample):
-            previous = last_t.get(item.index)
-            if previous is not None and item.t > previous and len(found.gaps) < 1000:
-                found.gaps.append(item.t - previous)
-            last_t[item.index] = item.t
+            found.gpu(item.index, item.t)
+        elif item.t_start is not None:
+            found.step(item.run, item.t_start, item.duration_s)
+    return found
+
+
+_STEP_LINE = re.compile(r'\{"v":1,"kind":"step","run":"([^"\\]+)",[^{}]*?'
+                        r'"t_start":(\d[\d.eE+-]*),"duration":(\d[\d.eE+-]*)[,}]')
+_GPU_LINE = re.compile(r'\{"kind":"gpu","t":(\d[\d.eE+-]*),"gpu":(\d+)[,}]')
+"""Step and GPU lines as the agent writes them (``agent/recorder.py``): what the quick scan reads
+from the text, without parsing the JSON."""
+
+
+def quick_scan(lines: Iterable[str]) -> Scan:
+    """The first pass, guessed: a step's run, start and duration and a GPU line's index and
+    time read from the text where the line has the agent's own form (``_STEP_LINE``,
+    ``_GPU_LINE``), other lines parsed. A day of 64 ranks is 1.8 million lines; parsing each
+    twice was a third of the report's time. The replay reads every line through the records'
+    checks and makes ``scan``'s own from them (``replay``'s ``check``): the caller keeps the
+    report only where the two are equal, and replays again from the replay's otherwise."""
+    found = Scan()
+    for number, text in enumerate(lines, start=1):
+        match = _STEP_LINE.match(text)
+        if match is not None:
+            found.step(match[1], float(match[2]), float(match[3]))
             continue
-        if item.t_start is None:
+        match = _GPU_LINE.match(text)
+        if match is not None and int(match[2]) in found.statics:
+            found.gpu(int(match[2]), float(match[1]))
             continue
-        run = item.run
-        found.runs[run] += 1
-        found.start[run] = min(found.start.get(run, item.t_start), item.t_start)
-        found.end[run] = max(found.end.get(run, item.t_start), item.t_start + item.duration_s)
-        kept = found.durations.setdefault(run, [])
-        stride = strides.setdefault(run, 1)
-        if found.runs[run] % stride == 0:
-            kept.append(item.duration_s)
-            if len(kept) >= SAMPLED_DURATIONS:
-                del kept[::2]
-                strides[run] = stride * 2
+        kind, value = parse_line(text)
+        if kind == "step" and value.t_start is not None:
+            found.step(value.run, value.t_start, value.duration_s)
+        elif kind == "gpu":
+            sample, line = value
+            found.gpu(sample.index, sample.t)
+            if sample.index not in found.statics:
+                found.statics[sample.index] = static_from_line(sample.index, line)
+        else:
+            found.note(number, kind, value)
     return found
 
 
@@ -149,10 +198,11 @@ def replay(lines: Iterable[str], run: str, found: Scan,
            on_step: Callable[[StepRecord], None],
            on_sample: Callable[[GpuSample], None],
            on_verdict: Callable[[StepVerdict, float], None],
-           min_window_s: float = 0.0) -> list[RankAnalysis]:
+           min_window_s: float = 0.0, check: Scan | None = None) -> list[RankAnalysis]:
     """The second pass: every step of ``run`` to ``on_step`` in the order they ended, every GPU
     sample to ``on_sample``, every verdict to ``on_verdict`` with when its last step ended;
-    returns the engine's last analysis of each rank (its OOM risk)."""
+    returns the engine's last analysis of each rank (its OOM risk). ``check`` gets what
+    ``scan`` finds, from the lines as the replay reads them."""
     resolution = max(statistics.median(found.gaps) if found.gaps else 1.0, min_window_s)
     analyzer = StepAnalyzer(resolution_s=resolution)
     gpus: dict[int, _Samples] = {}
@@ -185,11 +235,15 @@ def replay(lines: Iterable[str], run: str, found: Scan,
             if end - state["processed"] >= resolution:
                 process(end)
 
-    for item in parsed(lines):
+    for item in parsed(lines, check):
         if isinstance(item, GpuSample):
+            if check is not None:
+                check.gpu(item.index, item.t)
             gpus.setdefault(item.index, _Samples()).add(item)
             on_sample(item)
             continue
+        if check is not None and item.t_start is not None:
+            check.step(item.run, item.t_start, item.duration_s)
         if item.run != run or item.t_start is None:
             continue
         end = item.t_start + item.duration_s

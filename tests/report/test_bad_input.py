@@ -13,6 +13,7 @@ import pytest
 
 from gpumon.report.make import load
 from gpumon.report.model import MAX_BINS
+from gpumon.report.replay import quick_scan, scan
 from gpumon.testing.recordings import Run, write
 from tests.helpers import ROOT, agent_env, free_port
 
@@ -107,3 +108,33 @@ def test_a_recording_with_no_readable_step_says_why(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "holds no readable step: 2 unreadable lines were skipped (" in result.stderr
     assert "first at lines 1, 2)" in result.stderr
+
+
+def test_a_step_line_the_replay_skips_counts_nowhere(tmp_path: Path) -> None:
+    """A step line in the agent's form whose record does not pass (a negative rank), ending
+    hours after the run: the first pass's guess takes it, yet the run's span, bins and figures
+    are those of the recording without it, which the page says it skipped."""
+    lines = write(tmp_path / "run.jsonl", Run(steps=40)).read_text().splitlines()
+    bad = json.loads(next(line for line in lines if '"kind":"step"' in line))
+    bad.update(rank=-1, t_start=bad["t_start"] + 36_000.0)
+    (tmp_path / "clean.jsonl").write_text("\n".join(lines) + "\n")
+    bad_line = json.dumps(bad, separators=(",", ":"))  # in the agent's own form
+    (tmp_path / "bad.jsonl").write_text("\n".join([*lines[:9], bad_line, *lines[9:]]))
+    clean, skipped = load(tmp_path / "clean.jsonl"), load(tmp_path / "bad.jsonl")
+    assert (skipped.start, skipped.end, skipped.bins) == (clean.start, clean.end, clean.bins)
+    assert skipped.summary == clean.summary
+    assert {r: m.values() for r, m in skipped.step_time.items()} \
+        == {r: m.values() for r, m in clean.step_time.items()}
+    assert skipped.notes == ["1 unreadable lines were skipped (bad_value: 1, first at lines 10); "
+                             "the report covers the rest"]
+
+
+def test_the_quick_first_pass_reads_what_the_checked_one_does(tmp_path: Path) -> None:
+    """On a recording in the agent's form, with its time lines, the guess is the checked scan
+    (else every report would be replayed twice), and a line in another JSON form is read alike."""
+    lines = write(tmp_path / "run.jsonl", Run(steps=40, times=True)).read_text().splitlines()
+    lines[7] = json.dumps(json.loads(lines[7]))  # spaces after the separators
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    with open(path) as quick, open(path) as checked:
+        assert quick_scan(quick) == scan(checked)
