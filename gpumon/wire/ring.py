@@ -27,6 +27,7 @@ import math
 import struct
 from dataclasses import dataclass
 
+from gpumon.errors import GpumonError
 from gpumon.wire.limits import MAX_INT, MAX_RUN_CHARS, PROTOCOL_VERSION, is_label
 
 MAGIC = 0x676D5247  # "GRmg"
@@ -84,7 +85,7 @@ class RingContents:
     sent: int
 
 
-class RingError(ValueError):
+class RingError(GpumonError, ValueError):
     """A ring's contents are not a ring; ``reason`` names why (a drop reason)."""
 
     def __init__(self, reason: str, message: str) -> None:

@@ -91,7 +91,7 @@ slowdown = 1.6
 # --- the time-compressed rules --------------------------------------------------------------
 
 _DURATION = r"(?:\d+(?:ms|[smhdwy]))+"
-_WINDOW = re.compile(rf"(\[|\boffset\s+)({_DURATION})(?=[\]\s)])")
+_WINDOW = re.compile(rf"(\[|(?<=[smhdwy]):|\boffset\s+)({_DURATION})(?=[\]\s):])")
 _PART = re.compile(r"(\d+)(ms|[smhdwy])")
 _UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "y": 365 * 86400}
 
@@ -110,7 +110,8 @@ def _format_s(seconds: float) -> str:
 
 def compress_rules(doc: dict[str, Any], scale: int) -> dict[str, Any]:
     """A copy of a rule file with every duration divided by ``scale``: each rule's ``for:``,
-    and in each expression every range window (``[5m]``) and ``offset``.
+    and in each expression every range window (``[5m]``), subquery (``[6h:1m]``) and
+    ``offset``.
 
     Why: the shipped rules wait as long as production needs (``for: 15m`` over 5- and
     10-minute windows) and a test cannot. Dividing every duration by the same factor keeps
@@ -159,16 +160,17 @@ def test_compression_changes_only_durations(tmp_path: Path) -> None:
         old = [duration_s(m[2]) for m in _WINDOW.finditer(before["expr"])]
         new = [duration_s(m[2]) for m in _WINDOW.finditer(after["expr"])]
         assert new == [pytest.approx(s / TIME_SCALE) for s in old], name
-        # Nothing in brackets escaped the transform (a subquery, say).
-        brackets = re.findall(r"\[([^\]]*)\]", after["expr"])
-        assert brackets == [m[2] for m in _WINDOW.finditer(after["expr"]) if m[1] == "["], name
+        # Nothing in brackets escaped the transform (a subquery's range and resolution too).
+        brackets = re.findall(r"\[([^\]]*)\]", _without_durations(after["expr"]))
+        assert set(brackets) <= {"<d>", "<d>:<d>"}, (name, brackets)
         if "for" in before:
             assert duration_s(after["for"]) == pytest.approx(duration_s(before["for"]) / TIME_SCALE)
         windows += len(old)
     alerts = {rule["alert"] for rule, _ in pairs if "alert" in rule}
     assert {"GpumonOOMPredicted", "GpumonInputBound", "GpumonRankStraggler"} <= alerts
-    # Every range window and every offset of the shipped file was scaled.
+    # Every range window, subquery resolution and offset of the shipped file was scaled.
     assert windows == sum(rule["expr"].count("[") + len(re.findall(r"\boffset\b", rule["expr"]))
+                          + len(re.findall(r"\[[^\]:]+:[^\]]+\]", rule["expr"]))
                           for rule, _ in pairs) > 0
     # Prometheus' own checker accepts the copy.
     path = tmp_path / "compressed.rules.yml"
