@@ -91,6 +91,14 @@ def static_from_line(index: int, line: dict[str, Any]) -> GpuStatic:
                      memory_total_bytes=line.get("memory_total_bytes"))
 
 
+def keep_latest(times: dict[tuple[str, int], tuple[float, TimeTotals]],
+                line: tuple[str, int, float, TimeTotals]) -> None:
+    """A rank's time line into ``times``, where it is its latest."""
+    run, rank, t, totals = line
+    if t >= times.get((run, rank), (float("-inf"),))[0]:
+        times[(run, rank)] = (t, totals)
+
+
 def load_recording(lines: Iterable[str]) -> Recording:
     """Parse recording lines; bad lines are counted by reason, never fatal."""
     recording = Recording()
@@ -108,9 +116,7 @@ def load_recording(lines: Iterable[str]) -> Recording:
                 key, layout = value
                 recording.layouts[key] = layout
         elif kind == "time":
-            run, rank, t, totals = value
-            if t >= recording.times.get((run, rank), (float("-inf"),))[0]:
-                recording.times[(run, rank)] = (t, totals)
+            keep_latest(recording.times, value)
         elif kind == "skip":
             recording.skip(number, value)
     for samples in recording.samples.values():

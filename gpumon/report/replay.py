@@ -39,7 +39,7 @@ from typing import Any
 from gpumon.analysis.goodput import TimeTotals
 from gpumon.analysis.stream import RankAnalysis, StepAnalyzer, StepVerdict
 from gpumon.collectors.samples import GpuSample, GpuStatic
-from gpumon.commands.classify import parse_line, static_from_line
+from gpumon.commands.classify import keep_latest, parse_line, static_from_line
 from gpumon.wire import ParallelLayout, StepRecord
 
 REORDER_S = 30.0
@@ -100,9 +100,7 @@ class Scan:
             key, layout = value
             self.layouts[key] = layout
         elif kind == "time":
-            run, rank, t, totals = value
-            if t >= self.times.get((run, rank), (float("-inf"),))[0]:
-                self.times[(run, rank)] = (t, totals)
+            keep_latest(self.times, value)
 
 
 def parsed(lines: Iterable[str], scan: Scan | None = None) -> Iterator[StepRecord | GpuSample]:
