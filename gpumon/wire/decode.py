@@ -18,49 +18,42 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+from gpumon.wire.decode_control import check_event, check_hello, check_span, check_state
 from gpumon.wire.fields import KNOWN_LABELS as _KNOWN_LABELS
 from gpumon.wire.fields import (
     check_comm,
     check_device_phases,
+    check_gpu,
+    check_identity,
     check_int,
     check_label,
     check_memory_breakdown,
     check_moe,
     check_number,
-    check_parallel,
+    opt_int,
+    opt_number,
+    required,
 )
 from gpumon.wire.limits import (
     FIELD_LIMITS,
     MAX_COLLECTIVE_CHARS,
     MAX_COLLECTIVE_KINDS,
     MAX_DATAGRAM_BYTES,
-    MAX_FRAME_TEXT_CHARS,
-    MAX_MESSAGE_CHARS,
     MAX_PHASES,
     MAX_RECORDS_PER_DATAGRAM,
-    MAX_STACK_FRAMES,
     MEMORY_COMPONENTS,
     PROTOCOL_VERSION,
-    is_label,
     step_slack,
 )
 from gpumon.wire.records import (
     MEM_WIRE_NAMES,
-    RANK_STATES,
-    SPAN_KINDS,
     CollectiveOp,
     CommStats,
     DecodeResult,
-    EventRecord,
-    HelloRecord,
-    InFlight,
     MemoryBreakdown,
     MemoryStats,
     ProtocolError,
     Record,
-    SpanRecord,
-    StackFrame,
-    StateRecord,
     StepRecord,
 )
 
@@ -107,13 +100,13 @@ def decode_record(obj: object) -> Record:
     if kind == "step":
         return _fast_step(obj) or _check_step(obj)
     if kind == "event":
-        return _check_event(obj)
+        return check_event(obj)
     if kind == "hello":
-        return _check_hello(obj)
+        return check_hello(obj)
     if kind == "span":
-        return _check_span(obj)
+        return check_span(obj)
     if kind == "state":
-        return _check_state(obj)
+        return check_state(obj)
     if kind is None:
         raise ProtocolError("missing_field", "kind")
     raise ProtocolError("bad_kind", repr(kind)[:32])
@@ -266,8 +259,8 @@ def _fast_comm(comm: object, slack: float) -> CommStats | None:
 
 
 def _check_step(obj: Mapping[str, object]) -> StepRecord:
-    run, rank, world, local_rank = _check_identity(obj)
-    duration = check_number(_required(obj, "duration"), "duration")
+    run, rank, world, local_rank = check_identity(obj)
+    duration = check_number(required(obj, "duration"), "duration")
     phases = obj.get("phases")
     phases_s: dict[str, float] = {}
     if phases is not None:
@@ -283,14 +276,14 @@ def _check_step(obj: Mapping[str, object]) -> StepRecord:
     if mem is not None:
         if not isinstance(mem, dict):
             raise ProtocolError("bad_type", "mem")
-        mem_stats = MemoryStats(*[_opt_int(mem, key, "mem") for key in MEM_WIRE_NAMES])
-    step = check_int(_required(obj, "step"), "step")
-    t_start = _opt_number(obj, "t_start")
-    samples = _opt_int(obj, "samples")
-    tokens = _opt_int(obj, "tokens")
-    flops = _opt_number(obj, "flops")
-    gpu = _check_gpu(obj)
-    pid = _opt_int(obj, "pid")
+        mem_stats = MemoryStats(*[opt_int(mem, key, "mem") for key in MEM_WIRE_NAMES])
+    step = check_int(required(obj, "step"), "step")
+    t_start = opt_number(obj, "t_start")
+    samples = opt_int(obj, "samples")
+    tokens = opt_int(obj, "tokens")
+    flops = opt_number(obj, "flops")
+    gpu = check_gpu(obj)
+    pid = opt_int(obj, "pid")
     comm = obj.get("comm")
     comm_stats = None if comm is None else check_comm(comm, duration)
     memb = obj.get("memb")
@@ -304,170 +297,3 @@ def _check_step(obj: Mapping[str, object]) -> StepRecord:
     return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
                       tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown, device_phases,
                       cpu_wait_s, moe_stats)
-
-
-def _check_event(obj: Mapping[str, object]) -> EventRecord:
-    run, rank, _, _ = _check_identity(obj)
-    return EventRecord(
-        run=run,
-        rank=rank,
-        event=check_label(_required(obj, "event"), "event"),
-        t=_opt_number(obj, "t"),
-        step=_opt_int(obj, "step"),
-        pid=_opt_int(obj, "pid"),
-        gpu=_check_gpu(obj),
-        message=_opt_text(obj, "message", MAX_MESSAGE_CHARS),
-    )
-
-
-def _check_hello(obj: Mapping[str, object]) -> HelloRecord:
-    run, rank, world, local_rank = _check_identity(obj)
-    version = obj.get("client_version")
-    framework = obj.get("framework")
-    return HelloRecord(
-        run=run,
-        rank=rank,
-        world=world,
-        local_rank=local_rank,
-        pid=_opt_int(obj, "pid"),
-        gpu=_check_gpu(obj),
-        client_version=None if version is None else check_label(version, "client_version"),
-        framework=None if framework is None else check_label(framework, "framework"),
-        zero_stage=_opt_int(obj, "zero_stage"),
-        parallel=None if obj.get("parallel") is None else check_parallel(obj["parallel"]),
-    )
-
-
-def _check_state(obj: Mapping[str, object]) -> StateRecord:
-    run, rank, _, _ = _check_identity(obj)
-    state = obj.get("state")
-    if state is None:
-        raise ProtocolError("missing_field", "state")
-    if state not in RANK_STATES:
-        raise ProtocolError("bad_state", "state")
-    t = check_number(_required(obj, "t"), "t")
-    steps = check_int(_required(obj, "steps"), "step")
-    since = _opt_number(obj, "since")
-    threshold = _opt_number(obj, "threshold")
-    phase = obj.get("phase")
-    flight = obj.get("flight")
-    return StateRecord(
-        run=run, rank=rank, state=str(state), t=t, steps=steps, since=since, threshold_s=threshold,
-        pid=_opt_int(obj, "pid"),
-        phase=None if phase is None else check_label(phase, "phase"),
-        launched=_opt_int(obj, "launched"),
-        in_flight=None if flight is None else _check_flight(flight),
-        stack=_check_stack(obj.get("stack")),
-    )
-
-
-def _check_span(obj: Mapping[str, object]) -> SpanRecord:
-    run, rank, _, _ = _check_identity(obj)
-    span = _required(obj, "span")
-    if span not in SPAN_KINDS:
-        raise ProtocolError("bad_span", "span")
-    ok = obj.get("ok")
-    pending = obj.get("pending", False)
-    if (ok is not None and type(ok) is not bool) or type(pending) is not bool:
-        raise ProtocolError("bad_span", "ok or pending")
-    if pending and (span != "save" or ok is not None):
-        raise ProtocolError("bad_span", "only a save may be pending, without an outcome")
-    if span == "saved" and ok is None:
-        raise ProtocolError("bad_span", "a saved record says how the save ended")
-    api = obj.get("api")
-    return SpanRecord(
-        run=run, rank=rank, span=str(span),
-        seconds=check_number(_required(obj, "seconds"), "seconds"),
-        ok=ok, steps=_opt_int(obj, "steps", "step"),
-        api=None if api is None else check_label(api, "api"),
-        bytes=_opt_int(obj, "bytes"), pending=pending, t=_opt_number(obj, "t"),
-        pid=_opt_int(obj, "pid"),
-    )
-
-
-def _check_flight(value: object) -> InFlight:
-    if not isinstance(value, dict):
-        raise ProtocolError("bad_state", "flight")
-    op = value.get("op")
-    if not isinstance(op, str) or not is_label(op, MAX_COLLECTIVE_CHARS):
-        raise ProtocolError("bad_state", "flight.op")
-    device = value.get("device", False)
-    if type(device) is not bool:
-        raise ProtocolError("bad_state", "flight.device")
-    return InFlight(op, check_int(value.get("seq"), "flight.seq"),
-                    check_int(value.get("bytes"), "flight.bytes"),
-                    check_number(value.get("since"), "flight.since"), device)
-
-
-def _check_stack(value: object) -> tuple[StackFrame, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or len(value) > MAX_STACK_FRAMES:
-        raise ProtocolError("bad_stack", f"not a list of at most {MAX_STACK_FRAMES} frames")
-    frames = []
-    for item in value:
-        if not (isinstance(item, list) and len(item) == 4 and type(item[3]) is bool):
-            raise ProtocolError("bad_stack", "expected [file, line, function, own]")
-        file, line, function, own = item
-        frames.append(StackFrame(_frame_text(file), check_int(line, "frame.line"),
-                                 _frame_text(function), own))
-    return tuple(frames)
-
-
-def _frame_text(value: object) -> str:
-    if not isinstance(value, str) or not 0 < len(value) <= MAX_FRAME_TEXT_CHARS:
-        raise ProtocolError("bad_stack", "file or function")
-    if not value.isprintable():
-        raise ProtocolError("bad_stack", "unprintable file or function")
-    return value
-
-
-def _check_identity(obj: Mapping[str, object]) -> tuple[str, int, int | None, int | None]:
-    run = check_label(_required(obj, "run"), "run")
-    rank = check_int(_required(obj, "rank"), "rank")
-    world = _opt_int(obj, "world")
-    local_rank = _opt_int(obj, "local_rank")
-    if world is not None and (rank >= world or (local_rank is not None and local_rank >= world)):
-        raise ProtocolError("bad_value", "rank not below world")
-    return run, rank, world, local_rank
-
-
-def _required(obj: Mapping[str, object], key: str) -> object:
-    value = obj.get(key)
-    if value is None:
-        raise ProtocolError("missing_field", key)
-    return value
-
-
-def _opt_int(obj: Mapping[str, object], key: str, limit: str | None = None) -> int | None:
-    value = obj.get(key)
-    return None if value is None else check_int(value, limit or key)
-
-
-def _opt_number(obj: Mapping[str, object], key: str) -> float | None:
-    value = obj.get(key)
-    return None if value is None else check_number(value, key)
-
-
-def _opt_text(obj: Mapping[str, object], key: str, max_chars: int) -> str | None:
-    value = obj.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise ProtocolError("bad_type", key)
-    if len(value) > max_chars:
-        raise ProtocolError("bad_value", key)
-    try:
-        value.encode("utf-8")  # lone surrogates from "\ud800" escapes
-    except UnicodeEncodeError:
-        raise ProtocolError("bad_value", key) from None
-    return value
-
-
-def _check_gpu(obj: Mapping[str, object]) -> str | int | None:
-    value = obj.get("gpu")
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return check_label(value, "gpu")
-    return check_int(value, "gpu")

@@ -2,8 +2,9 @@
 
 Numbers against their row of ``limits.FIELD_LIMITS``; labels against ``LABEL_LIMITS``, with the
 labels already validated remembered for the decoder's fast path (``KNOWN_LABELS``); and the
-measured step fields (``comm``, ``memb``, ``dev``, ``moe``), each refused with its own reason. Every
-function returns the checked value or raises ``ProtocolError``.
+measured step fields (``comm``, ``memb``, ``dev``, ``moe``), each refused with its own reason;
+and what every record's check reads the same way (its identity, required and optional fields).
+Every function returns the checked value or raises ``ProtocolError``.
 """
 
 from __future__ import annotations
@@ -207,3 +208,54 @@ def check_label(value: object, key: str) -> str:
 def remember_label(label: str) -> None:
     if len(label) <= MAX_LABEL_CHARS and len(KNOWN_LABELS) < KNOWN_LABELS_MAX:
         KNOWN_LABELS.add(label)
+
+
+def check_identity(obj: Mapping[str, object]) -> tuple[str, int, int | None, int | None]:
+    run = check_label(required(obj, "run"), "run")
+    rank = check_int(required(obj, "rank"), "rank")
+    world = opt_int(obj, "world")
+    local_rank = opt_int(obj, "local_rank")
+    if world is not None and (rank >= world or (local_rank is not None and local_rank >= world)):
+        raise ProtocolError("bad_value", "rank not below world")
+    return run, rank, world, local_rank
+
+
+def required(obj: Mapping[str, object], key: str) -> object:
+    value = obj.get(key)
+    if value is None:
+        raise ProtocolError("missing_field", key)
+    return value
+
+
+def opt_int(obj: Mapping[str, object], key: str, limit: str | None = None) -> int | None:
+    value = obj.get(key)
+    return None if value is None else check_int(value, limit or key)
+
+
+def opt_number(obj: Mapping[str, object], key: str) -> float | None:
+    value = obj.get(key)
+    return None if value is None else check_number(value, key)
+
+
+def opt_text(obj: Mapping[str, object], key: str, max_chars: int) -> str | None:
+    value = obj.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError("bad_type", key)
+    if len(value) > max_chars:
+        raise ProtocolError("bad_value", key)
+    try:
+        value.encode("utf-8")  # lone surrogates from "\ud800" escapes
+    except UnicodeEncodeError:
+        raise ProtocolError("bad_value", key) from None
+    return value
+
+
+def check_gpu(obj: Mapping[str, object]) -> str | int | None:
+    value = obj.get("gpu")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return check_label(value, "gpu")
+    return check_int(value, "gpu")
