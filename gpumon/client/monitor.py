@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import logging
 import os
 import threading
 import weakref
@@ -29,13 +28,13 @@ import gpumon
 from gpumon.client.core import cuda_clock, step_core
 from gpumon.client.core.extensions import Extensions
 from gpumon.client.core.identity import resolve_identity, resolve_socket_path
-from gpumon.client.core.ring import open_ring
 from gpumon.client.core.sender import Sender
 from gpumon.client.core.spans import SpanReporter, exiting_cleanly
 from gpumon.client.core.stall import StallWatch, monotonic_and_unix
 from gpumon.client.core.stats import ClientStats
 from gpumon.client.core.step_tuple import StepTuple
 from gpumon.client.core.transport import Transport, UnixDatagramTransport
+from gpumon.client.side_channels import step_ring, trace_control, watch_checkpoints
 from gpumon.client.watchers.layout import from_argument, merge
 from gpumon.wire import (
     MAX_GPU_CHARS,
@@ -58,8 +57,6 @@ else:
         from gpumon.client.core._hook import HookCore, Phase, Step
     except ImportError:  # not built here: no compiler at install time, or not Linux
         from gpumon.client.core.step_core import HookCore, Phase, Step
-
-log = logging.getLogger("gpumon.client")
 
 IMPLEMENTATION = "c" if HookCore is not step_core.HookCore else "python"
 """Which ``HookCore`` runs the hot path: ``"c"``, or ``"python"`` (``GPUMON_PURE_PYTHON=1``
@@ -149,15 +146,7 @@ class StepMonitor:
         self._buffer: deque[StepTuple] = deque(maxlen=BUFFER_STEPS)
         # The hot-path state, touched only by the training thread.
         self._core = HookCore(self._buffer, self._first_step, self._step_failed, _phase_clock)
-        # Where each completed step is also written as it ends, for the agent to read should
-        # the process die before sending it (client/core/ring.py); only toward an agent.
-        ring = open_ring() if self.socket_path is not None else None
-        if ring is not None:
-            try:
-                self._core.set_ring(ring)
-            except (ValueError, BufferError):  # a mapping the core cannot use: no ring
-                ring.close()
-                ring = None
+        ring = None if self.socket_path is None else step_ring(self._core.set_ring)
         self.extensions = Extensions(self._core.set_extensions, self._describe, self._core.data_wait,
                                      self._core.set_quiet_until, self._place)
         """Where watchers attach what they measure in each step:
@@ -179,7 +168,7 @@ class StepMonitor:
                                  self._sender.send_state)
         stall = self._stall
         self._sender.on_wake = lambda: stall.tick(*monotonic_and_unix())
-        self._trace = None if self.socket_path is None else _trace_control(self)
+        self._trace = None if self.socket_path is None else self._trace_control()
         if self._trace is not None:
             poll = self._trace.poll
 
@@ -408,27 +397,21 @@ class StepMonitor:
         self._sender.hello = hello
         self._sender.add_control(hello)
 
+    def _trace_control(self) -> TraceControl | None:
+        """The channel for profiler traces the agent asks for (``client/side_channels.py``)."""
+        ref = weakref.ref(self)  # the sender's thread must never keep the monitor alive
+
+        def monitor_clock() -> cuda_clock.CudaClock | None:
+            live = ref()
+            return None if live is None else live._cuda
+
+        assert self.socket_path is not None
+        return trace_control(self.socket_path, self.run, self.rank, self.world, self._core,
+                             self._sender, self.extensions, monitor_clock)
+
     def _step_failed(self, exc: BaseException | None, step: int | None) -> None:
         if cuda_clock.is_out_of_memory(exc):
             self._event("oom", str(exc), self._core.steps if step is None else step)
-
-
-def _trace_control(monitor: StepMonitor) -> TraceControl | None:
-    """The monitor's channel for profiler traces the agent asks for (``client/trace_control.py``);
-    ``GPUMON_TRACE=0`` turns it off."""
-    if os.environ.get("GPUMON_TRACE") == "0":
-        return None
-    from gpumon.client.trace_control import TraceControl
-
-    assert monitor.socket_path is not None
-    ref = weakref.ref(monitor)  # the sender's thread must never keep the monitor alive
-
-    def monitor_clock() -> cuda_clock.CudaClock | None:
-        live = ref()
-        return None if live is None else live._cuda
-
-    return TraceControl(monitor.socket_path, monitor.run, monitor.rank, monitor.world, monitor._core,
-                        monitor._sender, monitor.extensions, monitor_clock)
 
 
 def _phase_clock(name: Any) -> bool:
@@ -437,17 +420,6 @@ def _phase_clock(name: Any) -> bool:
     if not isinstance(name, str) or not is_label(name, MAX_LABEL_CHARS):
         raise ValueError(f"phase name {name!r}: use 1-64 of letters, digits, _ . : / -")
     return name in HOST_CLOCK_PHASES
-
-
-def watch_checkpoints(spans: SpanReporter | None = None) -> None:
-    """Recognise the process's checkpoint saves and evaluations for ``spans`` (None: from now,
-    for the monitor to come: ``gpumon run``'s hooks); never raises."""
-    try:
-        from gpumon.client.watchers.checkpoints import watch_checkpoints
-
-        watch_checkpoints(spans)
-    except Exception:  # a failure here costs the recognition, never the monitor
-        log.debug("checkpoint taps not installed", exc_info=True)
 
 
 def _valid_gpu(gpu: object) -> bool:

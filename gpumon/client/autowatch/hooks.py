@@ -66,6 +66,7 @@ from gpumon.client.core.comm_inflight import STEP_OPENERS
 from gpumon.client.core.progress import PROGRESS as _PROGRESS
 from gpumon.client.core.progress import torch_compiled
 from gpumon.client.monitor import StepMonitor
+from gpumon.client.side_channels import watch_checkpoints
 
 if TYPE_CHECKING or steps._CStepFinder is None:  # (the C hooks drive the C finder only)
     _Hooked = None
@@ -171,7 +172,7 @@ def install() -> bool:
         compiler.run_as_python(dataloader._BaseDataLoaderIter, "__next__", next_)
 
     _patch(torch, "compile", lambda original: _wrap_compile(original, run_as_python))
-    _monitor_module.watch_checkpoints()  # a restore before the first step counts too
+    watch_checkpoints()  # a restore before the first step counts too
     if torch_compiled():  # the job compiled before the hooks went in
         run_as_python()
     if _state.narrowed:  # put back after take_out(): the models are known
