@@ -128,6 +128,8 @@ class ExitWatcher:
     def watch(self, pid: int) -> bool:
         """Watch ``pid`` from now on; whether it is new here (a process already gone is an
         exit now)."""
+        if not self.available:  # the periodic check alone tells exits here
+            return False
         with self._lock:
             if pid in self._watched or self._closed or len(self._fds) >= self._max_pids:
                 return False
