@@ -14,8 +14,9 @@ slow set every tenth), rounds alternating:
 - ``devices``: each GPU's ``NvmlDevice.sample()`` called in turn on one thread (the same
   work without the workers' hand-offs);
 - ``floor``: the entry points a cycle calls (memory, utilization, power, temperature, SM
-  clock, clock events, the two field-value requests, a GPM sample and the GPM metrics), each GPU's, through
-  ctypes with every argument built once: the cost of the NVML calls alone, which no
+  clock, clock events, the field-value request of the table's fields and the byte
+  counters, a GPM sample and the GPM metrics), each GPU's, through ctypes with every
+  argument built once: the cost of the NVML calls alone, which no
   collector on this library can go below.
 
 CPU per 8-GPU cycle is the median of the rounds (process_time); the allocation is the net
@@ -40,8 +41,6 @@ _CHILD = """
 import ctypes, json, statistics, sys, time, tracemalloc
 import pynvml
 from gpumon.collectors import nvml
-from gpumon.collectors.nvml import device
-from gpumon.collectors.nvml.batch import FieldBatch
 
 cycles, rounds = int(sys.argv[1]), int(sys.argv[2])
 source = nvml.NvmlSource(lambda group, error: None)
@@ -66,9 +65,7 @@ fn = {name: pynvml._nvmlGetFunctionPointer(name) for name in (
 memory = pynvml.c_nvmlMemory_v2_t()
 memory.version = pynvml.nvmlMemory_v2
 util, uint, ulong = pynvml.c_nvmlUtilization_t(), ctypes.c_uint(), ctypes.c_ulonglong()
-plain = [(field_id, 0) for _, field_id in device._FIELD_VALUES]
-batches = [FieldBatch(h, plain) for h in handles]
-batches += [d._counter_batch for d in devices if d._counter_batch is not None]
+batches = [d._fields.batch for d in devices if d._fields is not None]
 gpm = [d._gpm_metrics for d in devices if d._gpm_metrics is not None]
 calls = [(fn["nvmlDeviceGetMemoryInfo_v2"], (h, ctypes.byref(memory))) for h in handles]
 calls += [(fn["nvmlDeviceGetUtilizationRates"], (h, ctypes.byref(util))) for h in handles]

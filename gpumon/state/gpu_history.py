@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from operator import attrgetter
 
 from gpumon.analysis.window import MEAN_FIELDS
 from gpumon.collectors.samples import GpuSample
@@ -27,20 +28,23 @@ Packed = tuple["array[float]", dict[str, bool] | None]
 
 def pack(sample: GpuSample, previous: Packed | None) -> Packed:
     """``sample`` as the history keeps it; its reasons shared with ``previous`` when equal."""
+    values = _read_fields(sample)
     mask = 0
-    values = [sample.t, 1.0 if sample.up else 0.0, 0.0]
-    for bit, name in enumerate(_FIELDS):
-        value = getattr(sample, name)
-        if value is None:
-            mask |= 1 << bit
-            values.append(0.0)
-        else:
-            values.append(value)
-    values[2] = mask
+    if None in values:
+        for bit, value in enumerate(values):
+            if value is None:
+                mask |= 1 << bit
+        values = tuple(0.0 if value is None else value for value in values)
+    packed = array("d", (sample.t, 1.0 if sample.up else 0.0, mask))
+    packed.extend(values)
     reasons = sample.clock_event_reasons
     if previous is not None and reasons == previous[1]:
         reasons = previous[1]
-    return array("d", values), reasons
+    return packed, reasons
+
+
+_read_fields = attrgetter(*_FIELDS)
+"""A sample's packed fields as one tuple, in ``_FIELDS``' order (one call for all)."""
 
 
 def window(history: Sequence[Packed], index: int, t0: float, t1: float) -> list[GpuSample]:

@@ -13,14 +13,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import pynvml
 
-from gpumon.collectors.gpu_fields import FIELDS_BY_NAME, GPU_FIELDS
+from gpumon.collectors.gpu_fields import FIELDS_BY_NAME, GPU_FIELDS, GpuField
 from gpumon.collectors.nvml import versions
 from gpumon.collectors.nvml.batch import FieldBatch, GpmMetrics
 from gpumon.collectors.nvml.library import GpuLost, error_name, text
+from gpumon.collectors.nvml.scalars import Scalars
 from gpumon.collectors.samples import GpuSample, GpuStatic
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,17 @@ class _Counters:
 
 
 @dataclass(frozen=True, slots=True)
+class _Fields:
+    """One GPU's field-value request: the table's rows, then the byte counters."""
+
+    batch: FieldBatch
+    rows: tuple[GpuField, ...]
+    """The table's rows asked, in request order."""
+    counters: tuple[int, ...]
+    """The counters' field ids asked, after the rows."""
+
+
+@dataclass(frozen=True, slots=True)
 class _SlowReadings:
     """The readings taken every SLOW_INTERVAL_S, repeated in the samples between."""
 
@@ -94,6 +106,9 @@ class NvmlDevice:
         self.index = index
         self._on_error = on_error
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self._scalars = Scalars(self._handle)
+        self._reasons: tuple[int, dict[str, bool]] | None = None
+        """The last clock-event mask and its names: a new dict only when the mask changes."""
         self._unsupported: set[str] = set()
         self._gpm_samples: tuple[Any, Any] | None = None
         self._gpm_metrics: GpmMetrics | None = None
@@ -101,8 +116,7 @@ class NvmlDevice:
         self._gpm_t = 0.0
         self._gpm_values: dict[int, float] = {}
         self._counters: _Counters | None = None
-        self._counter_batch: FieldBatch | None = None
-        self._field_batch: FieldBatch | None = None
+        self._fields: _Fields | None = None
         self._slow_t = float("-inf")
         self._slow = _SlowReadings()
         self.lost = False
@@ -113,43 +127,43 @@ class NvmlDevice:
         """Call NVML; NOT_SUPPORTED marks ``group`` absent for good, GPU_IS_LOST raises.
 
         A :class:`Versioned` call uses its newer symbol unless the library is known to lack
-        it; the first time it is found missing, the older call answers from then on.
+        it; the first time it is found missing, the older call answers from then on. The
+        answered call costs one frame: failures are sorted out in ``_failed``.
         """
         if group in self._unsupported:
             raise _Unsupported(group)
         if isinstance(fn, versions.Versioned):
             if not versions.is_missing(fn.symbol):
                 try:
-                    return self._call(group, fn.newer, args, versioned=True)
-                except versions.MissingSymbol:
-                    versions.learn_missing(fn.symbol)
+                    return fn.newer(self._handle, *args)
+                except (pynvml.NVMLError, pynvml.NVMLLibraryMismatchError) as exc:
+                    if not _symbol_missing(exc):
+                        self._failed(group, exc)
+                versions.learn_missing(fn.symbol)
             fn = fn.older
-        return self._call(group, fn, args, versioned=False)
-
-    def _call(self, group: str, fn: Callable[..., Any], args: tuple[Any, ...],
-              versioned: bool) -> Any:
         try:
             return fn(self._handle, *args)
-        except pynvml.NVMLLibraryMismatchError:
-            # pynvml's unversioned wrappers say "mismatch" when the versioned symbol is
-            # missing (an older driver): the same situation as FUNCTION_NOT_FOUND.
-            if versioned:
-                raise versions.MissingSymbol from None
+        except (pynvml.NVMLError, pynvml.NVMLLibraryMismatchError) as exc:
+            self._failed(group, exc)
+
+    def _failed(self, group: str, exc: Exception) -> NoReturn:
+        """Raise what a failed call means: the group unsupported for good (NOT_SUPPORTED, or
+        its symbol missing), the GPU lost, or this poll's reading absent (any other error,
+        counted)."""
+        # pynvml's unversioned wrappers say "mismatch" when the versioned symbol is missing
+        # (an older driver): the same situation as FUNCTION_NOT_FOUND.
+        if isinstance(exc, pynvml.NVMLLibraryMismatchError) or exc.value in (  # type: ignore[attr-defined]
+                pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
             self._unsupported.add(group)
-            raise _Unsupported(group) from None
-        except pynvml.NVMLError as exc:
-            if exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND and versioned:
-                raise versions.MissingSymbol from None
-            if exc.value in (pynvml.NVML_ERROR_NOT_SUPPORTED,
-                             pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
-                self._unsupported.add(group)
-                raise _Unsupported(group) from exc
-            if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:
-                raise GpuLost(f"GPU {self.index} is lost") from exc
-            self._on_error("nvml", error_name(exc))
             raise _Unsupported(group) from exc
+        if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:  # type: ignore[attr-defined]
+            raise GpuLost(f"GPU {self.index} is lost") from exc
+        self._on_error("nvml", error_name(exc))  # type: ignore[arg-type]
+        raise _Unsupported(group) from exc
 
     def _optional(self, group: str, fn: Callable[..., Any] | versions.Versioned, *args: Any) -> Any:
+        if group in self._unsupported:
+            return None
         try:
             return self._query(group, fn, *args)
         except _Unsupported:
@@ -184,7 +198,7 @@ class NvmlDevice:
             uuid=uuid,
             name=name,
             pci_bus_id=text(pci.busId) if pci is not None else "",
-            memory_total_bytes=memory.total if memory is not None else None,
+            memory_total_bytes=memory[1] if memory is not None else None,
             nvlink_link_count=link_count,
             mig_enabled=bool(mig[0]) if mig is not None else None,
             gpm_supported=self._gpm_samples is not None,
@@ -192,8 +206,9 @@ class NvmlDevice:
             architecture=_ARCHITECTURES.get(arch) if arch is not None else None,
         )
 
-    def _memory_info(self) -> Any:
-        return self._optional("memory", versions.MEMORY_INFO)
+    def _memory_info(self) -> tuple[int, int] | None:
+        """(used, total) bytes."""
+        return self._optional("memory", self._scalars.memory)  # type: ignore[no-any-return]
 
     def _field_values(self, group: str, field_ids: list[int | tuple[int, int]]) -> dict[int, int]:
         """Batch-read fields; entries that fail individually are left out."""
@@ -218,14 +233,15 @@ class NvmlDevice:
             return GpuSample(index=self.index, t=now, up=False, error="gpu_is_lost")
 
     def _sample(self, now: float, monotonic: float) -> GpuSample:
+        scalars = self._scalars
         memory = self._memory_info()
-        util = self._optional("utilization", pynvml.nvmlDeviceGetUtilizationRates)
-        power_mw = self._optional("power", pynvml.nvmlDeviceGetPowerUsage)
-        temp = self._optional("temperature", versions.TEMPERATURE)
-        clock = self._optional("clock", pynvml.nvmlDeviceGetClockInfo, pynvml.NVML_CLOCK_SM)
-        reasons = self._optional("clock_events", versions.CLOCK_EVENT_REASONS_CALL)
-        field_values = self._plain_field_values()
-        totals, rates = self._counter_values(monotonic)
+        util = self._optional("utilization", scalars.utilization)
+        power_mw = self._optional("power", scalars.power)
+        temp = self._optional("temperature", scalars.temperature)
+        clock = self._optional("clock", scalars.sm_clock)
+        reasons = self._optional("clock_events", scalars.clock_events)
+        field_values, totals = self._field_values_and_counters()
+        rates = self._rates(monotonic, totals)
         gpm = self._gpm(monotonic)
         if monotonic - self._slow_t >= SLOW_INTERVAL_S:
             self._slow_t = monotonic
@@ -240,11 +256,11 @@ class NvmlDevice:
             up=True,
             error=None,
             utilization_ratio=(None if util is None
-                               else _CONVERT["utilization_ratio"](util.gpu)),
+                               else _CONVERT["utilization_ratio"](util[0])),
             memory_utilization_ratio=(None if util is None
-                                      else _CONVERT["memory_utilization_ratio"](util.memory)),
-            memory_used_bytes=None if memory is None else int(memory.used),
-            memory_total_bytes=None if memory is None else int(memory.total),
+                                      else _CONVERT["memory_utilization_ratio"](util[1])),
+            memory_used_bytes=None if memory is None else memory[0],
+            memory_total_bytes=None if memory is None else memory[1],
             pcie_tx_bytes_total=totals.get(_FI_PCIE_TX_BYTES),
             pcie_rx_bytes_total=totals.get(_FI_PCIE_RX_BYTES),
             nvlink_tx_bytes_total=totals.get(_FI_NVLINK_TX_KIB),
@@ -257,8 +273,7 @@ class NvmlDevice:
             temperature_celsius=(None if temp is None
                                  else _CONVERT["temperature_celsius"](temp)),
             sm_clock_hz=None if clock is None else _CONVERT["sm_clock_hz"](clock),
-            clock_event_reasons=None if reasons is None else {
-                name: bool(reasons & bit) for name, bit in CLOCK_EVENT_REASONS.items()},
+            clock_event_reasons=None if reasons is None else self._reason_names(reasons),
             ecc_errors_total=self._slow.ecc_errors_total,
             process_memory_bytes=self._slow.process_memory_bytes,
             nvlink_tx_bytes_per_second=rates.get(_FI_NVLINK_TX_KIB),
@@ -268,32 +283,66 @@ class NvmlDevice:
             **field_values,
         )
 
-    def _counter_values(self, monotonic: float) -> tuple[dict[int, int], dict[int, float]]:
-        """The byte counters read now and their rates since the previous reading (bytes/s),
-        by field id; a counter the GPU does not give is left out of both."""
-        ids: list[tuple[int, int]] = []
+    def _reason_names(self, mask: int) -> dict[str, bool]:
+        """Each clock-event reason by name, active or not. The mask seldom changes, and its
+        dict is shared by the samples that have it (no reader changes a sample)."""
+        last = self._reasons
+        if last is None or last[0] != mask:
+            last = self._reasons = (mask, {name: bool(mask & bit)
+                                           for name, bit in CLOCK_EVENT_REASONS.items()})
+        return last[1]
+
+    def _field_values_and_counters(self) -> tuple[dict[str, float], dict[int, int]]:
+        """The table's field values (by row name) and the byte counters (bytes by field id),
+        all in one ``nvmlDeviceGetFieldValues`` call through a request built once
+        (``FieldBatch``: the binding built it anew and read it through its structure classes
+        at every poll). A field or a group of counters the GPU does not give is not asked
+        again: the request is built anew without it."""
+        fields = self._fields
+        if fields is None:
+            fields = self._fields = self._prepare_fields()
+            if fields is None:
+                return {}, {}
+        answers = self._optional("field_values", _read_batch, fields.batch)
+        if answers is None:
+            return {}, {}
+        values: dict[str, float] = {}
+        rows = fields.rows
+        for i, (ret, value) in enumerate(answers[:len(rows)]):
+            if ret == pynvml.NVML_SUCCESS:
+                values[rows[i].name] = rows[i].convert(value)
+            elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise GpuLost(f"GPU {self.index} is lost")
+            elif ret in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
+                self._unsupported.add(rows[i].name)
+                self._fields = None
+        totals: dict[int, int] = {}
+        for field_id, (ret, value) in zip(fields.counters, answers[len(rows):], strict=True):
+            if ret == pynvml.NVML_SUCCESS:
+                totals[field_id] = int(_COUNTER_TO_BYTES[field_id](value))
+            elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
+                raise GpuLost(f"GPU {self.index} is lost")
+        for group, counters in (("nvlink", _NVLINK_COUNTERS), ("pcie_counters", _PCIE_COUNTERS)):
+            if group not in self._unsupported and totals.keys().isdisjoint(counters):
+                self._unsupported.add(group)
+                self._fields = None
+        return values, totals
+
+    def _prepare_fields(self) -> _Fields | None:
+        """The request of the fields and counters still asked (None: none is)."""
+        rows = tuple(row for row, _ in _FIELD_VALUES if row.name not in self._unsupported)
+        ids = [(field_id, 0) for row, field_id in _FIELD_VALUES if row in rows]
         if "nvlink" not in self._unsupported:
             ids += [(_FI_NVLINK_TX_KIB, ALL_LINKS_SCOPE), (_FI_NVLINK_RX_KIB, ALL_LINKS_SCOPE)]
         if "pcie_counters" not in self._unsupported:
             ids += [(_FI_PCIE_TX_BYTES, 0), (_FI_PCIE_RX_BYTES, 0)]
         if not ids:
-            return {}, {}
-        batch = self._counter_batch
-        if batch is None or batch.fields != ids:  # built once; again only when a group goes
-            batch = self._counter_batch = FieldBatch(self._handle, ids)
-        answers = self._optional("counters", _read_batch, batch)
-        if answers is None:
-            return {}, {}
-        totals: dict[int, int] = {}
-        for (field_id, _scope), (ret, value) in zip(ids, answers, strict=True):
-            if ret == pynvml.NVML_SUCCESS:
-                totals[field_id] = int(_COUNTER_TO_BYTES[field_id](value))
-            elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
-                raise GpuLost(f"GPU {self.index} is lost")
-        if totals.keys().isdisjoint(_NVLINK_COUNTERS):
-            self._unsupported.add("nvlink")
-        if totals.keys().isdisjoint(_PCIE_COUNTERS):
-            self._unsupported.add("pcie_counters")
+            return None
+        counters = tuple(field_id for field_id, _ in ids[len(rows):])
+        return _Fields(FieldBatch(self._handle, ids), rows, counters)
+
+    def _rates(self, monotonic: float, totals: dict[int, int]) -> dict[int, float]:
+        """The counters' rates since the previous reading (bytes/s), by field id."""
         rates: dict[int, float] = {}
         previous, self._counters = self._counters, _Counters(monotonic, totals)
         if previous is not None and monotonic > previous.t:
@@ -302,29 +351,7 @@ class NvmlDevice:
                 before = previous.values.get(field_id)
                 if before is not None and value >= before:
                     rates[field_id] = (value - before) / dt
-        return totals, rates
-
-    def _plain_field_values(self) -> dict[str, float]:
-        """The table's field values in one call, through a request built once (``FieldBatch``:
-        the binding built it anew and read it through its structure classes at every poll);
-        one a GPU does not support is not asked again."""
-        wanted = [(f, field_id) for f, field_id in _FIELD_VALUES if f.name not in self._unsupported]
-        if not wanted:
-            return {}
-        ids = [(field_id, 0) for _, field_id in wanted]
-        batch = self._field_batch
-        if batch is None or batch.fields != ids:  # built once; again only when a field goes
-            batch = self._field_batch = FieldBatch(self._handle, ids)
-        answers = self._optional("field_values", _read_batch, batch)
-        out: dict[str, float] = {}
-        for (row, _), (ret, value) in zip(wanted, answers or (), strict=False):
-            if ret == pynvml.NVML_SUCCESS:
-                out[row.name] = row.convert(value)
-            elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
-                raise GpuLost(f"GPU {self.index} is lost")
-            elif ret in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
-                self._unsupported.add(row.name)
-        return out
+        return rates
 
     def _gpm(self, monotonic: float) -> dict[int, float]:
         """GPM metrics (ratios by metric id) between the previous sample and now, taken at
@@ -389,6 +416,12 @@ _COUNTER_TO_BYTES = {
 }
 _NVLINK_COUNTERS = frozenset((_FI_NVLINK_TX_KIB, _FI_NVLINK_RX_KIB))
 _PCIE_COUNTERS = frozenset((_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES))
+
+
+def _symbol_missing(exc: Exception) -> bool:
+    """Whether a versioned call failed because the library lacks its newer entry point."""
+    return isinstance(exc, pynvml.NVMLLibraryMismatchError) or \
+        exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND  # type: ignore[attr-defined]
 
 
 def _read_batch(_handle: Any, batch: FieldBatch) -> list[tuple[int, int]]:

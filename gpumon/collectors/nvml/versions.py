@@ -12,8 +12,6 @@ from typing import Any
 
 import pynvml
 
-from gpumon.errors import GpumonError
-
 log = logging.getLogger("gpumon.nvml")
 
 
@@ -53,23 +51,8 @@ def learn_missing(symbol: str) -> None:
 
 
 # Calls through entry points older drivers lack, with the older call that reads the same.
-MEMORY_INFO = Versioned(
-    "nvmlDeviceGetMemoryInfo_v2",
-    lambda h: pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2),
-    pynvml.nvmlDeviceGetMemoryInfo)
-TEMPERATURE = Versioned(
-    "nvmlDeviceGetTemperatureV",
-    lambda h: pynvml.nvmlDeviceGetTemperatureV(h, pynvml.NVML_TEMPERATURE_GPU),
-    lambda h: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU))
-CLOCK_EVENT_REASONS_CALL = Versioned(
-    "nvmlDeviceGetCurrentClocksEventReasons",
-    pynvml.nvmlDeviceGetCurrentClocksEventReasons,
-    pynvml.nvmlDeviceGetCurrentClocksThrottleReasons)
 PROCESSES = Versioned(
     "nvmlDeviceGetComputeRunningProcesses_v3",
     pynvml.nvmlDeviceGetComputeRunningProcesses_v3,
     pynvml.nvmlDeviceGetComputeRunningProcesses_v2)
 
-
-class MissingSymbol(GpumonError):
-    """Internal: the driver's library lacks the newer entry point of a versioned call."""
