@@ -21,7 +21,7 @@ from gpumon.collectors.gpu_fields import FIELDS_BY_NAME, GPU_FIELDS, GpuField
 from gpumon.collectors.nvml import versions
 from gpumon.collectors.nvml.batch import FieldBatch, GpmMetrics
 from gpumon.collectors.nvml.library import GpuLost, error_name, text
-from gpumon.collectors.nvml.scalars import Scalars
+from gpumon.collectors.nvml.scalars import Prepared, Scalar, Scalars
 from gpumon.collectors.samples import GpuSample, GpuStatic
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,8 @@ class NvmlDevice:
         self._on_error = on_error
         self._handle = pynvml.nvmlDeviceGetHandleByIndex(index)
         self._scalars = Scalars(self._handle)
+        self._plan: list[tuple[str, Any, Prepared | None]] | None = None
+        """The fast set's reads as called now (``_plan_scalars``); None: to be made again."""
         self._reasons: tuple[int, dict[str, bool]] | None = None
         """The last clock-event mask and its names: a new dict only when the mask changes."""
         self._unsupported: set[str] = set()
@@ -158,7 +160,7 @@ class NvmlDevice:
             raise _Unsupported(group) from exc
         if exc.value == pynvml.NVML_ERROR_GPU_IS_LOST:  # type: ignore[attr-defined]
             raise GpuLost(f"GPU {self.index} is lost") from exc
-        self._on_error("nvml", error_name(exc))  # type: ignore[arg-type]
+        self._on_error("nvml", error_name(exc))
         raise _Unsupported(group) from exc
 
     def _optional(self, group: str, fn: Callable[..., Any] | versions.Versioned, *args: Any) -> Any:
@@ -233,13 +235,13 @@ class NvmlDevice:
             return GpuSample(index=self.index, t=now, up=False, error="gpu_is_lost")
 
     def _sample(self, now: float, monotonic: float) -> GpuSample:
-        scalars = self._scalars
-        memory = self._memory_info()
-        util = self._optional("utilization", scalars.utilization)
-        power_mw = self._optional("power", scalars.power)
-        temp = self._optional("temperature", scalars.temperature)
-        clock = self._optional("clock", scalars.sm_clock)
-        reasons = self._optional("clock_events", scalars.clock_events)
+        readings = self._scalar_readings()
+        memory = readings.get("memory")
+        util = readings.get("utilization")
+        power_mw = readings.get("power")
+        temp = readings.get("temperature")
+        clock = readings.get("clock")
+        reasons = readings.get("clock_events")
         field_values, totals = self._field_values_and_counters()
         rates = self._rates(monotonic, totals)
         gpm = self._gpm(monotonic)
@@ -282,6 +284,39 @@ class NvmlDevice:
             pcie_rx_bytes_per_second=rates.get(_FI_PCIE_RX_BYTES),
             **field_values,
         )
+
+    def _scalar_readings(self) -> dict[str, Any]:
+        """The fast set's scalars by group. Each read that answers is one call into the
+        library; one that fails, or whose entry point is not there, goes through
+        ``_optional`` (and its meaning is learnt there), and the plan is made again."""
+        plan = self._plan
+        if plan is None:
+            plan = self._plan = self._plan_scalars()
+        out: dict[str, Any] = {}
+        for group, reader, call in plan:
+            if call is not None:
+                fn, args, answer = call
+                if fn(*args) == 0:
+                    out[group] = answer()
+                    continue
+            self._plan = None
+            value = self._optional(group, reader)
+            if value is not None:
+                out[group] = value
+        return out
+
+    def _plan_scalars(self) -> list[tuple[str, Any, Prepared | None]]:
+        """(group, its reader, the prepared call) for each group still read: a versioned
+        read's newer call unless the library is known to lack it."""
+        plan = []
+        for group, reader in self._scalars.by_group().items():
+            if group in self._unsupported:
+                continue
+            chosen: Any = reader
+            if isinstance(reader, versions.Versioned):
+                chosen = reader.older if versions.is_missing(reader.symbol) else reader.newer
+            plan.append((group, reader, chosen.prepared() if isinstance(chosen, Scalar) else None))
+        return plan
 
     def _reason_names(self, mask: int) -> dict[str, bool]:
         """Each clock-event reason by name, active or not. The mask seldom changes, and its

@@ -53,6 +53,10 @@ class _TemperatureV1(ctypes.Structure):
                 ("temperature", ctypes.c_int)]
 
 
+Prepared = tuple[Any, tuple[Any, ...], Callable[[], Any]]
+"""(entry point, its arguments, what reads its answer): one read, called as is."""
+
+
 class Scalar:
     """One prepared read: an entry point (resolved at its first call), its arguments built
     once, and how its answer is read out of them."""
@@ -75,6 +79,14 @@ class Scalar:
         if ret != 0:
             raise pynvml.NVMLError(ret)
         return self._answer()
+
+    def prepared(self) -> Prepared | None:
+        """The read to call as is, or None where the library lacks the entry point."""
+        try:
+            fn = self._fn or pynvml._nvmlGetFunctionPointer(self.symbol)
+        except pynvml.NVMLError:
+            return None
+        return fn, self._args, self._answer
 
 
 class Scalars:
@@ -124,3 +136,9 @@ class Scalars:
                    lambda: events.value),
             Scalar("nvmlDeviceGetCurrentClocksThrottleReasons",
                    (handle, ctypes.byref(throttle)), lambda: throttle.value))
+
+    def by_group(self) -> dict[str, Scalar | Versioned]:
+        """Each read by the group its absence is remembered as."""
+        return {"memory": self.memory, "utilization": self.utilization, "power": self.power,
+                "temperature": self.temperature, "clock": self.sm_clock,
+                "clock_events": self.clock_events}
