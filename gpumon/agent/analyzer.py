@@ -77,6 +77,12 @@ class SharedAnalyzer:
                     break
             time.sleep(0)
 
+    def has_ranks(self) -> bool:
+        """Whether any rank is held: without one a pass has nothing to do, and the copies of
+        the node's samples it is handed need not be made (an idle node's housekeeping)."""
+        with self._lock:
+            return self._analyzer.has_ranks()
+
     def analyses(self) -> list[RankAnalysis]:
         """Every rank's current analysis (never changed once handed out)."""
         with self._lock:

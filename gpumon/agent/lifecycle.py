@@ -282,7 +282,8 @@ class Agent:
             ended = self._liveness.ended(set(self.rank_store.watched_pids()) | self.rings.pids())
             if ended:
                 self._ended(ended, monotonic)
-        self.analyzer.advance(now, self.state.snapshot(now), self.state.gpu_history())
+        if self.analyzer.has_ranks():
+            self.analyzer.advance(now, self.state.snapshot(now), self.state.gpu_history())
         if self.traces is not None and self.config.trace_auto:
             self.traces.observe(self.analyzer.analyses())
         if self._recorder is not None:

@@ -156,6 +156,10 @@ class StepAnalyzer:
         return next(self.process_in_slices(now_t, history, statics, latest, math.inf,
                                            layouts=layouts), [])
 
+    def has_ranks(self) -> bool:
+        """Whether any rank is held (has steps, analysed or not)."""
+        return bool(self._ranks.trackers())
+
     def process_in_slices(self, now_t: float, history: History, statics: Sequence[GpuStatic],
                           latest: Mapping[int, GpuSample],
                           slice_work: float = SLICE_WORK,

@@ -17,6 +17,7 @@ from gpumon.agent.config import AgentConfig
 from gpumon.agent.lifecycle import Agent
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.sim.gpus import SimulatedSource
+from gpumon.state.gpu_history import Packed
 from gpumon.wire import StepRecord
 from tests.helpers import (
     http_get,
@@ -131,6 +132,29 @@ def test_housekeeping_analyses_64_ranks_in_slices_letting_scrapes_in_between() -
     assert len(analyses) == 64
     assert all(a.verdict is not None and sum(a.bottleneck_steps.values()) == 4 for a in analyses)
     assert {a.straggler_score for a in analyses} == {1.0}
+
+
+def test_housekeeping_on_a_node_without_ranks_makes_no_analysis_pass() -> None:
+    agent = Agent(AgentConfig(simulate=8, collectors=()))
+    source = SimulatedSource(8)
+    agent.state.set_nvml(agent.state.nvml, source.statics())
+    now = time.time()
+    for k in range(20):
+        agent.state.put_gpu_samples(source.sample(now - 10 + k * 0.5, k * 0.5))
+    copies = []
+    history = agent.state.gpu_history
+
+    def counted() -> dict[int, tuple[Packed, ...]]:
+        copies.append(1)
+        return history()
+
+    agent.state.gpu_history = counted  # type: ignore[method-assign]
+    agent._housekeeping(now, time.monotonic())
+    assert copies == [] and not agent.analyzer.has_ranks()
+    agent.take_records([StepRecord(run="llm", rank=0, step=0, duration_s=0.5, t_start=now - 6,
+                                   gpu=0)], SenderCredentials())
+    agent._housekeeping(now, time.monotonic())
+    assert copies == [1] and len(agent.analyzer.analyses()) == 1
 
 
 def test_what_exists_at_start_is_frozen_until_stop(tmp_path: Path) -> None:
