@@ -9,6 +9,7 @@ service the node does not resolve) the number stands, never a guessed name.
 
 from __future__ import annotations
 
+import os
 import pwd
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,8 @@ class ProcessFacts:
 def read_process(pid: int, proc: Path = PROC) -> ProcessFacts | None:
     """The facts of ``pid``, or None when it is gone or cannot be read."""
     try:
-        cgroup = (proc / str(pid) / "cgroup").read_text(encoding="utf-8", errors="replace")
-        status = (proc / str(pid) / "status").read_text(encoding="utf-8", errors="replace")
+        cgroup = _read(f"{proc}/{pid}/cgroup")
+        status = _read(f"{proc}/{pid}/status")
     except OSError:
         return None
     uid = _real_uid(status)
@@ -40,6 +41,19 @@ def read_process(pid: int, proc: Path = PROC) -> ProcessFacts | None:
     if place.slurm_uid and place.slurm_uid != str(uid):
         place = EMPTY  # a Slurm cgroup of another user: not this process's job
     return ProcessFacts(place, user_name(uid))
+
+
+def _read(path: str) -> str:
+    """A small file's text, in plain reads (a third of the time of ``Path.read_text``: the
+    owners cycle reads two files of every GPU process)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks).decode("utf-8", errors="replace")
 
 
 def user_name(uid: int) -> str:
