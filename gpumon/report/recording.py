@@ -22,7 +22,6 @@ from gpumon.report.model import (
     MEMORY_COMPONENTS,
     PHASES,
     Mean,
-    Peak,
     ReportError,
     RunModel,
     bin_count,
@@ -190,8 +189,8 @@ class _Filler:
             for load in step.moe.layers:
                 model.peak(model.moe_ratio, load.layer).add(i, load.max_ratio)
         if step.mem is not None:
-            model.memory_peak.setdefault(step.rank, Peak(model.bins)).add(
-                i, step.mem.peak_bytes or step.mem.reserved_bytes)
+            model.peak(model.memory_peak, step.rank).add(
+                i, step.mem.peak_bytes or step.mem.reserved_bytes)  # made once, not a step
             if step.mem.ooms is not None:
                 low, high = self.ooms.get(step.rank, (step.mem.ooms, step.mem.ooms))
                 self.ooms[step.rank] = (min(low, step.mem.ooms), max(high, step.mem.ooms))
