@@ -19,6 +19,7 @@ import statistics
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from types import MappingProxyType
 
 from gpumon.analysis.bottleneck import (
@@ -31,8 +32,8 @@ from gpumon.analysis.bottleneck import (
 )
 from gpumon.analysis.device_timing import device_shares
 from gpumon.analysis.devices import resolve_peak_dram, resolve_peak_flops, resolve_peak_nvlink
-from gpumon.analysis.memory import attribute_growth
-from gpumon.analysis.oom import assess_oom_risk
+from gpumon.analysis.memory import MemoryAttribution, attribute_growth
+from gpumon.analysis.oom import OomRisk, assess_oom_risk
 from gpumon.analysis.straggler import (
     RankWork,
     Standing,
@@ -99,16 +100,26 @@ class StepAnalyzer:
     """Not thread-safe: a caller feeding it from several threads holds one lock around it
     (``ranks``, the rank store in the agent, has its own for which ranks there are).
 
-    ``ranks`` holds the per-rank state; by default a table of the analyzer's own."""
+    ``ranks`` holds the per-rank state; by default a table of the analyzer's own.
+
+    ``oom_when_read``: a rank's OOM risk is assessed when ``analyses`` is called, from what
+    its latest window that could assess it left, rather than after every window (the same
+    risk; a replay that reads it once at its end, as the report does, skips the Theil–Sen
+    slopes of every other window). Until then the ``oom`` of ``RankTracker.analysis`` is an
+    earlier window's."""
 
     def __init__(self, resolution_s: float, thresholds: Thresholds = DEFAULT,
                  peak_flops_override: float | None = None,
-                 ranks: Trackers | None = None) -> None:
+                 ranks: Trackers | None = None, oom_when_read: bool = False) -> None:
         self.resolution_s = resolution_s
         self.lag_s = resolution_s + 0.5
         self.thresholds = thresholds
         self._peak_override = peak_flops_override
         self._ranks: Trackers = ranks if ranks is not None else TrackerTable()
+        self._oom_when_read = oom_when_read
+        self._oom_unread: dict[int, tuple[RankTracker, Callable[[], OomRisk],
+                                          MemoryAttribution | None]] = {}
+        """id(tracker) → the tracker, its latest assessment not yet made, what fills it."""
 
     def add(self, steps: Iterable[StepRecord], received_t: float,
             pids: Mapping[RankKey, int | None] | None = None) -> None:
@@ -271,7 +282,8 @@ class StepAnalyzer:
         if capacity and (analysed.peaks or last.mem is not None):
             sample = latest.get(index) if index is not None else None
             mem = last.mem
-            oom = assess_oom_risk(
+            assess = partial(
+                assess_oom_risk,
                 list(analysed.peaks),
                 capacity_bytes=capacity,
                 nvml_used_bytes=sample.memory_used_bytes if sample else None,
@@ -281,9 +293,10 @@ class StepAnalyzer:
                 ooms_delta=_delta(previous, last, "ooms"),
                 step_period_s=period,
             )
-            if memory is not None and oom.reasons:
-                # What is at risk is only half the warning: say which part fills the memory.
-                oom = replace(oom, reasons=(*oom.reasons, memory.text))
+            if self._oom_when_read:
+                self._oom_unread[id(state)] = (state, assess, memory)
+            else:
+                oom = _oom(assess, memory)
         analysed.last = last
         return verdict, replace(
             analysis, gpu=index, memory=memory, verdict=verdict, verdict_step=last.step,
@@ -340,6 +353,9 @@ class StepAnalyzer:
 
     def analyses(self) -> list[RankAnalysis]:
         """Every rank's current analysis (never changed once handed out)."""
+        for state, assess, memory in self._oom_unread.values():
+            state.conclude(oom=_oom(assess, memory))
+        self._oom_unread.clear()
         return [s.analysis for s in self._ranks.trackers()]
 
 
@@ -355,6 +371,15 @@ def _rank_work(received: Received, analysis: RankAnalysis) -> RankWork:
                     analysis.sm_clock_hz, analysis.gpu_trouble, own_low_s=low, own_high_s=high,
                     step_s=statistics.median(received.step_s), steps=len(own),
                     cpu_wait_s=statistics.median(waits) if waits else None)
+
+
+def _oom(assess: Callable[[], OomRisk], memory: MemoryAttribution | None) -> OomRisk:
+    """The OOM risk, with what fills the memory where it warns."""
+    oom = assess()
+    if memory is not None and oom.reasons:
+        # What is at risk is only half the warning: say which part fills the memory.
+        oom = replace(oom, reasons=(*oom.reasons, memory.text))
+    return oom
 
 
 def _delta(previous: StepRecord | None, last: StepRecord, name: str) -> int:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from gpumon.analysis.bottleneck import Flag
 from gpumon.analysis.comm import attributed_phases, bus_bandwidth_factor, overlapped_s, wait_s
-from gpumon.analysis.straggler import own_work_s
 from gpumon.analysis.stream import RankAnalysis, StepVerdict
 from gpumon.collectors.samples import GpuSample
 from gpumon.report.model import (
@@ -23,7 +22,6 @@ from gpumon.report.model import (
     MEMORY_COMPONENTS,
     PHASES,
     Mean,
-    Peak,
     ReportError,
     RunModel,
     bin_count,
@@ -141,6 +139,8 @@ class _Filler:
         self.hints: dict[str, Counter[str]] = defaultdict(Counter)
         self.causes: dict[int, Counter[str]] = defaultdict(Counter)
         self.mfu = Mean(1)
+        self.step_times: dict[int, Mean] = {}
+        """Rank → its ``model.step_time`` mean, looked up once."""
         self.steps: Counter[int] = Counter()
         self.own_s: dict[int, float] = defaultdict(float)
         self.bubble_s: dict[int, float] = defaultdict(float)
@@ -159,8 +159,12 @@ class _Filler:
         self.tokens += step.tokens or 0
         if step.gpu is not None:
             self.gpus.add(step.gpu)
-        model.mean(model.step_time, step.rank).add(i, step.duration_s)
-        self._parallel(step, i)
+        step_time = self.step_times.get(step.rank)
+        if step_time is None:
+            step_time = self.step_times[step.rank] = model.mean(model.step_time, step.rank)
+        step_time.add(i, step.duration_s)
+        wait = wait_s(step)
+        self._parallel(step, i, max(0.0, step.duration_s - (wait or 0.0)))  # own_work_s
         phases = attributed_phases(step)
         if not self.phase_means:  # made on the first step, in the order of PHASES
             self.phase_means = [model.mean(model.phases, name) for name in PHASES]
@@ -169,7 +173,7 @@ class _Filler:
         known = sum(v for k, v in phases.items() if k != "other")
         self.phase_means[-1].add(i, max(0.0, step.duration_s - known))
         assert model.comm_exposed is not None and model.comm_overlapped is not None
-        model.comm_exposed.add(i, wait_s(step))
+        model.comm_exposed.add(i, wait)
         model.comm_overlapped.add(i, overlapped_s(step))
         if step.comm is not None:
             for op in step.comm.ops:
@@ -185,8 +189,8 @@ class _Filler:
             for load in step.moe.layers:
                 model.peak(model.moe_ratio, load.layer).add(i, load.max_ratio)
         if step.mem is not None:
-            model.memory_peak.setdefault(step.rank, Peak(model.bins)).add(
-                i, step.mem.peak_bytes or step.mem.reserved_bytes)
+            model.peak(model.memory_peak, step.rank).add(
+                i, step.mem.peak_bytes or step.mem.reserved_bytes)  # made once, not a step
             if step.mem.ooms is not None:
                 low, high = self.ooms.get(step.rank, (step.mem.ooms, step.mem.ooms))
                 self.ooms[step.rank] = (min(low, step.mem.ooms), max(high, step.mem.ooms))
@@ -201,10 +205,11 @@ class _Filler:
                 summary.stalls[step.rank] = max(gap, summary.stalls.get(step.rank, 0.0))
         self.previous_end[step.rank] = max(end, previous or end)
 
-    def _parallel(self, step: StepRecord, i: int) -> None:
-        """Own work per step, and the bubble of a step that received from another rank."""
+    def _parallel(self, step: StepRecord, i: int, own_s: float) -> None:
+        """Own work per step (``own_s``: ``straggler.own_work_s``), and the bubble of a step
+        that received from another rank."""
         self.steps[step.rank] += 1
-        self.own_s[step.rank] += own_work_s(step)
+        self.own_s[step.rank] += own_s
         if step.comm is not None and step.comm.bubble_s is not None:
             self.bubble_s[step.rank] += step.comm.bubble_s
             self.received_s[step.rank] += step.duration_s

@@ -199,10 +199,11 @@ def replay(lines: Iterable[str], run: str, found: Scan,
            min_window_s: float = 0.0, check: Scan | None = None) -> list[RankAnalysis]:
     """The second pass: every step of ``run`` to ``on_step`` in the order they ended, every GPU
     sample to ``on_sample``, every verdict to ``on_verdict`` with when its last step ended;
-    returns the engine's last analysis of each rank (its OOM risk). ``check`` gets what
+    returns the engine's last analysis of each rank (its OOM risk, the only one read: assessed
+    once, at the end, ``StepAnalyzer``'s ``oom_when_read``). ``check`` gets what
     ``scan`` finds, from the lines as the replay reads them."""
     resolution = max(statistics.median(found.gaps) if found.gaps else 1.0, min_window_s)
-    analyzer = StepAnalyzer(resolution_s=resolution)
+    analyzer = StepAnalyzer(resolution_s=resolution, oom_when_read=True)
     gpus: dict[int, _Samples] = {}
     statics = list(found.statics.values())
     order = itertools.count()

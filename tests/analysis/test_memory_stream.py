@@ -3,6 +3,8 @@ a leak and growing sequences blame different parts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from gpumon.analysis.bottleneck import Flag
 from gpumon.analysis.memory import REMEDIES
 from gpumon.analysis.stream import StepAnalyzer
@@ -19,10 +21,10 @@ def history(index: int, t0: float, t1: float) -> list[GpuSample]:
                       tensor_active_ratio=0.7) for k in range(int((t1 - t0) / 0.25) + 1)]
 
 
-def run(kind: str, steps: int = 40) -> StepAnalyzer:
+def run(kind: str, steps: int = 40, oom_when_read: bool = False) -> StepAnalyzer:
     """One rank whose per-step peak climbs towards 80 GiB, sampled every 5th step; what grows
     is ``kind``: activations (longer sequences) or other (a leak)."""
-    analyzer = StepAnalyzer(resolution_s=1.0)
+    analyzer = StepAnalyzer(resolution_s=1.0, oom_when_read=oom_when_read)
     records = []
     for n in range(steps):
         grown = n * 1.5 * GIB
@@ -52,6 +54,16 @@ def test_growing_sequences_blame_activations_and_a_leak_blames_other() -> None:
         assert verdict is not None and Flag.MEMORY_PRESSURE in verdict.flags
         assert REMEDIES[component] in verdict.hint
         assert "ZeRO/FSDP sharding, activation checkpointing" not in verdict.hint
+
+
+def test_the_risk_assessed_when_read_is_the_one_assessed_after_every_window() -> None:
+    for kind, steps in (("seq", 40), ("leak", 40), ("seq", 3)):
+        (eager,) = run(kind, steps).analyses()
+        lazy_analyzer = run(kind, steps, oom_when_read=True)
+        (lazy,) = lazy_analyzer.analyses()
+        assert lazy.oom is not None and lazy.oom == eager.oom
+        assert replace(lazy, version=eager.version) == eager
+        assert lazy_analyzer.analyses() == [lazy]  # assessed once: read again, the same
 
 
 def test_without_a_breakdown_the_generic_hint_stays() -> None:
