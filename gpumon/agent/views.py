@@ -65,21 +65,37 @@ class AgentCollector:
 
     def collect(self) -> Iterator[Metric]:
         """Every metric family, rendered from one snapshot."""
+        return self._families(scrape=True)
+
+    def render_ranks(self) -> None:
+        """Render the ranks' series into their caches, as a scrape now would, and drop them:
+        the next scrape finds the runs that moved already rendered (``RenderAhead``)."""
+        for _ in self._families(scrape=False):
+            pass
+
+    def _families(self, scrape: bool) -> Iterator[Metric]:
+        """The scrape's families; without ``scrape``, only those kept rendered per run (the
+        rest are not made), and nothing at all without ranks."""
+        early = None if scrape else self._rank_store.ranks()
+        if early == []:
+            return
         snap = self._node.snapshot(time.time())
-        yield from node_families(snap)
+        if scrape:
+            yield from node_families(snap)
         records, dropped = self._rank_store.counters()
-        ranks = self._rank_store.ranks()
+        ranks = self._rank_store.ranks() if early is None else early
         uuids = {g.index: g.uuid for g in snap.gpus}
         resolved = {(r.run, r.rank): uuids[r.analysis.gpu] for r in ranks
                     if r.analysis is not None and r.analysis.gpu in uuids}
         ownership = self._owners.get()
         yield from self._step_families.steps(ranks, records, dropped, snap.processes, resolved,
                                              ownership)
-        live = {r.kernel_pid: (r.run, r.rank) for r in ranks
-                if r.kernel_pid is not None and r.exited_monotonic is None}
-        yield from owner_families(ownership, snap.gpus, {
-            index: sample.process_memory_bytes or {} for index, sample in snap.latest.items()},
-            live)
+        if scrape:
+            live = {r.kernel_pid: (r.run, r.rank) for r in ranks
+                    if r.kernel_pid is not None and r.exited_monotonic is None}
+            yield from owner_families(ownership, snap.gpus, {
+                index: sample.process_memory_bytes or {} for index, sample in snap.latest.items()},
+                live)
         yield from self._step_families.analyses(ranks)
         yield from self._memory_families.families(ranks)
         yield from self._moe_families.families(ranks)
@@ -87,10 +103,11 @@ class AgentCollector:
         yield from self._rank_state_families.families(rank_conditions(ranks, monotonic))
         yield from self._goodput_families.families(self._rank_store.time_totals(monotonic),
                                                    self._unsaved_alert_s())
-        yield from eviction_families(self._rank_store.evictions())
-        yield from conflict_families(self._rank_store.conflicts())
-        yield from ingest_families(self._ingest())
-        yield from recording_families(self._recording())
+        if scrape:
+            yield from eviction_families(self._rank_store.evictions())
+            yield from conflict_families(self._rank_store.conflicts())
+            yield from ingest_families(self._ingest())
+            yield from recording_families(self._recording())
 
     def describe(self) -> list[Metric]:
         """Every family ``collect`` can yield, so the registry can check their names against
