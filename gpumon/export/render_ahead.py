@@ -14,8 +14,9 @@ block's version, so its data is as fresh as it was, and its bytes the same; it o
 blocks already rendered. A scrape that comes while this renders waits for the block
 (``RenderCache`` renders a block once), instead of rendering it beside this thread.
 
-Changes are coalesced: one pass covers every change before it, and passes are at least
-``min_gap_s`` apart, which bounds the CPU this costs however often ranks step.
+Changes are coalesced: a pass starts once changes have stopped for ``quiet_s`` (the datagrams
+of a step of every rank), covers every change before it, and passes are at least ``min_gap_s``
+apart, which bounds the CPU this costs however often ranks step.
 """
 
 from __future__ import annotations
@@ -31,13 +32,19 @@ MIN_GAP_S = 0.1
 """Passes at most ten times a second. At 64 ranks stepping twice a second and housekeeping
 once, that is three passes a second of 3-6 ms each."""
 
+QUIET_S = 0.005
+"""A pass starts once changes have stopped this long: the datagrams of one step of every rank
+come back to back, well within it."""
+
 
 class RenderAhead:
     """A thread that calls ``render()`` after each ``changed()``, coalesced."""
 
-    def __init__(self, render: Callable[[], object], min_gap_s: float = MIN_GAP_S) -> None:
+    def __init__(self, render: Callable[[], object], min_gap_s: float = MIN_GAP_S,
+                 quiet_s: float = QUIET_S) -> None:
         self._render = render
         self._min_gap_s = min_gap_s
+        self._quiet_s = quiet_s
         self._wake = threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gpumon-render-ahead",
@@ -69,8 +76,9 @@ class RenderAhead:
             gap = last + self._min_gap_s - time.monotonic()
             if gap > 0:
                 time.sleep(gap)  # what changes meanwhile is covered by this same pass
-                if self._stopping:
-                    return
+            self._quiet()
+            if self._stopping:
+                return
             self._wake.clear()  # before reading: a change from now on wakes another pass
             last = time.monotonic()
             try:
@@ -78,3 +86,13 @@ class RenderAhead:
             except Exception:  # a scrape would meet the same error and report it
                 log.debug("rendering ahead failed", exc_info=True)
             self.passes_total += 1
+
+    def _quiet(self) -> None:
+        """Wait until nothing changed for ``quiet_s`` (at most ``min_gap_s``): the ranks' step
+        comes as several datagrams, and ingest's queue may empty between them."""
+        deadline = time.monotonic() + self._min_gap_s
+        while time.monotonic() < deadline and not self._stopping:
+            self._wake.clear()
+            time.sleep(self._quiet_s)
+            if not self._wake.is_set():
+                return
