@@ -42,6 +42,9 @@ from gpumon.state.recording import RecorderStatus
 from gpumon.wire import PARALLEL_DIMS, ParallelLayout
 
 STUCK_AFTER_INTERVALS = 3
+RENDER_AHEAD_WITHIN_S = 600.0
+"""Ranks are rendered ahead only while /metrics was scraped this recently: an agent nobody
+scrapes (or one whose scraper went away) does not spend the CPU."""
 
 
 class AgentCollector:
@@ -62,14 +65,20 @@ class AgentCollector:
         self._moe_families = MoeFamilies()
         self._rank_state_families = RankStateFamilies()
         self._goodput_families = GoodputFamilies()
+        self._scraped_at: float | None = None  # monotonic time of the last collect()
 
     def collect(self) -> Iterator[Metric]:
         """Every metric family, rendered from one snapshot."""
+        self._scraped_at = time.monotonic()
         return self._families(scrape=True)
 
     def render_ranks(self) -> None:
         """Render the ranks' series into their caches, as a scrape now would, and drop them:
-        the next scrape finds the runs that moved already rendered (``RenderAhead``)."""
+        the next scrape finds the runs that moved already rendered (``RenderAhead``). Nothing
+        unless a scrape came within ``RENDER_AHEAD_WITHIN_S``."""
+        scraped = self._scraped_at
+        if scraped is None or time.monotonic() - scraped > RENDER_AHEAD_WITHIN_S:
+            return
         for _ in self._families(scrape=False):
             pass
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 import threading
 import time
 
-from gpumon.agent.views import AgentCollector
+import pytest
+
+from gpumon.agent.views import RENDER_AHEAD_WITHIN_S, AgentCollector
 from gpumon.collectors.samples import GpuStatic, SenderCredentials
 from gpumon.export.exposition import GaugeFamily, RenderCache, render
 from gpumon.export.render_ahead import RenderAhead
@@ -101,6 +103,7 @@ def _ranks_part(body: bytes) -> list[str]:
 
 def test_a_scrape_after_rendering_ahead_is_fresh_and_renders_no_block_again() -> None:
     store, view = _agent_view()
+    render(view.collect())  # the agent is scraped
     _step(store, 1)
     view.render_ranks()
     _step(store, 2)  # a step after the pass: the scrape must show it, not the pass's block
@@ -123,5 +126,24 @@ def test_a_scrape_after_rendering_ahead_is_fresh_and_renders_no_block_again() ->
 
 def test_rendering_ahead_without_ranks_makes_nothing() -> None:
     _, view = _agent_view()
+    render(view.collect())
     view.render_ranks()
     assert view._step_families.runs_held() == (0, 0)
+
+
+def test_an_agent_not_scraped_lately_renders_nothing_ahead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    store, view = _agent_view()
+    _step(store, 1)
+    view.render_ranks()  # never scraped
+    assert view._step_families.runs_held() == (0, 0)
+    render(view.collect())
+    _step(store, 2)
+    later = time.monotonic() + RENDER_AHEAD_WITHIN_S + 1.0
+    monkeypatch.setattr(time, "monotonic", lambda: later)
+    view.render_ranks()  # the scraper went away
+    monkeypatch.undo()
+    assert view._step_families.runs_held() == (1, 0)
+    held = {key: block[0] for key, block in view._step_families._steps._blocks.items()}
+    view.render_ranks()  # scraped recently: the step after the scrape is rendered
+    assert {key: block[0] for key, block in view._step_families._steps._blocks.items()} != held
