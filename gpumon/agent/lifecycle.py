@@ -94,7 +94,8 @@ class Agent:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self._collector)
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
-        self.render_ahead = RenderAhead(self._collector.render_ranks)
+        self.render_ahead = RenderAhead(self._collector.render_ranks,
+                                        wait_s=self._collector.render_wait_s)
         """Renders the ranks' series once they moved, so the next scrape finds them ready."""
         self.ingest: IngestServer | None = None
         """The ingest server, once the ``ingest`` collector has made it."""

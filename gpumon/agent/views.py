@@ -7,6 +7,7 @@ renders outside every lock. The JSON snapshot is what ``/api/v1/snapshot`` serve
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
@@ -42,6 +43,8 @@ from gpumon.state.recording import RecorderStatus
 from gpumon.wire import PARALLEL_DIMS, ParallelLayout
 
 STUCK_AFTER_INTERVALS = 3
+RENDER_LEAD_S = 0.2
+"""Rendering ahead aims this long before the scrape expected next (``render_wait_s``)."""
 RENDER_AHEAD_WITHIN_S = 600.0
 """Ranks are rendered ahead only while /metrics was scraped this recently: an agent nobody
 scrapes (or one whose scraper went away) does not spend the CPU."""
@@ -66,11 +69,27 @@ class AgentCollector:
         self._rank_state_families = RankStateFamilies()
         self._goodput_families = GoodputFamilies()
         self._scraped_at: float | None = None  # monotonic time of the last collect()
+        self._scrape_gap_s: float | None = None  # between the last two
 
     def collect(self) -> Iterator[Metric]:
         """Every metric family, rendered from one snapshot."""
-        self._scraped_at = time.monotonic()
+        now = time.monotonic()
+        if self._scraped_at is not None:
+            self._scrape_gap_s = now - self._scraped_at
+        self._scraped_at = now
         return self._families(scrape=True)
+
+    def render_wait_s(self) -> float:
+        """How long rendering ahead waits after a change: until ``RENDER_LEAD_S`` before the
+        scrape expected next, one gap between the last two scrapes after the last (or a whole
+        number of gaps, where one was missed). None expected yet, or scrapes back to back: no
+        wait."""
+        scraped, gap = self._scraped_at, self._scrape_gap_s
+        if scraped is None or not gap:
+            return 0.0
+        now = time.monotonic()
+        gaps = max(1, math.ceil((now - scraped) / gap))
+        return max(0.0, scraped + gaps * gap - RENDER_LEAD_S - now)
 
     def render_ranks(self) -> None:
         """Render the ranks' series into their caches, as a scrape now would, and drop them:

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from gpumon.agent.views import RENDER_AHEAD_WITHIN_S, AgentCollector
+from gpumon.agent.views import RENDER_AHEAD_WITHIN_S, RENDER_LEAD_S, AgentCollector
 from gpumon.collectors.samples import GpuStatic, SenderCredentials
 from gpumon.export.exposition import GaugeFamily, RenderCache, render
 from gpumon.export.render_ahead import RenderAhead
@@ -147,3 +147,38 @@ def test_an_agent_not_scraped_lately_renders_nothing_ahead(
     held = {key: block[0] for key, block in view._step_families._steps._blocks.items()}
     view.render_ranks()  # scraped recently: the step after the scrape is rendered
     assert {key: block[0] for key, block in view._step_families._steps._blocks.items()} != held
+
+
+def test_a_pass_waits_for_the_scrape_expected_next_and_stop_cuts_the_wait_short() -> None:
+    calls: list[float] = []
+    ahead = RenderAhead(lambda: calls.append(time.monotonic()), min_gap_s=0.0, quiet_s=0.0,
+                        wait_s=lambda: 3600.0)
+    ahead.start()
+    ahead.changed()
+    time.sleep(0.2)
+    assert calls == []  # waiting for the scrape an hour away, not rendering after the change
+    ahead.stop()
+    assert not ahead._thread.is_alive() and calls == []
+
+
+def test_the_wait_aims_just_before_the_scrape_expected_next(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    _, view = _agent_view()
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    assert view.render_wait_s() == 0.0  # never scraped: no pacing
+    render(view.collect())
+    assert view.render_wait_s() == 0.0  # one scrape: no interval known yet
+    clock[0] = 1015.0
+    render(view.collect())  # a scraper every 15 s
+    clock[0] = 1015.5
+    assert view.render_wait_s() == pytest.approx(15.0 - RENDER_LEAD_S - 0.5)
+    clock[0] = 1029.9  # within the lead: at once
+    assert view.render_wait_s() == 0.0
+    clock[0] = 1031.0  # the scrape is late (or was missed): aim at the one after it
+    assert view.render_wait_s() == pytest.approx(1045.0 - RENDER_LEAD_S - 1031.0)
+    for _ in range(2):  # scraped back to back: every change is rendered at once
+        clock[0] += 0.003
+        render(view.collect())
+    clock[0] += 0.001
+    assert view.render_wait_s() < 0.001
