@@ -45,6 +45,7 @@ from gpumon.collectors.liveness import ExitWatcher, ProcessLiveness, started_mon
 from gpumon.collectors.rings import RingKeeper
 from gpumon.collectors.samples import SenderCredentials
 from gpumon.errors import GpumonError
+from gpumon.export.render_ahead import RenderAhead
 from gpumon.export.server import MetricsServer
 from gpumon.export.webconfig import WebConfigError, load_web_config
 from gpumon.state.node import NodeState
@@ -93,6 +94,9 @@ class Agent:
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(self._collector)
         ProcessCollector(namespace="gpumon_agent", registry=self.registry)
+        self.render_ahead = RenderAhead(self._collector.render_ranks,
+                                        wait_s=self._collector.render_wait_s)
+        """Renders the ranks' series once they moved, so the next scrape finds them ready."""
         self.ingest: IngestServer | None = None
         """The ingest server, once the ``ingest`` collector has made it."""
         self.ingest_problem: str | None = None
@@ -136,6 +140,7 @@ class Agent:
             if collector.name in wanted:
                 collector.start(self)
         self._exits.start()
+        self.render_ahead.start()
         self.run_every("housekeeping", HOUSEKEEPING_INTERVAL_S, self._housekeeping)
         for thread in self._threads:
             thread.start()
@@ -226,6 +231,7 @@ class Agent:
             self._server = None
         for thread in self._threads:
             thread.join(timeout=2.0)
+        self.render_ahead.stop()
         if self._xid is not None:
             self._xid.join(timeout=2.0)
             self._xid.close()
@@ -273,6 +279,10 @@ class Agent:
         if self._recorder is not None:
             self._recorder.steps(accepted)
 
+    def records_settled(self) -> None:
+        """Ingest has taken in what was sent (its queue is empty): render the ranks ahead."""
+        self.render_ahead.changed()
+
     def _housekeeping(self, now: float, monotonic: float) -> None:
         # Each rank's analysis goes with it, and its process's ring.
         self.rings.forget(self.rank_store.expire(monotonic))
@@ -284,6 +294,7 @@ class Agent:
                 self._ended(ended, monotonic)
         if self.analyzer.has_ranks():
             self.analyzer.advance(now, self.state.snapshot(now), self.state.gpu_history())
+            self.render_ahead.changed()  # verdicts, conditions and totals moved with the clock
         if self.traces is not None and self.config.trace_auto:
             self.traces.observe(self.analyzer.analyses())
         if self._recorder is not None:

@@ -7,6 +7,7 @@ renders outside every lock. The JSON snapshot is what ``/api/v1/snapshot`` serve
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, replace
@@ -42,6 +43,11 @@ from gpumon.state.recording import RecorderStatus
 from gpumon.wire import PARALLEL_DIMS, ParallelLayout
 
 STUCK_AFTER_INTERVALS = 3
+RENDER_LEAD_S = 0.2
+"""Rendering ahead aims this long before the scrape expected next (``render_wait_s``)."""
+RENDER_AHEAD_WITHIN_S = 600.0
+"""Ranks are rendered ahead only while /metrics was scraped this recently: an agent nobody
+scrapes (or one whose scraper went away) does not spend the CPU."""
 
 
 class AgentCollector:
@@ -62,24 +68,62 @@ class AgentCollector:
         self._moe_families = MoeFamilies()
         self._rank_state_families = RankStateFamilies()
         self._goodput_families = GoodputFamilies()
+        self._scraped_at: float | None = None  # monotonic time of the last collect()
+        self._scrape_gap_s: float | None = None  # between the last two
 
     def collect(self) -> Iterator[Metric]:
         """Every metric family, rendered from one snapshot."""
+        now = time.monotonic()
+        if self._scraped_at is not None:
+            self._scrape_gap_s = now - self._scraped_at
+        self._scraped_at = now
+        return self._families(scrape=True)
+
+    def render_wait_s(self) -> float:
+        """How long rendering ahead waits after a change: until ``RENDER_LEAD_S`` before the
+        scrape expected next, one gap between the last two scrapes after the last (or a whole
+        number of gaps, where one was missed). None expected yet, or scrapes back to back: no
+        wait."""
+        scraped, gap = self._scraped_at, self._scrape_gap_s
+        if scraped is None or not gap:
+            return 0.0
+        now = time.monotonic()
+        gaps = max(1, math.ceil((now - scraped) / gap))
+        return max(0.0, scraped + gaps * gap - RENDER_LEAD_S - now)
+
+    def render_ranks(self) -> None:
+        """Render the ranks' series into their caches, as a scrape now would, and drop them:
+        the next scrape finds the runs that moved already rendered (``RenderAhead``). Nothing
+        unless a scrape came within ``RENDER_AHEAD_WITHIN_S``."""
+        scraped = self._scraped_at
+        if scraped is None or time.monotonic() - scraped > RENDER_AHEAD_WITHIN_S:
+            return
+        for _ in self._families(scrape=False):
+            pass
+
+    def _families(self, scrape: bool) -> Iterator[Metric]:
+        """The scrape's families; without ``scrape``, only those kept rendered per run (the
+        rest are not made), and nothing at all without ranks."""
+        early = None if scrape else self._rank_store.ranks()
+        if early == []:
+            return
         snap = self._node.snapshot(time.time())
-        yield from node_families(snap)
+        if scrape:
+            yield from node_families(snap)
         records, dropped = self._rank_store.counters()
-        ranks = self._rank_store.ranks()
+        ranks = self._rank_store.ranks() if early is None else early
         uuids = {g.index: g.uuid for g in snap.gpus}
         resolved = {(r.run, r.rank): uuids[r.analysis.gpu] for r in ranks
                     if r.analysis is not None and r.analysis.gpu in uuids}
         ownership = self._owners.get()
         yield from self._step_families.steps(ranks, records, dropped, snap.processes, resolved,
                                              ownership)
-        live = {r.kernel_pid: (r.run, r.rank) for r in ranks
-                if r.kernel_pid is not None and r.exited_monotonic is None}
-        yield from owner_families(ownership, snap.gpus, {
-            index: sample.process_memory_bytes or {} for index, sample in snap.latest.items()},
-            live)
+        if scrape:
+            live = {r.kernel_pid: (r.run, r.rank) for r in ranks
+                    if r.kernel_pid is not None and r.exited_monotonic is None}
+            yield from owner_families(ownership, snap.gpus, {
+                index: sample.process_memory_bytes or {} for index, sample in snap.latest.items()},
+                live)
         yield from self._step_families.analyses(ranks)
         yield from self._memory_families.families(ranks)
         yield from self._moe_families.families(ranks)
@@ -87,10 +131,11 @@ class AgentCollector:
         yield from self._rank_state_families.families(rank_conditions(ranks, monotonic))
         yield from self._goodput_families.families(self._rank_store.time_totals(monotonic),
                                                    self._unsaved_alert_s())
-        yield from eviction_families(self._rank_store.evictions())
-        yield from conflict_families(self._rank_store.conflicts())
-        yield from ingest_families(self._ingest())
-        yield from recording_families(self._recording())
+        if scrape:
+            yield from eviction_families(self._rank_store.evictions())
+            yield from conflict_families(self._rank_store.conflicts())
+            yield from ingest_families(self._ingest())
+            yield from recording_families(self._recording())
 
     def describe(self) -> list[Metric]:
         """Every family ``collect`` can yield, so the registry can check their names against

@@ -62,6 +62,7 @@ _ANCILLARY_BYTES = socket.CMSG_SPACE(_CREDENTIALS.size) + socket.CMSG_SPACE(4 * 
 OnRecords = Callable[[list[Record], SenderCredentials], None]
 OnDropped = Callable[[str, int], None]
 OnRing = Callable[[bytes, list[int], SenderCredentials], None]
+OnSettled = Callable[[], None]
 
 
 @dataclass(frozen=True)
@@ -228,13 +229,18 @@ class IngestServer:
     millisecond or two even while records are being decoded or a scrape is rendered. Once
     the decoder is behind (half the queue full), each sending process gets a bounded share
     of what is left, so one process's flood does not cost another process a step.
+
+    ``on_settled`` is called on the decoder's thread when it has handed records on and found
+    the queue empty: a burst (say, every rank's step) has been taken in whole.
     """
 
     def __init__(self, path: Path, on_records: OnRecords, on_dropped: OnDropped,
                  allowed_uids: tuple[int, ...] = (), group: str | None = None,
-                 on_ring: OnRing | None = None) -> None:
+                 on_ring: OnRing | None = None, on_settled: OnSettled | None = None) -> None:
         self.path = path
         self._on_records = on_records
+        self._on_settled = on_settled
+        self._unsettled = False  # records handed on since on_settled was last called
         self._on_dropped = on_dropped
         self._on_ring = on_ring
         self._allowed = frozenset(allowed_uids)
@@ -304,7 +310,10 @@ class IngestServer:
 
     def _decode(self) -> None:
         get = self._queue.get
+        empty = self._queue.empty
         while True:
+            if self._unsettled and empty():
+                self._settled()
             item = get()
             if item is None:  # stop(): everything queued before it has been handled
                 break
@@ -339,6 +348,15 @@ class IngestServer:
             self._on_dropped(reason, 1)
         if result.records:
             self._on_records(result.records, sender)
+            self._unsettled = self._on_settled is not None
+
+    def _settled(self) -> None:
+        self._unsettled = False
+        assert self._on_settled is not None
+        try:
+            self._on_settled()
+        except Exception:
+            log.exception("ingest: unexpected error in on_settled")
 
     def stop(self) -> None:
         """Stop receiving, finish what was queued and close the socket. A socket bound here

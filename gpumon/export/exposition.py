@@ -20,6 +20,7 @@ and only the headers are written per format.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from functools import lru_cache
 from typing import Generic, TypeVar
@@ -143,6 +144,7 @@ class RenderCache(Generic[Families, Source]):
         self._fill = fill
         self._heads = [(f.name, f.documentation, f.type) for f in make()]
         self._blocks: dict[Hashable, tuple[object, tuple[str, ...]]] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         """Sources whose blocks are held."""
@@ -154,20 +156,22 @@ class RenderCache(Generic[Families, Source]):
         Equal versions of a key must mean the same series; a version that differs (``!=``)
         renders the block again.
         """
-        held = self._blocks
         kept: dict[Hashable, tuple[object, tuple[str, ...]]] = {}
         blocks: list[tuple[str, ...]] = []
-        for key, version, source in sources:
-            block = held.get(key)
-            if block is None or block[0] != version:
-                families = self._make()
-                self._fill(families, source)
-                block = (version, tuple([_render_rows(f.rows) for f in families]))
-            kept[key] = block
-            blocks.append(block[1])
-        # Concurrent scrapes each store what they kept, the last one winning: every block
-        # held is right for its version, so the worst case is rendering one again.
-        self._blocks = kept
+        # One caller at a time: a scrape that comes while another caller (a scrape, or the
+        # agent rendering ahead) renders a block waits for it and reuses it, instead of
+        # rendering it a second time beside it for the same CPU.
+        with self._lock:
+            held = self._blocks
+            for key, version, source in sources:
+                block = held.get(key)
+                if block is None or block[0] != version:
+                    families = self._make()
+                    self._fill(families, source)
+                    block = (version, tuple([_render_rows(f.rows) for f in families]))
+                kept[key] = block
+                blocks.append(block[1])
+            self._blocks = kept
         return [TextFamily(*head, "".join([texts[i] for texts in blocks]))
                 for i, head in enumerate(self._heads)]
 

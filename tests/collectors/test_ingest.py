@@ -149,6 +149,23 @@ def test_uid_allow_list_uses_kernel_credentials(tmp_path: Path) -> None:
     assert not path.exists()
 
 
+def test_settled_is_told_once_the_records_are_taken_in(tmp_path: Path) -> None:
+    events: list[str] = []
+    path = tmp_path / "ingest.sock"
+    server = IngestServer(path, lambda records, sender: events.append("records"),
+                          lambda reason, n: events.append(reason),
+                          on_settled=lambda: events.append("settled"))
+    server.start()
+    try:
+        send(path, b"not json")
+        wait_for(lambda: events, what="the bad datagram counted")
+        send(path, [step(n=0), step(n=1)])
+        wait_for(lambda: "settled" in events, what="settled after the records")
+        assert events == [events[0], "records", "settled"]  # none for the refused datagram
+    finally:
+        server.stop()
+
+
 SENDER = """
 import json, socket, sys
 path, datagrams, steps, run = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]

@@ -22,7 +22,8 @@ def start(agent: CollectorAgent) -> None:
     try:
         ingest = IngestServer(Path(config.socket), agent.take_records,
                               agent.rank_store.count_dropped, config.allowed_uids,
-                              config.socket_group, on_ring=agent.rings.take)
+                              config.socket_group, on_ring=agent.rings.take,
+                              on_settled=agent.records_settled)
     except IngestError as exc:
         # GPU and host metrics are still worth serving: say so loudly, keep going.
         agent.ingest_problem = str(exc)
