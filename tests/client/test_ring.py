@@ -188,3 +188,13 @@ def test_gpumon_ring_0_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     assert os.readlink(f"/proc/self/fd/{ring.fd}").startswith(f"/memfd:{layout.MEMFD_NAME}")
     ring.close()
     assert client_ring.enabled()
+
+
+def test_each_datagram_is_marked_with_its_last_step() -> None:
+    from gpumon.client.core.sender import _marks
+
+    datagrams = [(b"", 2), (b"", 2), (b"", 3), (b"", 1)]
+    # three records without a step (hello, events), then steps 4..8 (ends 5..9)
+    assert _marks(datagrams, 3, [5, 6, 7, 8, 9]) == [None, 5, 8, 9]
+    assert _marks([(b"", 2)], 2, []) == [None]
+    assert _marks([(b"", 1), (b"", 1)], 0, [1, 2]) == [1, 2]

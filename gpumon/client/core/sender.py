@@ -196,13 +196,13 @@ class Sender:
         now = perf_counter()
         unix_offset = time.time() - now
         records: list[bytes] = []
-        seq_ends: list[int | None] = []  # per record: its step's sequence number + 1
         while self._control:
             try:
                 records.append(encode_record(self._control.popleft()))
-                seq_ends.append(None)
             except (TypeError, ValueError):
                 self._count_drop("unencodable", 1)
+        controls = len(records)  # the records before the steps
+        seq_ends: list[int] = []  # per step record: its sequence number + 1
         for _ in range(len(self._buffer)):
             item = self._buffer.popleft()
             seq = item[SEQ]
@@ -233,7 +233,7 @@ class Sender:
                 time.sleep(0)  # the GIL, to a training thread back from a torch op and waiting for it
         if self.ring is not None:
             self.ring.set_unix_offset(unix_offset)
-        self._send(records, seq_ends, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
+        self._send(records, controls, seq_ends, CLOSE_BUDGET_S if final else FLUSH_BUDGET_S)
         if final and self.backlog:
             self._count_drop(self._held_for, self.backlog.clear())
 
@@ -262,10 +262,10 @@ class Sender:
                                     item[SAMPLES], item[TOKENS], item[FLOPS], item[MEMORY], measured,
                                     device_phases)
 
-    def _send(self, encoded: list[bytes], seq_ends: list[int | None], budget_s: float) -> None:
+    def _send(self, encoded: list[bytes], controls: int, seq_ends: list[int], budget_s: float) -> None:
         backlog = self.backlog
         datagrams = pack_datagrams(encoded)
-        backlog.add(datagrams, _marks(datagrams, seq_ends))
+        backlog.add(datagrams, _marks(datagrams, controls, seq_ends))
         deadline = perf_counter() + budget_s
         if self.ring is not None and not self._ring_handed:
             self._hand_ring(self.ring)
@@ -320,18 +320,17 @@ class Sender:
         self.dropped[reason] = self.dropped.get(reason, 0) + count
 
 
-def _marks(datagrams: list[tuple[bytes, int]], seq_ends: list[int | None]) -> list[int | None]:
+def _marks(datagrams: list[tuple[bytes, int]], controls: int, seq_ends: list[int]) -> list[int | None]:
     """Per datagram, the sequence number below which its steps (and every earlier one) are
-    sent once it is: its last step's, or None when it holds none."""
+    sent once it is: its last step's, or None when it holds none. The records packed are
+    ``controls`` records without a step, then one step record per ``seq_ends`` entry, in
+    order: a datagram's last record is its last step, or it holds none (one look a datagram,
+    not one a record)."""
     marks: list[int | None] = []
     at = 0
     for _, count in datagrams:
-        mark = None
-        for end in seq_ends[at:at + count]:
-            if end is not None:
-                mark = end
-        marks.append(mark)
         at += count
+        marks.append(seq_ends[at - 1 - controls] if at > controls else None)
     return marks
 
 

@@ -79,6 +79,7 @@ typedef struct {
                                since a step in progress may still hold it borrowed */
     PyObject *last_ooms;    /* int or None */
     PyObject *buffer;       /* deque of step tuples, shared with the sender */
+    PyObject *append;       /* its bound append (a step's record costs no method lookup) */
     PyObject *first_step;   /* the monitor's callbacks */
     PyObject *step_failed;
     PyObject *phase_clock;

@@ -111,6 +111,7 @@ HookCore_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
     self->cuda = Py_NewRef(Py_None);
     self->last_ooms = Py_NewRef(Py_None);
     self->buffer = Py_NewRef(Py_None);
+    self->append = Py_NewRef(Py_None);
     self->first_step = Py_NewRef(Py_None);
     self->step_failed = Py_NewRef(Py_None);
     self->phase_clock = Py_NewRef(Py_None);
@@ -134,7 +135,11 @@ HookCore_init(HookCore *self, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_TypeError, "first_step, step_failed and phase_clock must be callable");
         return -1;
     }
+    PyObject *append = PyObject_GetAttr(buffer, str_append);
+    if (append == NULL)
+        return -1;
     Py_XSETREF(self->buffer, Py_NewRef(buffer));
+    Py_XSETREF(self->append, append);
     Py_XSETREF(self->first_step, Py_NewRef(first_step));
     Py_XSETREF(self->step_failed, Py_NewRef(step_failed));
     Py_XSETREF(self->phase_clock, Py_NewRef(phase_clock));
@@ -152,6 +157,7 @@ HookCore_traverse(HookCore *self, visitproc visit, void *arg)
     Py_VISIT(self->cuda_before);
     Py_VISIT(self->last_ooms);
     Py_VISIT(self->buffer);
+    Py_VISIT(self->append);
     Py_VISIT(self->first_step);
     Py_VISIT(self->step_failed);
     Py_VISIT(self->phase_clock);
@@ -170,6 +176,7 @@ HookCore_clear(HookCore *self)
     Py_CLEAR(self->cuda_before);
     Py_CLEAR(self->last_ooms);
     Py_CLEAR(self->buffer);
+    Py_CLEAR(self->append);
     Py_CLEAR(self->first_step);
     Py_CLEAR(self->step_failed);
     Py_CLEAR(self->phase_clock);
@@ -652,7 +659,7 @@ Step_exit(Step *self, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(end);
         if (record == NULL)
             goto error;
-        PyObject *r = PyObject_CallMethodOneArg(m->buffer, str_append, record);
+        PyObject *r = PyObject_CallOneArg(m->append, record);
         Py_DECREF(record);
         if (r == NULL)
             goto error;
