@@ -113,13 +113,19 @@ class _ScrapeBetweenHolds:
         self.scrapes += 1
 
 
-def test_housekeeping_analyses_64_ranks_in_slices_letting_scrapes_in_between() -> None:
+def _agent_with_gpu_samples() -> tuple[Agent, float]:
+    """An agent of 8 simulated GPUs with 10 s of their samples, and the time now."""
     agent = Agent(AgentConfig(simulate=8, collectors=()))
     source = SimulatedSource(8)
     agent.state.set_nvml(agent.state.nvml, source.statics())
     now = time.time()
     for k in range(20):
         agent.state.put_gpu_samples(source.sample(now - 10 + k * 0.5, k * 0.5))
+    return agent, now
+
+
+def test_housekeeping_analyses_64_ranks_in_slices_letting_scrapes_in_between() -> None:
+    agent, now = _agent_with_gpu_samples()
     agent.take_records([StepRecord(run="llm", rank=rank, step=n, duration_s=0.5,
                                   t_start=now - 6 + n * 0.5, gpu=rank % 8,
                                   phases_s={"forward": 0.2, "backward": 0.25})
@@ -135,12 +141,7 @@ def test_housekeeping_analyses_64_ranks_in_slices_letting_scrapes_in_between() -
 
 
 def test_housekeeping_on_a_node_without_ranks_makes_no_analysis_pass() -> None:
-    agent = Agent(AgentConfig(simulate=8, collectors=()))
-    source = SimulatedSource(8)
-    agent.state.set_nvml(agent.state.nvml, source.statics())
-    now = time.time()
-    for k in range(20):
-        agent.state.put_gpu_samples(source.sample(now - 10 + k * 0.5, k * 0.5))
+    agent, now = _agent_with_gpu_samples()
     copies = []
     history = agent.state.gpu_history
 
