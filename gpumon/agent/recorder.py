@@ -15,6 +15,7 @@ reached through a symbolic link, and is created without access for others.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -31,6 +32,7 @@ from gpumon.collectors.samples import GpuSample, GpuStatic
 from gpumon.errors import GpumonError
 from gpumon.state.recording import RecorderStatus
 from gpumon.wire import HelloRecord, StepRecord, to_wire
+from gpumon.wire.frozen import maker
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +72,32 @@ def gpu_line(sample: GpuSample, static: GpuStatic | None = None) -> dict[str, An
     return line
 
 
+_SAMPLE_FIELDS = {f.name: i for i, f in enumerate(dataclasses.fields(GpuSample))}
+_RECORDED = tuple((_SAMPLE_FIELDS[field], key) for field, key in _GPU_KEYS)
+_INDEX, _T, _UP, _PROCESSES = (_SAMPLE_FIELDS[name] for name in (
+    "index", "t", "up", "process_memory_bytes"))
+_UNRECORDED: list[Any] = [None] * len(_SAMPLE_FIELDS)
+"""A sample's fields in order, each ``None`` (``GpuSample``'s default but for the three set)."""
+assert all(f.default is None or f.name in ("index", "t", "up")
+           for f in dataclasses.fields(GpuSample))
+_make_sample = maker(GpuSample)
+
+
 def sample_from_line(line: dict[str, Any]) -> GpuSample:
-    """Inverse of :func:`gpu_line` (for replaying recordings)."""
-    values = {field: line[key] for field, key in _GPU_KEYS if key in line}
-    processes = line.get("processes")
+    """Inverse of :func:`gpu_line` (for replaying recordings). A day's recording holds
+    millions: the sample is made from every field in order (``frozen.maker``), the recorded
+    ones read from the line, the others their default ``None``."""
+    get = line.get
+    values = _UNRECORDED.copy()
+    for position, key in _RECORDED:
+        values[position] = get(key)
+    processes = get("processes")
     if isinstance(processes, dict):
-        values["process_memory_bytes"] = {int(pid): int(used) for pid, used in processes.items()}
-    return GpuSample(index=int(line["gpu"]), t=float(line["t"]), up=line.get("up", True),
-                     **values)
+        values[_PROCESSES] = {int(pid): int(used) for pid, used in processes.items()}
+    values[_INDEX] = int(line["gpu"])
+    values[_T] = float(line["t"])
+    values[_UP] = get("up", True)
+    return _make_sample(*values)
 
 
 def time_from_line(line: dict[str, Any]) -> tuple[str, int, float, TimeTotals]:

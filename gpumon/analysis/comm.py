@@ -20,7 +20,8 @@ from collections.abc import Mapping
 
 from gpumon.wire import StepRecord
 
-__all__ = ["BUS_FACTORS", "attributed_phases", "bus_bandwidth_factor", "overlapped_s", "wait_s"]
+__all__ = ["BUS_FACTORS", "attributed_phases", "bus_bandwidth_factor", "overlapped_s",
+           "phases_less_wait", "wait_s"]
 
 WAIT_HOSTS = ("backward", "forward", "optimizer")
 """Phases a measured collective wait is taken out of, in this order: DDP's and FSDP's
@@ -68,8 +69,13 @@ def attributed_phases(step: StepRecord) -> dict[str, float]:
     out of ``WAIT_HOSTS`` in order (none goes below zero) and added to ``comm``. What no host
     phase can give back stays in the step's unattributed time, where it was.
     """
+    return phases_less_wait(step, wait_s(step))
+
+
+def phases_less_wait(step: StepRecord, wait: float | None) -> dict[str, float]:
+    """``attributed_phases`` of a step whose ``wait_s`` is known already (the report's bins
+    read both of a million steps)."""
     phases = {k: v for k, v in step.phases_s.items() if math.isfinite(v) and v > 0}
-    wait = wait_s(step)
     if wait is None:
         return phases
     excess = wait - phases.get("comm", 0.0)

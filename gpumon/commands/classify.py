@@ -50,7 +50,7 @@ def parse_line(text: str) -> Parsed:
     """One recording line, never raising: what it holds, or why it cannot be used. The one
     parser of ``load_recording`` and of the report's streaming passes, so both read a file
     alike."""
-    if not text.strip():
+    if not text or text.isspace():  # not text.strip(), without copying every line
         return "none", None
     try:
         line = json.loads(text)

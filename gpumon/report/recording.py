@@ -10,10 +10,11 @@ import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
+from math import isfinite
 from pathlib import Path
 
 from gpumon.analysis.bottleneck import Flag
-from gpumon.analysis.comm import attributed_phases, bus_bandwidth_factor, overlapped_s, wait_s
+from gpumon.analysis.comm import bus_bandwidth_factor, phases_less_wait, wait_s
 from gpumon.analysis.stream import RankAnalysis, StepVerdict
 from gpumon.collectors.samples import GpuSample
 from gpumon.report.model import (
@@ -147,13 +148,18 @@ class _Filler:
         self.received_s: dict[int, float] = defaultdict(float)  # of steps carrying a bubble
         model.comm_exposed, model.comm_overlapped = Mean(model.bins), Mean(model.bins)
         self.phase_means: list[Mean] = []
+        self.last_bin = model.bins - 1
         self.factors: dict[tuple[str, int | None], float | None] = {}
         """(collective, world) → its bus-bandwidth factor, looked up once."""
 
     def step(self, step: StepRecord) -> None:
+        """A step into the bins: ten means, a peak, and the rank's own work. A day of 64 ranks
+        is a million steps: ``Mean.add`` and the tables' lookups are inline here."""
         model, summary = self.model, self.model.summary
-        end = step.t_end or model.end
-        i = model.index(end)
+        duration, t_start = step.duration_s, step.t_start
+        end = (None if t_start is None else t_start + duration) or model.end  # step.t_end
+        i = int((end - model.start) / model.width_s)  # model.index(end)
+        i = 0 if i < 0 else min(i, self.last_bin)
         summary.steps += 1
         self.samples += step.samples or 0
         self.tokens += step.tokens or 0
@@ -162,21 +168,38 @@ class _Filler:
         step_time = self.step_times.get(step.rank)
         if step_time is None:
             step_time = self.step_times[step.rank] = model.mean(model.step_time, step.rank)
-        step_time.add(i, step.duration_s)
+        if isfinite(duration):
+            step_time.sums[i] += duration
+            step_time.counts[i] += 1
         wait = wait_s(step)
-        self._parallel(step, i, max(0.0, step.duration_s - (wait or 0.0)))  # own_work_s
-        phases = attributed_phases(step)
+        self._parallel(step, i, max(0.0, duration - (wait or 0.0)))  # own_work_s
+        phases = phases_less_wait(step, wait)  # attributed_phases(step)
         if not self.phase_means:  # made on the first step, in the order of PHASES
             self.phase_means = [model.mean(model.phases, name) for name in PHASES]
         for name, mean in zip(PHASES[:-1], self.phase_means, strict=False):
-            mean.add(i, phases.get(name, 0.0))
-        known = sum(v for k, v in phases.items() if k != "other")
-        self.phase_means[-1].add(i, max(0.0, step.duration_s - known))
-        assert model.comm_exposed is not None and model.comm_overlapped is not None
-        model.comm_exposed.add(i, wait)
-        model.comm_overlapped.add(i, overlapped_s(step))
-        if step.comm is not None:
-            for op in step.comm.ops:
+            value = phases.get(name, 0.0)
+            if isfinite(value):
+                mean.sums[i] += value
+                mean.counts[i] += 1
+        # sum(v for k, v in phases.items() if k != "other"), the same sum in the same order
+        known = sum(v for k, v in phases.items() if k != "other") if "other" in phases \
+            else sum(phases.values())
+        other = max(0.0, duration - known)
+        if isfinite(other):
+            self.phase_means[-1].sums[i] += other
+            self.phase_means[-1].counts[i] += 1
+        exposed, overlapped = model.comm_exposed, model.comm_overlapped
+        assert exposed is not None and overlapped is not None
+        if wait is not None and isfinite(wait):
+            exposed.sums[i] += wait
+            exposed.counts[i] += 1
+        comm = step.comm
+        if comm is not None:
+            overlap = max(0.0, comm.busy_s - comm.exposed_s)  # overlapped_s(step)
+            if isfinite(overlap):
+                overlapped.sums[i] += overlap
+                overlapped.counts[i] += 1
+            for op in comm.ops:
                 key = (op.name, step.world)
                 if key not in self.factors:
                     self.factors[key] = bus_bandwidth_factor(op.name, step.world)
@@ -199,8 +222,8 @@ class _Filler:
                 model.mean(self.components[step.rank], name).add(
                     i, getattr(step.memory_breakdown, name))
         previous = self.previous_end.get(step.rank)
-        if previous is not None and step.t_start is not None:
-            gap = step.t_start - previous
+        if previous is not None and t_start is not None:
+            gap = t_start - previous
             if gap > max(STALL_MIN_S, STALL_STEPS * self.typical):
                 summary.stalls[step.rank] = max(gap, summary.stalls.get(step.rank, 0.0))
         self.previous_end[step.rank] = max(end, previous or end)

@@ -34,6 +34,7 @@ from gpumon.wire.fields import (
     opt_number,
     required,
 )
+from gpumon.wire.frozen import maker
 from gpumon.wire.limits import (
     FIELD_LIMITS,
     MAX_COLLECTIVE_CHARS,
@@ -42,8 +43,9 @@ from gpumon.wire.limits import (
     MAX_PHASES,
     MAX_RECORDS_PER_DATAGRAM,
     MEMORY_COMPONENTS,
+    PHASE_SLACK_RATIO,
+    PHASE_SLACK_S,
     PROTOCOL_VERSION,
-    step_slack,
 )
 from gpumon.wire.records import (
     MEM_WIRE_NAMES,
@@ -130,20 +132,28 @@ _COUNT_HIGH = FIELD_LIMITS["comm.count"].high
 _BYTES_HIGH = FIELD_LIMITS["comm.bytes"].high
 _OP_SECONDS_HIGH = FIELD_LIMITS["comm.seconds"].high
 _MEMB_HIGH = FIELD_LIMITS["memb"].high
+_SLACK_FACTOR = 1 + PHASE_SLACK_RATIO
 assert FIELD_LIMITS["duration"].below and all(
     FIELD_LIMITS[k].low == 0 for k in FIELD_LIMITS
     if k not in ("world", "pid") and not k.startswith("moe.")  # moe: the full check reads it
 ), "the fast path below assumes these bounds"
+# The fast path's records, made without a frozen ``__init__``'s call per field (``frozen.py``).
+_step_record = maker(StepRecord)
+_memory_stats = maker(MemoryStats)
+_memory_breakdown = maker(MemoryBreakdown)
+_comm_stats = maker(CommStats)
+_collective_op = maker(CollectiveOp)
 
 
 def _fast_step(obj: dict[str, object]) -> StepRecord | None:
     """The record, if every field has its usual form; ``None`` sends it to the full check."""
-    run = obj.get("run")
-    rank = obj.get("rank")
-    world = obj.get("world")
-    local_rank = obj.get("local_rank")
-    duration = obj.get("duration")
-    step = obj.get("step")
+    get = obj.get
+    run = get("run")
+    rank = get("rank")
+    world = get("world")
+    local_rank = get("local_rank")
+    duration = get("duration")
+    step = get("step")
     if not (
         type(run) is str and run in _KNOWN_LABELS
         and type(rank) is int and 0 <= rank <= _RANK_HIGH
@@ -158,27 +168,27 @@ def _fast_step(obj: dict[str, object]) -> StepRecord | None:
         if not (type(local_rank) is int and 0 <= local_rank <= _RANK_HIGH
                 and (world is None or local_rank < world)):
             return None
-    t_start = obj.get("t_start")
+    t_start = get("t_start")
     if t_start is not None and not (type(t_start) is float and 0.0 <= t_start <= _T_START_HIGH):
         return None
-    samples = obj.get("samples")
+    samples = get("samples")
     if samples is not None and not (type(samples) is int and 0 <= samples <= _SAMPLES_HIGH):
         return None
-    tokens = obj.get("tokens")
+    tokens = get("tokens")
     if tokens is not None and not (type(tokens) is int and 0 <= tokens <= _TOKENS_HIGH):
         return None
-    flops = obj.get("flops")
+    flops = get("flops")
     if flops is not None and not (type(flops) is float and 0.0 <= flops <= _FLOPS_HIGH):
         return None
-    gpu = obj.get("gpu")
+    gpu = get("gpu")
     if gpu is not None and not (type(gpu) is int and 0 <= gpu <= _GPU_HIGH) and not (
             type(gpu) is str and gpu in _KNOWN_LABELS):
         return None
-    pid = obj.get("pid")
+    pid = get("pid")
     if pid is not None and not (type(pid) is int and _PID_LOW <= pid <= _PID_HIGH):
         return None
-    slack = step_slack(duration)
-    phases = obj.get("phases")
+    slack = duration * _SLACK_FACTOR + PHASE_SLACK_S  # step_slack(duration), inline
+    phases = get("phases")
     phases_s: dict[str, float] = {}
     if phases is not None:
         if type(phases) is not dict or len(phases) > MAX_PHASES:
@@ -187,45 +197,45 @@ def _fast_step(obj: dict[str, object]) -> StepRecord | None:
             if not (name in _KNOWN_LABELS and type(seconds) is float and 0.0 <= seconds <= slack):
                 return None
             phases_s[name] = seconds
-    mem = obj.get("mem")
+    mem = get("mem")
     mem_stats = None
     if mem is not None:
         if type(mem) is not dict:
             return None
-        counts = [mem.get(key) for key in MEM_WIRE_NAMES]
+        counts = list(map(mem.get, MEM_WIRE_NAMES))
         for count in counts:
             if count is not None and not (type(count) is int and 0 <= count <= _MEM_HIGH):
                 return None
-        mem_stats = MemoryStats(*counts)
-    comm = obj.get("comm")
+        mem_stats = _memory_stats(*counts)
+    comm = get("comm")
     comm_stats = None if comm is None else _fast_comm(comm, slack)
     if comm is not None and comm_stats is None:
         return None
-    memb = obj.get("memb")
+    memb = get("memb")
     breakdown = None
     if memb is not None:
         if type(memb) is not dict:
             return None
-        parts = [memb.get(key) for key in MEMORY_COMPONENTS]
+        parts = list(map(memb.get, MEMORY_COMPONENTS))
         for part in parts:
             if part is not None and not (type(part) is int and 0 <= part <= _MEMB_HIGH):
                 return None
-        breakdown = MemoryBreakdown(*parts)
-    dev = obj.get("dev")
+        breakdown = _memory_breakdown(*parts)
+    dev = get("dev")
     device_phases = None
     if dev is not None:
         if not (type(dev) is list and len(dev) <= len(phases_s)
                 and all(type(n) is str and n in phases_s for n in dev) and len(set(dev)) == len(dev)):
             return None
         device_phases = tuple(dev)
-    cpu_wait = obj.get("cpu_wait")
+    cpu_wait = get("cpu_wait")
     if cpu_wait is not None and not (type(cpu_wait) is float and 0.0 <= cpu_wait <= slack):
         return None
-    if obj.get("moe") is not None:
+    if get("moe") is not None:
         return None  # a few records a second at most: the full check reads it
-    return StepRecord(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
-                      tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown, device_phases,
-                      cpu_wait)
+    return _step_record(run, rank, step, duration, world, local_rank, t_start, phases_s, samples,
+                        tokens, flops, gpu, pid, mem_stats, comm_stats, breakdown,
+                        device_phases, cpu_wait, None)
 
 
 def _fast_comm(comm: object, slack: float) -> CommStats | None:
@@ -238,7 +248,7 @@ def _fast_comm(comm: object, slack: float) -> CommStats | None:
             and (bubble is None or (type(bubble) is float and 0.0 <= bubble <= slack))):
         return None
     if ops is None:
-        return CommStats(exposed, busy, (), bubble)
+        return _comm_stats(exposed, busy, (), bubble)
     if type(ops) is not dict or len(ops) > MAX_COLLECTIVE_KINDS:
         return None
     parsed = []
@@ -251,8 +261,8 @@ def _fast_comm(comm: object, slack: float) -> CommStats | None:
                 and type(size) is int and 0 <= size <= _BYTES_HIGH
                 and type(seconds) is float and 0.0 <= seconds <= _OP_SECONDS_HIGH):
             return None
-        parsed.append(CollectiveOp(name, count, size, seconds))
-    return CommStats(exposed, busy, tuple(parsed), bubble)
+        parsed.append(_collective_op(name, count, size, seconds))
+    return _comm_stats(exposed, busy, tuple(parsed), bubble)
 
 
 # --- the full check -------------------------------------------------------------------

@@ -52,6 +52,24 @@ def test_gpu_line_round_trips() -> None:
     assert sample_from_line(json.loads(json.dumps(gpu_line(sample)))) == sample
 
 
+def test_sample_from_line_takes_what_the_line_holds() -> None:
+    """Every recorded key, a null, the processes and ``up``, as ``GpuSample(**fields)``
+    takes them; a line without its GPU or time is refused as before."""
+    from gpumon.collectors.samples import GpuSample
+
+    line = {"kind": "gpu", "t": 3, "gpu": "2", "utilization": 0.5, "power_watts": None,
+            "memory_used_bytes": 7, "processes": {"12": 3.0}, "up": False, "unknown": 1}
+    assert sample_from_line(line) == GpuSample(
+        index=2, t=3.0, up=False, utilization_ratio=0.5, memory_used_bytes=7,
+        process_memory_bytes={12: 3})
+    assert type(sample_from_line(line).t) is float
+    assert sample_from_line({"t": 1.0, "gpu": 0}) == GpuSample(index=0, t=1.0)
+    for bad in ({"t": 1.0}, {"gpu": 0}, {"t": "x", "gpu": 0}, {"t": 1.0, "gpu": 0,
+                                                              "processes": {"a": 1}}):
+        with pytest.raises((KeyError, TypeError, ValueError)):
+            sample_from_line(bad)
+
+
 def test_unwritable_recording_is_a_clear_error(tmp_path: Path) -> None:
     from gpumon.agent.lifecycle import AgentError
 
