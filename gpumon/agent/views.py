@@ -43,8 +43,10 @@ from gpumon.state.recording import RecorderStatus
 from gpumon.wire import PARALLEL_DIMS, ParallelLayout
 
 STUCK_AFTER_INTERVALS = 3
-RENDER_LEAD_S = 0.2
-"""Rendering ahead aims this long before the scrape expected next (``render_wait_s``)."""
+RENDER_LEAD_S = 0.1
+"""Rendering ahead aims this long before the scrape expected next (``render_wait_s``): time for
+a pass (5 ms at 64 ranks) and the scraper's jitter, and short beside the ranks' steps, since a
+change after the pass is rendered by the scrape itself."""
 RENDER_AHEAD_WITHIN_S = 600.0
 """Ranks are rendered ahead only while /metrics was scraped this recently: an agent nobody
 scrapes (or one whose scraper went away) does not spend the CPU."""
