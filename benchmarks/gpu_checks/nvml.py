@@ -94,6 +94,11 @@ def section_nvml(report: Report, result: dict[str, Any], env: dict[str, str],
         report.check(f"nvml.gpu{gpu['index']}.populated", None, sorted(gpu["populated"]))
         report.check(f"nvml.gpu{gpu['index']}.absent", None, gpu["absent"])
         report.check(f"nvml.gpu{gpu['index']}.unsupported_groups", None, gpu["unsupported_groups"])
+        # Every read the GPU supports is one prepared call once the plan has settled; one
+        # left to the general path fails every poll on this driver (and is slower).
+        prepared = gpu.get("prepared_reads", {})
+        report.check(f"nvml.gpu{gpu['index']}.fast_set_prepared",
+                     bool(prepared) and all(prepared.values()), prepared)
         essential = ("utilization_ratio", "memory_used_bytes", "power_watts",
                      "temperature_celsius", "sm_clock_hz")
         report.check(f"nvml.gpu{gpu['index']}.essentials", all(k in gpu["populated"]

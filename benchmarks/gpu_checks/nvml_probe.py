@@ -68,6 +68,10 @@ def nvml_child(cycles: int, time_limit_s: float, scratch: str) -> dict[str, Any]
                 "populated": populated,
                 "absent": [f for f in fields if f not in populated],
                 "unsupported_groups": sorted(getattr(device, "_unsupported", set())),
+                # The fast set's plan as it stands after the polls: which reads are one
+                # prepared call (True) and which go through the general path (False).
+                "prepared_reads": {group: call is not None
+                                   for group, _, call in getattr(device, "_plan", None) or ()},
                 "samples_taken": len(mine),
             })
         out["gpumon_samples"] = per_gpu
