@@ -125,6 +125,28 @@ def test_an_operation_across_a_step_end_is_counted_once(ledger: CommLedger, cloc
     assert third["comm"] == {"exposed": 0.0, "busy": 0.0, "ops": {}}
 
 
+def test_a_completed_collective_whose_callback_lags_is_counted_in_its_step(
+        ledger: CommLedger, clock: ManualClock) -> None:
+    # A future wakes its waiters before it runs its callbacks: the training thread can close
+    # its step while the thread that completed the work has not stamped it yet.
+    import torch
+
+    t = _past_step(ledger, clock)
+    op = ledger.launched("all_reduce", 64, t + 0.005, t + 0.006, True)
+    assert op is not None
+    future: torch.futures.Future[None] = torch.futures.Future()
+    op.future = future  # as the tap keeps it; its callback (op.done) has not run
+    future.set_result(None)
+    fields: dict[str, object] = {}
+    ledger.step_end(fields)
+    assert fields["comm"]["ops"] == {"all_reduce": [1, 64, pytest.approx(0.015)]}  # type: ignore[index]
+    op.done()  # the late callback changes nothing already reported
+    later: dict[str, object] = {}
+    _past_step(ledger, clock, 0.001)
+    ledger.step_end(later)
+    assert later["comm"]["ops"] == {}  # type: ignore[index]
+
+
 def test_collectives_outside_steps_are_not_counted(ledger: CommLedger, clock: ManualClock) -> None:
     t = clock()
     assert ledger.launched("barrier", 0, t, t + 0.001, True) is None

@@ -147,7 +147,7 @@ class CommLedger:
         kinds: dict[str, list[Any]] = {}
         carried = []
         for op in ops:
-            done = op.t_done
+            done = op.done_by(t_end)
             start = max(op.counted_until, t_begin)
             stop = t_end if done is None or done > t_end else done
             if stop > start:

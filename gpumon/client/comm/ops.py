@@ -29,7 +29,7 @@ class Op:
     """One collective: launched on some thread, completed (``t_done``) on another."""
 
     __slots__ = ("name", "nbytes", "t0", "t1", "t_done", "counted_until", "on_training_thread",
-                 "events")
+                 "events", "future")
 
     def __init__(self, name: str, nbytes: int, t0: float, t1: float, on_training_thread: bool) -> None:
         self.name = name
@@ -40,10 +40,24 @@ class Op:
         self.counted_until = t0  # busy time before this was reported with an earlier step
         self.on_training_thread = on_training_thread
         self.events: list[Any] | None = None  # CUDA events at launch and completion, on a GPU
+        self.future: Any = None
+        """The work's future, until its callback (``done``) has run."""
 
     def done(self, _future: object = None) -> None:
         """Stamp the completion (called from the thread that completes the work)."""
         self.t_done = perf_counter()
+        self.future = None
+
+    def done_by(self, t: float) -> float | None:
+        """The completion's time, or ``t`` where the work has completed and its callback has
+        not run yet: a future wakes its waiters before it runs its callbacks, so the training
+        thread can resume, and close its step, while the thread that completed the work is
+        still on its way to ``done``."""
+        if self.t_done is None:
+            future = self.future
+            if future is not None and future.done():
+                self.t_done = t
+        return self.t_done
 
     def device_done(self, clock: Any) -> None:
         """Stamp the completion on the GPU: an event on the current stream, which the work's

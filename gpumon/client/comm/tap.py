@@ -353,8 +353,11 @@ def _record(name: str, payload: Any, t0: float, t1: float, result: Any,
             op.t_done = t1
             continue
         try:
-            get_future().add_done_callback(op.done)
+            future = get_future()
+            op.future = future
+            future.add_done_callback(op.done)
         except RuntimeError:  # this backend gives no future for this op: completion unknown
+            op.future = None
             op.t_done = t1
     return ops
 
