@@ -7,7 +7,8 @@ the bus raises ``GpuLost``);
 ``source`` discovers the node's GPUs, polls them (``pollers``) and watches XID events.
 """
 
-from gpumon.collectors.nvml.device import ALL_LINKS_SCOPE, CLOCK_EVENT_REASONS, NvmlDevice
+from gpumon.collectors.nvml.device import CLOCK_EVENT_REASONS, NvmlDevice
+from gpumon.collectors.nvml.field_values import ALL_LINKS_SCOPE
 from gpumon.collectors.nvml.library import GpuLost, NvmlUnavailable, error_name, init, shutdown
 from gpumon.collectors.nvml.source import NvmlSource, XidWatcher
 

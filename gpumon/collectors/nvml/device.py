@@ -1,25 +1,34 @@
 """One GPU through NVML: static facts, the fast set, counters, GPM and the slow set.
 
-Every call goes through :meth:`NvmlDevice._query`, which turns NOT_SUPPORTED into a
-remembered absence (the metric is never asked again and never exported as 0), falls back
-to an older symbol when the driver lacks a newer one (``versions.py``), and raises :class:`GpuLost` when the
-GPU has fallen off the bus. A symbol the driver lacks is learnt once for the process (the
-library is the same for every GPU) and said once, by its name. Units are converted to base
-units here.
+Every call that fails goes through :meth:`NvmlDevice._query`, which turns NOT_SUPPORTED into
+a remembered absence (the metric is never asked again and never exported as 0), falls back to
+an older symbol when the driver lacks a newer one (``versions.py``), and raises
+:class:`GpuLost` when the GPU has fallen off the bus. A symbol the driver lacks is learnt once
+for the process (the library is the same for every GPU) and said once, by its name. The fast
+set's reads are prepared once (``scalars.py``), the field values and counters read in one
+request (``field_values.py``). Units are converted to base units here.
 """
-
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NoReturn, cast
 
 import pynvml
 
-from gpumon.collectors.gpu_fields import FIELDS_BY_NAME, GPU_FIELDS, GpuField
+from gpumon.collectors.gpu_fields import FIELDS_BY_NAME, GPU_FIELDS
 from gpumon.collectors.nvml import versions
-from gpumon.collectors.nvml.batch import FieldBatch, GpmMetrics
+from gpumon.collectors.nvml.batch import GpmMetrics
+from gpumon.collectors.nvml.field_values import (
+    FI_NVLINK_LINK_COUNT,
+    FI_NVLINK_RX_KIB,
+    FI_NVLINK_TX_KIB,
+    FI_PCIE_RX_BYTES,
+    FI_PCIE_TX_BYTES,
+    TABLE_ABSENT,
+    FieldValues,
+)
 from gpumon.collectors.nvml.library import GpuLost, error_name, text
 from gpumon.collectors.nvml.scalars import Prepared, Scalar, Scalars
 from gpumon.collectors.samples import GpuSample, GpuStatic
@@ -27,20 +36,8 @@ from gpumon.wire.frozen import maker
 
 log = logging.getLogger(__name__)
 
-ALL_LINKS_SCOPE = 0xFFFFFFFF
 GPM_MIN_INTERVAL_S = 0.1
 SLOW_INTERVAL_S = 10.0
-
-# Field ids (nvml.h): cumulative counters.
-_FI_NVLINK_TX_KIB = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX
-_FI_NVLINK_RX_KIB = pynvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX
-_FI_PCIE_TX_BYTES = pynvml.NVML_FI_DEV_PCIE_COUNT_TX_BYTES
-_FI_PCIE_RX_BYTES = pynvml.NVML_FI_DEV_PCIE_COUNT_RX_BYTES
-_FI_NVLINK_LINK_COUNT = pynvml.NVML_FI_DEV_NVLINK_LINK_COUNT
-
-# The table's plain field values, read together: (row, field id).
-_FIELD_VALUES = tuple((f, getattr(pynvml, f.nvml)) for f in GPU_FIELDS if f.field_value)
-_TABLE_ABSENT: dict[str, float | None] = {f.name: None for f, _ in _FIELD_VALUES}
 
 _new_sample = cast(type[GpuSample], maker(GpuSample))
 """``GpuSample(...)`` of every field, without the frozen ``__init__``'s per-field
@@ -78,25 +75,6 @@ class _Unsupported(Exception):
     """Internal: the call is not supported for this GPU."""
 
 
-@dataclass
-class _Counters:
-    """Previous counter reading (bytes by field id), for bytes/s rates."""
-
-    t: float
-    values: dict[int, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class _Fields:
-    """One GPU's field-value request: the table's rows, then the byte counters."""
-
-    batch: FieldBatch
-    rows: tuple[GpuField, ...]
-    """The table's rows asked, in request order."""
-    counters: tuple[int, ...]
-    """The counters' field ids asked, after the rows."""
-
-
 @dataclass(frozen=True, slots=True)
 class _SlowReadings:
     """The readings taken every SLOW_INTERVAL_S, repeated in the samples between."""
@@ -123,8 +101,7 @@ class NvmlDevice:
         self._gpm_next = 0  # which of the two samples the next reading goes into
         self._gpm_t = 0.0
         self._gpm_values: dict[int, float] = {}
-        self._counters: _Counters | None = None
-        self._fields: _Fields | None = None
+        self._fields = FieldValues(self._handle, index)
         self._slow_t = float("-inf")
         self._slow = _SlowReadings()
         self.lost = False
@@ -183,7 +160,7 @@ class NvmlDevice:
         uuid = text(pynvml.nvmlDeviceGetUUID(self._handle))
         pci = self._optional("pci", pynvml.nvmlDeviceGetPciInfo)
         memory = self._memory_info()
-        links = self._field_values("nvlink_count", [_FI_NVLINK_LINK_COUNT])
+        links = self._field_values("nvlink_count", [FI_NVLINK_LINK_COUNT])
         mig = self._optional("mig", pynvml.nvmlDeviceGetMigMode)
         max_clock = self._optional("max_clock", pynvml.nvmlDeviceGetMaxClockInfo,
                                    pynvml.NVML_CLOCK_SM)
@@ -197,7 +174,7 @@ class NvmlDevice:
                 self._gpm_metrics = GpmMetrics(list(_GPM_METRICS), first, second)
         if self._gpm_samples is None:
             self._unsupported.add("gpm")
-        link_count = links.get(_FI_NVLINK_LINK_COUNT)
+        link_count = links.get(FI_NVLINK_LINK_COUNT)
         if not link_count:
             # No NVLink on this GPU: its throughput counters are absent, not zero.
             self._unsupported.add("nvlink")
@@ -248,8 +225,8 @@ class NvmlDevice:
         temp = readings.get("temperature")
         clock = readings.get("clock")
         reasons = readings.get("clock_events")
-        field_values, totals = self._field_values_and_counters()
-        rates = self._rates(monotonic, totals)
+        field_values, totals = self._fields.read(self._optional, self._unsupported)
+        rates = self._fields.rates(monotonic, totals)
         gpm = self._gpm(monotonic)
         if monotonic - self._slow_t >= SLOW_INTERVAL_S:
             self._slow_t = monotonic
@@ -270,10 +247,10 @@ class NvmlDevice:
                                       else _CONVERT["memory_utilization_ratio"](util[1])),
             memory_used_bytes=None if memory is None else memory[0],
             memory_total_bytes=None if memory is None else memory[1],
-            pcie_tx_bytes_total=totals.get(_FI_PCIE_TX_BYTES),
-            pcie_rx_bytes_total=totals.get(_FI_PCIE_RX_BYTES),
-            nvlink_tx_bytes_total=totals.get(_FI_NVLINK_TX_KIB),
-            nvlink_rx_bytes_total=totals.get(_FI_NVLINK_RX_KIB),
+            pcie_tx_bytes_total=totals.get(FI_PCIE_TX_BYTES),
+            pcie_rx_bytes_total=totals.get(FI_PCIE_RX_BYTES),
+            nvlink_tx_bytes_total=totals.get(FI_NVLINK_TX_KIB),
+            nvlink_rx_bytes_total=totals.get(FI_NVLINK_RX_KIB),
             sm_active_ratio=gpm.get(pynvml.NVML_GPM_METRIC_SM_UTIL),
             sm_occupancy_ratio=gpm.get(pynvml.NVML_GPM_METRIC_SM_OCCUPANCY),
             tensor_active_ratio=gpm.get(pynvml.NVML_GPM_METRIC_ANY_TENSOR_UTIL),
@@ -285,11 +262,11 @@ class NvmlDevice:
             clock_event_reasons=None if reasons is None else self._reason_names(reasons),
             ecc_errors_total=self._slow.ecc_errors_total,
             process_memory_bytes=self._slow.process_memory_bytes,
-            nvlink_tx_bytes_per_second=rates.get(_FI_NVLINK_TX_KIB),
-            nvlink_rx_bytes_per_second=rates.get(_FI_NVLINK_RX_KIB),
-            pcie_tx_bytes_per_second=rates.get(_FI_PCIE_TX_BYTES),
-            pcie_rx_bytes_per_second=rates.get(_FI_PCIE_RX_BYTES),
-            **(_TABLE_ABSENT | field_values),
+            nvlink_tx_bytes_per_second=rates.get(FI_NVLINK_TX_KIB),
+            nvlink_rx_bytes_per_second=rates.get(FI_NVLINK_RX_KIB),
+            pcie_tx_bytes_per_second=rates.get(FI_PCIE_TX_BYTES),
+            pcie_rx_bytes_per_second=rates.get(FI_PCIE_RX_BYTES),
+            **(TABLE_ABSENT | field_values),
         )
 
     def _scalar_readings(self) -> dict[str, Any]:
@@ -333,67 +310,6 @@ class NvmlDevice:
             last = self._reasons = (mask, {name: bool(mask & bit)
                                            for name, bit in CLOCK_EVENT_REASONS.items()})
         return last[1]
-
-    def _field_values_and_counters(self) -> tuple[dict[str, float], dict[int, int]]:
-        """The table's field values (by row name) and the byte counters (bytes by field id),
-        all in one ``nvmlDeviceGetFieldValues`` call through a request built once
-        (``FieldBatch``: the binding built it anew and read it through its structure classes
-        at every poll). A field or a group of counters the GPU does not give is not asked
-        again: the request is built anew without it."""
-        fields = self._fields
-        if fields is None:
-            fields = self._fields = self._prepare_fields()
-            if fields is None:
-                return {}, {}
-        answers = self._optional("field_values", _read_batch, fields.batch)
-        if answers is None:
-            return {}, {}
-        values: dict[str, float] = {}
-        rows = fields.rows
-        for i, (ret, value) in enumerate(answers[:len(rows)]):
-            if ret == pynvml.NVML_SUCCESS:
-                values[rows[i].name] = rows[i].convert(value)
-            elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
-                raise GpuLost(f"GPU {self.index} is lost")
-            elif ret in (pynvml.NVML_ERROR_NOT_SUPPORTED, pynvml.NVML_ERROR_FUNCTION_NOT_FOUND):
-                self._unsupported.add(rows[i].name)
-                self._fields = None
-        totals: dict[int, int] = {}
-        for field_id, (ret, value) in zip(fields.counters, answers[len(rows):], strict=True):
-            if ret == pynvml.NVML_SUCCESS:
-                totals[field_id] = int(_COUNTER_TO_BYTES[field_id](value))
-            elif ret == pynvml.NVML_ERROR_GPU_IS_LOST:
-                raise GpuLost(f"GPU {self.index} is lost")
-        for group, counters in (("nvlink", _NVLINK_COUNTERS), ("pcie_counters", _PCIE_COUNTERS)):
-            if group not in self._unsupported and totals.keys().isdisjoint(counters):
-                self._unsupported.add(group)
-                self._fields = None
-        return values, totals
-
-    def _prepare_fields(self) -> _Fields | None:
-        """The request of the fields and counters still asked (None: none is)."""
-        rows = tuple(row for row, _ in _FIELD_VALUES if row.name not in self._unsupported)
-        ids = [(field_id, 0) for row, field_id in _FIELD_VALUES if row in rows]
-        if "nvlink" not in self._unsupported:
-            ids += [(_FI_NVLINK_TX_KIB, ALL_LINKS_SCOPE), (_FI_NVLINK_RX_KIB, ALL_LINKS_SCOPE)]
-        if "pcie_counters" not in self._unsupported:
-            ids += [(_FI_PCIE_TX_BYTES, 0), (_FI_PCIE_RX_BYTES, 0)]
-        if not ids:
-            return None
-        counters = tuple(field_id for field_id, _ in ids[len(rows):])
-        return _Fields(FieldBatch(self._handle, ids), rows, counters)
-
-    def _rates(self, monotonic: float, totals: dict[int, int]) -> dict[int, float]:
-        """The counters' rates since the previous reading (bytes/s), by field id."""
-        rates: dict[int, float] = {}
-        previous, self._counters = self._counters, _Counters(monotonic, totals)
-        if previous is not None and monotonic > previous.t:
-            dt = monotonic - previous.t
-            for field_id, value in totals.items():
-                before = previous.values.get(field_id)
-                if before is not None and value >= before:
-                    rates[field_id] = (value - before) / dt
-        return rates
 
     def _gpm(self, monotonic: float) -> dict[int, float]:
         """GPM metrics (ratios by metric id) between the previous sample and now, taken at
@@ -449,25 +365,10 @@ class NvmlDevice:
         self._gpm_samples = None
 
 
-# Counter field id -> its conversion to bytes, from the GpuSample field's row.
-_COUNTER_TO_BYTES = {
-    _FI_NVLINK_TX_KIB: FIELDS_BY_NAME["nvlink_tx_bytes_total"].convert,
-    _FI_NVLINK_RX_KIB: FIELDS_BY_NAME["nvlink_rx_bytes_total"].convert,
-    _FI_PCIE_TX_BYTES: FIELDS_BY_NAME["pcie_tx_bytes_total"].convert,
-    _FI_PCIE_RX_BYTES: FIELDS_BY_NAME["pcie_rx_bytes_total"].convert,
-}
-_NVLINK_COUNTERS = frozenset((_FI_NVLINK_TX_KIB, _FI_NVLINK_RX_KIB))
-_PCIE_COUNTERS = frozenset((_FI_PCIE_TX_BYTES, _FI_PCIE_RX_BYTES))
-
-
 def _symbol_missing(exc: Exception) -> bool:
     """Whether a versioned call failed because the library lacks its newer entry point."""
     return isinstance(exc, pynvml.NVMLLibraryMismatchError) or \
         exc.value == pynvml.NVML_ERROR_FUNCTION_NOT_FOUND  # type: ignore[attr-defined]
-
-
-def _read_batch(_handle: Any, batch: FieldBatch) -> list[tuple[int, int]]:
-    return batch.read()
 
 
 def _read_gpm(_handle: Any, metrics: GpmMetrics, first_is_earlier: bool) -> list[float | None]:
