@@ -52,7 +52,6 @@ class RenderAhead:
         self._min_gap_s = min_gap_s
         self._quiet_s = quiet_s
         self._wake = threading.Event()
-        self._stopping = False
         self._thread = threading.Thread(target=self._run, name="gpumon-render-ahead",
                                         daemon=True)
         self.passes_total = 0
@@ -68,7 +67,6 @@ class RenderAhead:
 
     def stop(self) -> None:
         """Stop the thread (after the pass it is in, if any)."""
-        self._stopping = True
         self._stopped.set()
         self._wake.set()
         if self._thread.is_alive():
@@ -78,14 +76,14 @@ class RenderAhead:
         last = float("-inf")
         while True:
             self._wake.wait()
-            if self._stopping:
+            if self._stopped.is_set():
                 return
             # What changes meanwhile is covered by this same pass.
             delay = max(last + self._min_gap_s - time.monotonic(), self._wait_s())
             if delay > 0 and self._stopped.wait(delay):
                 return
             self._quiet()
-            if self._stopping:
+            if self._stopped.is_set():
                 return
             self._wake.clear()  # before reading: a change from now on wakes another pass
             last = time.monotonic()
@@ -99,7 +97,7 @@ class RenderAhead:
         """Wait until nothing changed for ``quiet_s`` (at most ``min_gap_s``): the ranks' step
         comes as several datagrams, and ingest's queue may empty between them."""
         deadline = time.monotonic() + self._min_gap_s
-        while time.monotonic() < deadline and not self._stopping:
+        while time.monotonic() < deadline and not self._stopped.is_set():
             self._wake.clear()
             time.sleep(self._quiet_s)
             if not self._wake.is_set():

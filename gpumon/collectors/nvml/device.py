@@ -113,10 +113,9 @@ class NvmlDevice:
 
         A :class:`Versioned` call uses its newer symbol unless the library is known to lack
         it; the first time it is found missing, the older call answers from then on. The
-        answered call costs one frame: failures are sorted out in ``_failed``.
+        answered call costs one frame: failures are sorted out in ``_failed``. (Its caller,
+        ``_optional``, has left out a group already unsupported.)
         """
-        if group in self._unsupported:
-            raise _Unsupported(group)
         if isinstance(fn, versions.Versioned):
             if not versions.is_missing(fn.symbol):
                 try:
