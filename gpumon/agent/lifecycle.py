@@ -168,11 +168,12 @@ class Agent:
         """The ``--record`` file's writer, once started; None when nothing is recorded."""
         return self._recorder
 
-    def run_every(self, name: str, interval_s: float,
-                  collect: Callable[[float, float], None]) -> Periodic:
+    def run_every(self, name: str, interval_s: float, collect: Callable[[float, float], None],
+                  finishes_later: bool = False) -> Periodic:
         """A thread calling ``collect(now, monotonic)`` every ``interval_s``, timed and its
-        errors counted as collector ``name``'s; started and stopped with the agent."""
-        thread = Periodic(name, interval_s, collect, self.state)
+        errors counted as collector ``name``'s; started and stopped with the agent.
+        ``finishes_later``: see ``Periodic``."""
+        thread = Periodic(name, interval_s, collect, self.state, finishes_later)
         self._threads.append(thread)
         return thread
 

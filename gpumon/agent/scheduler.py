@@ -25,12 +25,17 @@ ranks starting together) is one cycle, not one each."""
 
 class Periodic(threading.Thread):
     """Runs ``fn(now, monotonic)`` every ``interval_s`` on its own thread, timing it and
-    counting its errors by kind. ``wake()`` brings the next cycle forward."""
+    counting its errors by kind. ``wake()`` brings the next cycle forward.
+
+    A cycle that goes on after ``fn`` returns, on threads of its own (``finishes_later``:
+    NVML's pollers hand their samples on as they come), is timed, and its success marked, by
+    whoever ends it; here only its start, errors and a stuck call are seen."""
 
     def __init__(self, name: str, interval_s: float, fn: Callable[[float, float], None],
-                 state: NodeState) -> None:
+                 state: NodeState, finishes_later: bool = False) -> None:
         super().__init__(name=f"gpumon-{name}", daemon=True)
         self.collector = name
+        self.finishes_later = finishes_later
         self._interval_s = interval_s
         self._fn = fn
         self._state = state
@@ -56,10 +61,12 @@ class Periodic(threading.Thread):
                     log.exception("collector %s failed (further %s errors are only counted)",
                                   self.collector, kind)
             else:
-                stats.last_success_t = stats.last_attempt_t
+                if not self.finishes_later:
+                    stats.last_success_t = stats.last_attempt_t
             finally:
                 stats.running_since_monotonic = None
-                stats.last_duration_s = time.monotonic() - started
+                if not self.finishes_later:
+                    stats.last_duration_s = time.monotonic() - started
             next_tick += self._interval_s
             delay = next_tick - time.monotonic()
             if delay < 0:  # overran: skip missed ticks instead of bursting

@@ -1,8 +1,9 @@
 """What the agent needs from a source of GPU samples: NVML on a real node, the simulator else.
 
 A source opens its GPUs when it is made and polls them when asked; it never schedules
-itself. The agent runs it on its own thread (``gpumon.agent.scheduler``), so a source may
-block (a hung NVML call) without slowing anything but its own next poll.
+itself. The agent asks it on a thread of its own (``gpumon.agent.scheduler``) through
+``poll``, which hands the samples on as they come: NVML's source polls on worker threads of
+its own and returns at once, so a hung NVML call slows nothing but that GPU's next sample.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class GpuSource(Protocol):
     def statics(self) -> list[GpuStatic]: ...
 
     def sample(self, now: float, monotonic: float) -> list[GpuSample]: ...
+
+    def poll(self, now: float, monotonic: float,
+             deliver: Callable[[list[GpuSample]], None]) -> None:
+        """One cycle of the agent's schedule: every GPU's sample to ``deliver``, now or as
+        its poll ends (on a thread of the source's own: NVML's workers)."""
 
     def xid_watcher(self, on_xid: Callable[[int, int], None]) -> EventWatcher | None: ...
 

@@ -14,6 +14,13 @@ ends.
 A GPU still inside a poll after ``timeout_s`` is reported down with
 ``error="nvml_timeout"`` until a poll finishes in time again; what its late poll returns is
 dropped (it describes a moment long past).
+
+The agent runs the set as a stream (``cycle``): each worker hands its round's samples on as
+soon as the round ends, on its own thread, and what ``sample`` does after its wait (an
+overrunning GPU isolated, a healthy one rejoined, a hung one reported down) is done at the
+start of the next cycle instead. A cycle then wakes two threads, the caller's clock and the
+worker, where asking and waiting woke three (the caller a second time when the round ended);
+at a 1 s interval each wakeup costs about what the eight GPUs' NVML calls do.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ class Worker:
         self._stopped = False
         self.in_budget_streak = 0
         """Polls in a row that answered within the budget (what an isolated GPU rejoins by)."""
+        self.on_round: Callable[[dict[int, GpuSample]], None] | None = None
+        """Where a round's samples go as it ends (on this thread); None: kept for ``take``."""
         self._thread = threading.Thread(target=self._run, daemon=True, name=name)
         self._thread.start()
 
@@ -148,7 +157,16 @@ class Worker:
                         self._results[device.index] = sample
             with self._lock:
                 self._busy = False
+                on_round = self.on_round
+                results = None
+                if on_round is not None and self._results:
+                    results, self._results = self._results, {}
             self._finished.set()
+            if on_round is not None and results:
+                try:
+                    on_round(results)
+                except Exception:  # the receiver's errors are its business; keep polling
+                    log.exception("handing on the samples of GPUs %s failed", sorted(results))
 
     def stop(self, timeout_s: float) -> bool:
         """Stop the thread; whether it has finished (False: stuck inside a poll)."""
@@ -173,6 +191,10 @@ class PollerSet:
         self._timed_out: set[int] = set()
         self._devices: dict[int, Pollable] = {}
         self._generation = 0
+        self._lock = threading.Lock()  # what answered, and the timed-out set, in a stream
+        self._deliver: Callable[[list[GpuSample]], None] | None = None
+        self._answered: set[int] = set()
+        """GPUs whose samples were handed on since the stream's last cycle."""
 
     def add(self, device: Pollable) -> None:
         """Poll one more device from now on."""
@@ -188,8 +210,11 @@ class PollerSet:
 
     def _worker(self, devices: list[Pollable], what: str) -> Worker:
         self._generation += 1
-        return Worker(devices, self.timeout_s, self.budget_s,
-                      f"gpumon-nvml-{what}-{self._generation}")
+        worker = Worker(devices, self.timeout_s, self.budget_s,
+                        f"gpumon-nvml-{what}-{self._generation}")
+        if self._deliver is not None:
+            worker.on_round = self._handed_on
+        return worker
 
     def sample(self, now: float, monotonic: float) -> list[GpuSample]:
         """Poll every device, wait up to ``wait_s`` for all, return what answered.
@@ -208,20 +233,71 @@ class PollerSet:
             results.update(worker.take())
         self._isolate_overrun()
         self._rejoin_healthy()
-        samples = []
-        for index, device in self._devices.items():
-            sample = results.get(index)
-            if sample is not None:
-                if index in self._timed_out:
-                    log.warning("GPU %d answers NVML again", index)
-                    self._timed_out.discard(index)
-                samples.append(sample)
-            elif index in self._timed_out or self._busy_for(device) > self.timeout_s:
-                if index not in self._timed_out:
-                    self._timed_out.add(index)
-                    self._on_timeout(index)
-                samples.append(GpuSample(index=index, t=now, up=False, error=TIMEOUT_ERROR))
+        self._answering(results)
+        samples = list(results.values()) + self._down(set(results), now)
         return sorted(samples, key=lambda s: s.index)
+
+    def cycle(self, now: float, monotonic: float,
+              deliver: Callable[[list[GpuSample]], None]) -> None:
+        """One cycle of a stream: ask every worker for a round and return at once; each
+        worker hands its samples to ``deliver`` on its own thread as its round ends.
+
+        What ``sample`` does after its wait is done here, for the cycle before: a GPU the
+        shared worker is still inside past its budget is isolated (the GPUs behind it missed
+        that one round, as with ``sample``; those before it are handed on now), isolated GPUs
+        answering in time rejoin, and a GPU that has not answered since, past ``timeout_s``,
+        goes to ``deliver`` as down, on this thread.
+        A set is used either through ``sample`` or as a stream, not both.
+        """
+        if self._deliver is None:
+            self._deliver = deliver
+            for worker in self._workers():
+                worker.on_round = self._handed_on
+        stuck = self._isolate_overrun()
+        if stuck is not None:  # what its round had before the hang, not left behind it
+            early = stuck.take()
+            if early:
+                self._handed_on(early)
+        self._rejoin_healthy()
+        with self._lock:
+            answered, self._answered = self._answered, set()
+        down = self._down(answered, now)
+        if down:
+            deliver(down)
+        for worker in self._workers():
+            worker.ask(now, monotonic)
+
+    def _handed_on(self, results: dict[int, GpuSample]) -> None:
+        """A stream's worker ended a round (on its thread)."""
+        self._answering(results)
+        with self._lock:
+            self._answered.update(results)
+        assert self._deliver is not None
+        self._deliver(sorted(results.values(), key=lambda s: s.index))
+
+    def _answering(self, results: dict[int, GpuSample]) -> None:
+        with self._lock:
+            back = self._timed_out.intersection(results)
+            self._timed_out -= back
+        for index in sorted(back):
+            log.warning("GPU %d answers NVML again", index)
+
+    def _down(self, answered: set[int], now: float) -> list[GpuSample]:
+        """Down samples of the GPUs that have not answered and are past ``timeout_s`` (or
+        were, and have not answered since); ``on_timeout`` for each newly so."""
+        down = []
+        for index, device in list(self._devices.items()):
+            if index in answered:
+                continue
+            with self._lock:
+                timed_out = index in self._timed_out
+            if timed_out or self._busy_for(device) > self.timeout_s:
+                if not timed_out:
+                    with self._lock:
+                        self._timed_out.add(index)
+                    self._on_timeout(index)
+                down.append(GpuSample(index=index, t=now, up=False, error=TIMEOUT_ERROR))
+        return down
 
     def _workers(self) -> list[Worker]:
         shared = [self._shared] if self._shared is not None else []
@@ -234,15 +310,15 @@ class PollerSet:
                 return polling[1]
         return 0.0
 
-    def _isolate_overrun(self) -> None:
+    def _isolate_overrun(self) -> Worker | None:
         """A device the shared worker is stuck in, past its budget, keeps that worker for
-        itself; the others move to a fresh shared worker."""
+        itself; the others move to a fresh shared worker. Returns the worker isolated."""
         shared = self._shared
         if shared is None:
-            return
+            return None
         polling = shared.in_poll()
         if polling is None or polling[1] <= self.budget_s:
-            return
+            return None
         device, busy_s = polling
         others = shared.keep_only(device)
         self._isolated[device.index] = shared
@@ -250,6 +326,7 @@ class PollerSet:
         log.warning("GPU %d: an NVML poll has taken %.2f s (budget %.2f s): polling it on a "
                     "thread of its own so the other GPUs keep their schedule",
                     device.index, busy_s, self.budget_s)
+        return shared
 
     def _rejoin_healthy(self) -> None:
         """Isolated devices that answered within the budget REJOIN_AFTER times in a row go

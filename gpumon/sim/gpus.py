@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import random
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,6 +155,11 @@ class SimulatedSource:
         dt = 0.0 if self._last_t is None else max(0.0, monotonic - self._last_t)
         self._last_t = monotonic
         return [self._sample_one(gpu, now, dt) for gpu in self._statics]
+
+    def poll(self, now: float, monotonic: float,
+             deliver: Callable[[list[GpuSample]], None]) -> None:
+        """The agent's cycle: the samples delivered at once."""
+        deliver(self.sample(now, monotonic))
 
     def _sample_one(self, gpu: GpuStatic, now: float, dt: float) -> GpuSample:
         a = self.activity(gpu.index, now)

@@ -78,3 +78,79 @@ def test_one_thread_polls_every_gpu_until_one_hangs_then_it_is_isolated_and_come
         for device in devices:
             device.free.set()
         assert pollers.stop(2.0)
+
+
+DOWN = GpuSample(index=-1, t=0.0, up=False)
+
+
+class Stream:
+    """What a stream handed on, and on which threads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.samples: list[GpuSample] = []
+        self.threads: set[str] = set()
+
+    def deliver(self, samples: list[GpuSample]) -> None:
+        with self._lock:
+            self.samples.extend(samples)
+            self.threads.add(threading.current_thread().name)
+
+    def of_cycle(self, t: float) -> dict[int, GpuSample]:
+        with self._lock:
+            return {s.index: s for s in self.samples if s.t == t}
+
+
+def test_a_stream_hands_samples_on_from_its_worker_and_isolates_a_hung_gpu_a_cycle_later() -> None:
+    timeouts: list[int] = []
+    pollers = PollerSet(wait_s=1.0, timeout_s=0.5, on_timeout=timeouts.append, budget_s=0.05)
+    devices = [Device(i) for i in range(8)]
+    stream = Stream()
+    for device in devices:
+        pollers.add(device)
+    try:
+        devices[0].free.clear()
+        pollers.cycle(0.0, 0.0, stream.deliver)  # returns with GPU 0's poll still held
+        assert stream.samples == []
+        devices[0].free.set()
+        wait_for(lambda: len(stream.of_cycle(0.0)) == 8, timeout=5, what="the first round")
+        # Handed on by the worker that polled, not by the thread that asked.
+        assert stream.threads == {devices[0].last_thread}
+        assert threading.current_thread().name not in stream.threads
+
+        devices[2].free.clear()  # GPU 2's driver calls stop returning
+        pollers.cycle(1.0, 1.0, stream.deliver)
+        wait_for(lambda: devices[2].threads and pollers._shared is not None
+                 and (pollers._shared.in_poll() or (None, 0.0))[1] > 0.05,
+                 timeout=5, what="the worker to be stuck in GPU 2 past its budget")
+        assert stream.of_cycle(1.0) == {}  # the round has not ended: nothing handed on yet
+        pollers.cycle(2.0, 2.0, stream.deliver)
+        assert pollers.isolated() == [2]
+        # What the hung round had (GPUs 0 and 1) came out at once; 3-7 were behind GPU 2.
+        assert sorted(stream.of_cycle(1.0)) == [0, 1]
+        wait_for(lambda: sorted(stream.of_cycle(2.0)) == [0, 1, 3, 4, 5, 6, 7], timeout=5,
+                 what="the others polled by a fresh worker in the next cycle")
+        wait_for(lambda: pollers._busy_for(devices[2]) > 0.5, timeout=5,
+                 what="GPU 2 past its timeout")
+        pollers.cycle(3.0, 3.0, stream.deliver)
+        assert stream.of_cycle(3.0)[2].error == TIMEOUT_ERROR  # on the asking thread, at once
+        assert timeouts == [2]
+
+        devices[2].free.set()  # its late answer is dropped; then it answers and rejoins
+        wait_for(lambda: pollers._isolated[2].idle(), timeout=5, what="the late round's end")
+        cycle = 4.0
+        while pollers.isolated() and cycle < 4 + REJOIN_AFTER + 5:
+            pollers.cycle(cycle, cycle, stream.deliver)
+            wait_for(lambda c=cycle: stream.of_cycle(c).get(2, DOWN).up, timeout=5,
+                     what="GPU 2's answer")
+            cycle += 1
+        assert pollers.isolated() == []
+        assert stream.of_cycle(cycle - 1)[2].up
+        assert all(s.up for s in stream.samples if s.t == 1.0)  # the late answer was dropped
+        pollers.cycle(cycle, cycle, stream.deliver)
+        wait_for(lambda: len(stream.of_cycle(cycle)) == 8, timeout=5, what="all eight again")
+        assert len({d.last_thread for d in devices}) == 1
+    finally:
+        for device in devices:
+            device.free.set()
+        assert pollers.stop(2.0)

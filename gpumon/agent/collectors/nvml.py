@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from gpumon.agent.collectors.base import CollectorAgent
     from gpumon.collectors.base import GpuSource
+    from gpumon.collectors.samples import GpuSample
 
 log = logging.getLogger(__name__)
 
@@ -21,23 +22,28 @@ def start(agent: CollectorAgent) -> None:
     source = agent.gpu_source
     if source is None:
         return
-    agent.run_every(source.name, agent.config.interval, GpuPoll(agent, source).poll)
+    agent.run_every(source.name, agent.config.interval, GpuPoll(agent, source).poll,
+                    finishes_later=True)
     watcher = source.xid_watcher(agent.state.add_xid)
     if watcher is not None:
         agent.run_watcher(watcher)
 
 
 class GpuPoll:
-    """The GPU collector's cycle, with when it last looked for new GPUs."""
+    """The GPU collector's cycle, with when it last looked for new GPUs. The source hands the
+    samples on as its polls end (``GpuSource.poll``): the cycle is timed, and its success
+    marked, when they arrive."""
 
     def __init__(self, agent: CollectorAgent, source: GpuSource) -> None:
         self._agent = agent
         self._source = source
         self._discovered_at = time.monotonic()
+        self._stats = agent.state.collector(source.name, agent.config.interval)
+        self._started = (0.0, 0.0)  # (now, monotonic) of the cycle under way
 
     def poll(self, now: float, monotonic: float) -> None:
-        """One sample of every GPU into the node state (and the recording); every
-        ``DISCOVER_EVERY_CYCLES`` intervals, first a look for GPUs that appeared."""
+        """Ask every GPU for a sample (into the node state and the recording as they come);
+        every ``DISCOVER_EVERY_CYCLES`` intervals, first a look for GPUs that appeared."""
         agent, source = self._agent, self._source
         if monotonic - self._discovered_at >= DISCOVER_EVERY_CYCLES * agent.config.interval:
             self._discovered_at = monotonic
@@ -45,8 +51,17 @@ class GpuPoll:
             if new:
                 log.info("new GPU(s) found: %s", ", ".join(f"{g.index} ({g.uuid})" for g in new))
                 agent.state.set_nvml(agent.state.nvml, source.statics())
-        samples = source.sample(now, monotonic)
+        self._started = (now, monotonic)
+        source.poll(now, monotonic, self.deliver)
+
+    def deliver(self, samples: list[GpuSample]) -> None:
+        """Samples of this cycle (all, or one worker's) into the node state and the
+        recording; the cycle took until its latest delivery."""
+        agent = self._agent
         agent.state.put_gpu_samples(samples)
         recorder = agent.recorder
         if recorder is not None:
             recorder.gpus(samples, agent.state.gpu_statics())
+        started_t, started = self._started
+        self._stats.last_duration_s = time.monotonic() - started
+        self._stats.last_success_t = started_t

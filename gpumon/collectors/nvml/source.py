@@ -158,6 +158,16 @@ class NvmlSource:
                     for i, error in self.unopened.items()]
         return sorted(samples, key=lambda s: s.index)
 
+    def poll(self, now: float, monotonic: float,
+             deliver: Callable[[list[GpuSample]], None]) -> None:
+        """The agent's cycle (``PollerSet.cycle``): returns at once; the workers deliver each
+        round's samples as it ends, on their threads. A hanging GPU and an unopened one are
+        delivered as down on this thread."""
+        self._pollers.cycle(now, monotonic, deliver)
+        if self.unopened:
+            deliver([GpuSample(index=i, t=now, up=False, error=error)
+                     for i, error in sorted(self.unopened.items())])
+
     def _timed_out(self, index: int) -> None:
         log.error("GPU %d: NVML calls take over %.0f s; marking it down until it answers in "
                   "time", index, self._pollers.timeout_s)
