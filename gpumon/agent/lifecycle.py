@@ -7,8 +7,8 @@ Usable as a library::
     ...
     agent.stop()
 
-Data flows one way: the GPU and host collectors (``scheduler.Periodic`` threads) write the
-node state, ingest writes the rank store and feeds the analyzer, housekeeping advances the
+Data flows one way: the GPU and host collectors (cycles on ``scheduler.Clock`` threads) write
+the node state, ingest writes the rank store and feeds the analyzer, housekeeping advances the
 analyzer from copies of both, and the views (``views``) read copies of all three. Each
 collector starts itself (``collectors/``), through the agent's public surface.
 """
@@ -34,7 +34,7 @@ from gpumon.agent.collectors import COLLECTORS
 from gpumon.agent.config import AgentConfig
 from gpumon.agent.recorder import Recorder
 from gpumon.agent.reload import apply_reload
-from gpumon.agent.scheduler import Periodic
+from gpumon.agent.scheduler import Clock, Periodic
 from gpumon.agent.sources import given_source_status, open_gpu_source
 from gpumon.agent.trace_api import trace_api
 from gpumon.agent.traces import TraceDesk, trace_settings
@@ -74,7 +74,9 @@ class Agent:
         self.config = config
         self.state = NodeState()
         self._gpu_source = gpu_source
-        self._threads: list[Periodic] = []
+        self._clock = Clock("gpumon-clock", self.state)
+        self._threads: list[Clock] = [self._clock]
+        """The shared clock, and the clocks of cycles that may wait on something else."""
         self._xid: EventWatcher | None = None
         self._server: MetricsServer | None = None
         self._liveness = ProcessLiveness()
@@ -169,13 +171,16 @@ class Agent:
         return self._recorder
 
     def run_every(self, name: str, interval_s: float, collect: Callable[[float, float], None],
-                  finishes_later: bool = False) -> Periodic:
-        """A thread calling ``collect(now, monotonic)`` every ``interval_s``, timed and its
-        errors counted as collector ``name``'s; started and stopped with the agent.
-        ``finishes_later``: see ``Periodic``."""
-        thread = Periodic(name, interval_s, collect, self.state, finishes_later)
-        self._threads.append(thread)
-        return thread
+                  finishes_later: bool = False, own_thread: bool = False) -> Periodic:
+        """``collect(now, monotonic)`` every ``interval_s``, timed and its errors counted as
+        collector ``name``'s, on the agent's shared clock, or, for a cycle that may wait on
+        something outside the agent (``own_thread``), a clock of its own; started and stopped
+        with the agent. ``finishes_later``: see ``Periodic``."""
+        clock = self._clock
+        if own_thread:
+            clock = Clock(f"gpumon-{name}", self.state)
+            self._threads.append(clock)
+        return clock.every(name, interval_s, collect, finishes_later)
 
     def run_watcher(self, watcher: EventWatcher) -> None:
         """A source's event thread (NVML's XIDs), started, stopped and closed with the agent."""
@@ -231,7 +236,8 @@ class Agent:
             self._server.stop()
             self._server = None
         for thread in self._threads:
-            thread.join(timeout=2.0)
+            if thread.ident is not None:  # started (a start that failed may not have)
+                thread.join(timeout=2.0)
         self.render_ahead.stop()
         if self._xid is not None:
             self._xid.join(timeout=2.0)

@@ -1,6 +1,6 @@
 """Whose each rank and GPU is: the kernel's facts about a process joined with kubelet's names.
 
-Two collectors, each on its own thread (``scheduler.Periodic``):
+Two collectors (``scheduler.Periodic``), the kubelet's on a thread of its own:
 
 - ``kubelet`` asks the PodResources API which container each GPU is allocated to, bounded by a
   timeout; an absent, slow or garbled socket is counted as that collector's error and empties

@@ -1,88 +1,155 @@
-"""The agent's collection schedule: each collector on its own thread, timed, errors counted.
+"""The agent's collection schedule: cycles on clocks, timed, errors counted.
 
-One thread per collector keeps a slow or hung source (an NVML call that does not return)
-from delaying the others or a scrape. Each cycle's start, duration and success are written
-to the collector's stats in the node state, where ``/readyz`` sees a cycle that is stuck and
-``gpumon_collector_duration_seconds`` reports how long the last one took.
+A ``Clock`` is a thread that runs its cycles (``Periodic``), each every its own interval, on
+one grid: cycles of one interval fall on the same ticks, and one of 5 s on every fifth tick
+of one of 1 s. The agent's own cycles, which wait on nothing outside the process
+(housekeeping, the GPU poll's clock, whose NVML calls run on worker threads of their own, the
+host), share one clock: at a 1 s interval each thread woken costs about what the eight GPUs'
+NVML calls do, and a shared clock wakes once a tick. A cycle that may wait on something else
+(the kubelet's API) gets a clock of its own, so that a slow or hung source delays nothing but
+itself.
+
+Each cycle's start, duration and success are written to its collector's stats in the node
+state, where ``/readyz`` sees a cycle that is stuck and ``gpumon_collector_duration_seconds``
+reports how long the last one took.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
 
-from gpumon.state.node import NodeState
+from gpumon.state.node import CollectorStats, NodeState
 
 log = logging.getLogger(__name__)
 
 
 WAKE_COALESCE_S = 0.2
-"""After a wake, how long the thread waits for others to join it: a burst of wakes (a job's
+"""After a wake, how long the cycle waits for others to join it: a burst of wakes (a job's
 ranks starting together) is one cycle, not one each."""
 
 
-class Periodic(threading.Thread):
-    """Runs ``fn(now, monotonic)`` every ``interval_s`` on its own thread, timing it and
-    counting its errors by kind. ``wake()`` brings the next cycle forward.
+class Periodic:
+    """``fn(now, monotonic)`` every ``interval_s`` on its clock, timed, its errors counted by
+    kind. ``wake()`` brings the next cycle forward.
 
     A cycle that goes on after ``fn`` returns, on threads of its own (``finishes_later``:
     NVML's pollers hand their samples on as they come), is timed, and its success marked, by
     whoever ends it; here only its start, errors and a stuck call are seen."""
 
-    def __init__(self, name: str, interval_s: float, fn: Callable[[float, float], None],
-                 state: NodeState, finishes_later: bool = False) -> None:
-        super().__init__(name=f"gpumon-{name}", daemon=True)
+    def __init__(self, clock: Clock, name: str, interval_s: float,
+                 fn: Callable[[float, float], None], finishes_later: bool = False) -> None:
         self.collector = name
+        self.interval_s = interval_s
         self.finishes_later = finishes_later
-        self._interval_s = interval_s
+        self._clock = clock
         self._fn = fn
-        self._state = state
-        self._stop_event = threading.Event()
-        self._wake_event = threading.Event()
-        self._logged: set[str] = set()
+        self.stats: CollectorStats | None = None
+        self.tick = -math.inf
+        """When the next cycle is due on the clock's grid (monotonic)."""
+        self.woken: float | None = None
+        """When a wake asked for a cycle not yet run (monotonic), or None."""
 
-    def run(self) -> None:
-        stats = self._state.collector(self.collector, self._interval_s)
-        next_tick = time.monotonic()
-        while not self._stop_event.is_set():
-            started = time.monotonic()
-            stats.running_since_monotonic = started
-            stats.last_attempt_t = time.time()
-            try:
-                self._fn(stats.last_attempt_t, started)
-            except Exception as exc:  # a collector failure must never stop the agent
-                # An error may name its kind (``kind``); else its class does.
-                kind = getattr(exc, "kind", None) or type(exc).__name__
-                self._state.count_error(self.collector, kind.lower())
-                if kind not in self._logged:
-                    self._logged.add(kind)
-                    log.exception("collector %s failed (further %s errors are only counted)",
-                                  self.collector, kind)
-            else:
-                if not self.finishes_later:
-                    stats.last_success_t = stats.last_attempt_t
-            finally:
-                stats.running_since_monotonic = None
-                if not self.finishes_later:
-                    stats.last_duration_s = time.monotonic() - started
-            next_tick += self._interval_s
-            delay = next_tick - time.monotonic()
-            if delay < 0:  # overran: skip missed ticks instead of bursting
-                next_tick = time.monotonic()
-                delay = 0.0
-            if self._wake_event.wait(delay) and not self._stop_event.is_set():
-                self._stop_event.wait(WAKE_COALESCE_S)
-                self._wake_event.clear()
-                next_tick = time.monotonic()  # the schedule starts again from the woken cycle
+    def due(self) -> float:
+        """When this cycle should run next."""
+        return self.tick if self.woken is None else min(self.tick, self.woken + WAKE_COALESCE_S)
 
     def wake(self) -> None:
         """Run the next cycle now (within ``WAKE_COALESCE_S``) rather than at its tick; wakes
-        during a cycle bring one more cycle right after it. Never blocks."""
-        self._wake_event.set()
+        during a cycle bring one more cycle right after it. Never blocks on the cycle."""
+        self._clock.wake(self)
+
+    def run(self, state: NodeState, logged: set[tuple[str, str]]) -> None:
+        """One cycle, on the clock's thread."""
+        stats = self.stats
+        if stats is None:
+            stats = self.stats = state.collector(self.collector, self.interval_s)
+        started = time.monotonic()
+        stats.running_since_monotonic = started
+        stats.last_attempt_t = time.time()
+        try:
+            self._fn(stats.last_attempt_t, started)
+        except Exception as exc:  # a collector failure must never stop the agent
+            # An error may name its kind (``kind``); else its class does.
+            kind = getattr(exc, "kind", None) or type(exc).__name__
+            state.count_error(self.collector, kind.lower())
+            if (self.collector, kind) not in logged:
+                logged.add((self.collector, kind))
+                log.exception("collector %s failed (further %s errors are only counted)",
+                              self.collector, kind)
+        else:
+            if not self.finishes_later:
+                stats.last_success_t = stats.last_attempt_t
+        finally:
+            stats.running_since_monotonic = None
+            if not self.finishes_later:
+                stats.last_duration_s = time.monotonic() - started
+
+
+class Clock(threading.Thread):
+    """A thread running its cycles, each on the grid of its interval from the clock's start
+    (a cycle that overran skips the ticks it missed rather than bursting)."""
+
+    def __init__(self, name: str, state: NodeState) -> None:
+        super().__init__(name=name, daemon=True)
+        self._state = state
+        self._cycles: list[Periodic] = []
+        self._changed = threading.Condition()
+        self._stopped = False
+        self._logged: set[tuple[str, str]] = set()
+        self.wakeups = 0
+        """How many times the clock woke and ran cycles."""
+
+    def every(self, name: str, interval_s: float, fn: Callable[[float, float], None],
+              finishes_later: bool = False) -> Periodic:
+        """Run ``fn`` every ``interval_s`` (the first time at once); see ``Periodic``."""
+        cycle = Periodic(self, name, interval_s, fn, finishes_later)
+        with self._changed:
+            self._cycles.append(cycle)
+            self._changed.notify()
+        return cycle
+
+    def wake(self, cycle: Periodic) -> None:
+        with self._changed:
+            if cycle.woken is None:
+                cycle.woken = time.monotonic()
+                self._changed.notify()
+
+    def run(self) -> None:
+        base = time.monotonic()
+        while True:
+            with self._changed:
+                due = self._wait_due()
+                if due is None:
+                    return
+                for cycle in due:
+                    cycle.woken = None  # a wake from now on asks for one more cycle
+                self.wakeups += 1
+            for cycle in due:
+                cycle.run(self._state, self._logged)
+            now = time.monotonic()
+            with self._changed:
+                for cycle in due:
+                    if cycle.tick <= now:  # the next tick of its grid after now
+                        cycle.tick = base + (math.floor((now - base) / cycle.interval_s) + 1) \
+                            * cycle.interval_s
+
+    def _wait_due(self) -> list[Periodic] | None:
+        """The cycles due now, once there are any; None once stopped. Under the lock."""
+        while not self._stopped:
+            now = time.monotonic()
+            due = [c for c in self._cycles if c.due() <= now]
+            if due:
+                return due
+            first = min((c.due() for c in self._cycles), default=None)
+            self._changed.wait(None if first is None else first - now)
+        return None
 
     def stop(self) -> None:
         """Finish after the current cycle."""
-        self._stop_event.set()
-        self._wake_event.set()
+        with self._changed:
+            self._stopped = True
+            self._changed.notify()

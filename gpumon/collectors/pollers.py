@@ -192,17 +192,19 @@ class PollerSet:
         self._devices: dict[int, Pollable] = {}
         self._generation = 0
         self._lock = threading.Lock()  # what answered, and the timed-out set, in a stream
+        self._changing = threading.Lock()  # which worker polls which device
         self._deliver: Callable[[list[GpuSample]], None] | None = None
         self._answered: set[int] = set()
         """GPUs whose samples were handed on since the stream's last cycle."""
 
     def add(self, device: Pollable) -> None:
-        """Poll one more device from now on."""
-        self._devices[device.index] = device
-        if self._shared is None:
-            self._shared = self._worker([device], "all")
-        else:
-            self._shared.add(device)
+        """Poll one more device from now on (from any thread: a GPU found later)."""
+        with self._changing:
+            self._devices[device.index] = device
+            if self._shared is None:
+                self._shared = self._worker([device], "all")
+            else:
+                self._shared.add(device)
 
     def isolated(self) -> list[int]:
         """GPUs polled on a thread of their own (they overran their budget)."""
@@ -231,8 +233,9 @@ class PollerSet:
         results: dict[int, GpuSample] = {}
         for worker in workers:
             results.update(worker.take())
-        self._isolate_overrun()
-        self._rejoin_healthy()
+        with self._changing:
+            self._isolate_overrun()
+            self._rejoin_healthy()
         self._answering(results)
         samples = list(results.values()) + self._down(set(results), now)
         return sorted(samples, key=lambda s: s.index)
@@ -253,18 +256,21 @@ class PollerSet:
             self._deliver = deliver
             for worker in self._workers():
                 worker.on_round = self._handed_on
-        stuck = self._isolate_overrun()
+        with self._changing:
+            stuck = self._isolate_overrun()
+            self._rejoin_healthy()
         if stuck is not None:  # what its round had before the hang, not left behind it
             early = stuck.take()
             if early:
                 self._handed_on(early)
-        self._rejoin_healthy()
         with self._lock:
             answered, self._answered = self._answered, set()
         down = self._down(answered, now)
         if down:
             deliver(down)
-        for worker in self._workers():
+        with self._changing:
+            workers = self._workers()
+        for worker in workers:
             worker.ask(now, monotonic)
 
     def _handed_on(self, results: dict[int, GpuSample]) -> None:

@@ -12,7 +12,7 @@ HOST_INTERVAL_S = 5.0
 
 
 def start(agent: CollectorAgent) -> None:
-    """Sample the host on a thread of its own, every interval but at most every
+    """Sample the host on the agent's clock, every interval but at most every
     ``HOST_INTERVAL_S``."""
     from gpumon.collectors.host import HostSource
 

@@ -4,6 +4,7 @@ polled every interval, GPUs that appear later looked for, and the source's XID e
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,8 @@ DISCOVER_EVERY_CYCLES = 30  # look for GPUs that appeared after start (30 s at 1
 
 
 def start(agent: CollectorAgent) -> None:
-    """Poll the agent's GPU source on a thread of its own, when the agent has one."""
+    """Poll the agent's GPU source every interval on the agent's clock (the source polls on
+    threads of its own), when the agent has one."""
     source = agent.gpu_source
     if source is None:
         return
@@ -40,19 +42,32 @@ class GpuPoll:
         self._discovered_at = time.monotonic()
         self._stats = agent.state.collector(source.name, agent.config.interval)
         self._started = (0.0, 0.0)  # (now, monotonic) of the cycle under way
+        self._discovering: threading.Thread | None = None
 
     def poll(self, now: float, monotonic: float) -> None:
         """Ask every GPU for a sample (into the node state and the recording as they come);
-        every ``DISCOVER_EVERY_CYCLES`` intervals, first a look for GPUs that appeared."""
-        agent, source = self._agent, self._source
-        if monotonic - self._discovered_at >= DISCOVER_EVERY_CYCLES * agent.config.interval:
+        every ``DISCOVER_EVERY_CYCLES`` intervals, a look for GPUs that appeared."""
+        if monotonic - self._discovered_at >= DISCOVER_EVERY_CYCLES * self._agent.config.interval \
+                and not (self._discovering and self._discovering.is_alive()):
             self._discovered_at = monotonic
-            new = source.discover()
-            if new:
-                log.info("new GPU(s) found: %s", ", ".join(f"{g.index} ({g.uuid})" for g in new))
-                agent.state.set_nvml(agent.state.nvml, source.statics())
+            self._discovering = threading.Thread(target=self._discover, daemon=True,
+                                                 name="gpumon-nvml-discover")
+            self._discovering.start()
         self._started = (now, monotonic)
-        source.poll(now, monotonic, self.deliver)
+        self._source.poll(now, monotonic, self.deliver)
+
+    def _discover(self) -> None:
+        """Look for GPUs that appeared, on a thread of its own: NVML's count and opening a GPU
+        may hang where a GPU fell off the bus, and the clock runs the agent's other cycles."""
+        agent, source = self._agent, self._source
+        try:
+            new = source.discover()
+        except Exception:  # a source's own errors are counted by it; keep the agent going
+            log.exception("looking for new GPUs failed")
+            return
+        if new:
+            log.info("new GPU(s) found: %s", ", ".join(f"{g.index} ({g.uuid})" for g in new))
+            agent.state.set_nvml(agent.state.nvml, source.statics())
 
     def deliver(self, samples: list[GpuSample]) -> None:
         """Samples of this cycle (all, or one worker's) into the node state and the

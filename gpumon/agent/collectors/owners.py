@@ -20,7 +20,8 @@ OWNERS_INTERVAL_S = 5.0
 
 
 def start(agent: CollectorAgent) -> None:
-    """The owners cycle on a thread of its own, told of every sender; the kubelet's on another."""
+    """The owners cycle on the agent's clock, told of every sender; the kubelet's on a thread
+    of its own."""
     from gpumon.agent.owners import OwnerCollector
 
     collector = OwnerCollector(agent.owners, agent.config.pod_resources_socket)
@@ -38,7 +39,7 @@ class OwnersCycle:
         """The senders' pids the cycle has been told of: a new one is attributed at once, so a
         rank is attributed at its first step, not up to ``OWNERS_INTERVAL_S`` later (or never,
         for a process shorter than that)."""
-        self._thread = agent.run_every("owners", OWNERS_INTERVAL_S, self.collect)
+        self._cycle = agent.run_every("owners", OWNERS_INTERVAL_S, self.collect)
 
     def collect(self, now: float, monotonic: float) -> None:
         """Attribute every process in NVML's lists and every rank's, keeping the owners of the
@@ -64,7 +65,7 @@ class OwnersCycle:
         except Exception:  # the cycle tries again, and counts its errors
             named = False
         if not named:
-            self._thread.wake()
+            self._cycle.wake()
 
 
 def _start_kubelet(agent: CollectorAgent, collector: OwnerCollector) -> None:
@@ -77,4 +78,4 @@ def _start_kubelet(agent: CollectorAgent, collector: OwnerCollector) -> None:
                     " GPUs are attributed from their processes' cgroups alone", path,
                     os.getuid())
         return
-    agent.run_every("kubelet", OWNERS_INTERVAL_S, collector.poll_kubelet)
+    agent.run_every("kubelet", OWNERS_INTERVAL_S, collector.poll_kubelet, own_thread=True)

@@ -112,11 +112,16 @@ class NvmlSource:
                                   timeout_s=max(2.0 * interval_s, 2.0),
                                   on_timeout=self._timed_out)
         self._watcher: XidWatcher | None = None
+        self._discovering = threading.Lock()  # held while NVML is asked for GPUs
         self.discover()
 
     def discover(self) -> list[GpuStatic]:
         """Open GPUs not open yet (at start, appearing later, or back after failing to
         open); returns the newly opened ones."""
+        with self._discovering:
+            return self._discover()
+
+    def _discover(self) -> list[GpuStatic]:
         try:
             count = pynvml.nvmlDeviceGetCount()
         except pynvml.NVMLError as exc:
@@ -164,9 +169,10 @@ class NvmlSource:
         round's samples as it ends, on their threads. A hanging GPU and an unopened one are
         delivered as down on this thread."""
         self._pollers.cycle(now, monotonic, deliver)
-        if self.unopened:
+        unopened = dict(self.unopened)  # a look for new GPUs may be changing it
+        if unopened:
             deliver([GpuSample(index=i, t=now, up=False, error=error)
-                     for i, error in sorted(self.unopened.items())])
+                     for i, error in sorted(unopened.items())])
 
     def _timed_out(self, index: int) -> None:
         log.error("GPU %d: NVML calls take over %.0f s; marking it down until it answers in "
@@ -182,6 +188,10 @@ class NvmlSource:
         """Free per-GPU resources and shut NVML down (not under a poll stuck in the driver)."""
         if not self._pollers.stop():
             log.warning("a GPU poll is still inside NVML: leaving NVML to the process exit")
+            return
+        if not self._discovering.acquire(timeout=1.0):
+            log.warning("a look for new GPUs is still inside NVML: leaving NVML to the process "
+                        "exit")
             return
         for device in self.devices:
             device.close()
