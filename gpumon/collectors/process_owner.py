@@ -9,14 +9,20 @@ service the node does not resolve) the number stands, never a guessed name.
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpumon.collectors.cgroup import EMPTY, CgroupPlace, parse_cgroup
 
 PROC = Path("/proc")
+USER_NAME_KEPT_S = 600.0
+"""How long a uid's name is kept: the user database may be a directory server asked over the
+network (LDAP, sssd), and the owners cycle names the user of every GPU process every 5 s."""
+_user_names: dict[int, tuple[float, str]] = {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +41,7 @@ def read_process(pid: int, proc: Path = PROC) -> ProcessFacts | None:
     except OSError:
         return None
     uid = _real_uid(status)
-    place = parse_cgroup(cgroup)
+    place = _place(cgroup)
     if uid is None:
         return ProcessFacts(place, "")
     if place.slurm_uid and place.slurm_uid != str(uid):
@@ -56,12 +62,28 @@ def _read(path: str) -> str:
     return b"".join(chunks).decode("utf-8", errors="replace")
 
 
+@functools.lru_cache(maxsize=256)
+def _place(cgroup: str) -> CgroupPlace:
+    """``parse_cgroup``, once per distinct text: a job's processes share their cgroups' lines,
+    read again every cycle."""
+    return parse_cgroup(cgroup)
+
+
 def user_name(uid: int) -> str:
-    """The uid's name where the user database has one, else the number."""
+    """The uid's name where the user database has one, else the number; asked again after
+    ``USER_NAME_KEPT_S``."""
+    now = time.monotonic()
+    kept = _user_names.get(uid)
+    if kept is not None and now - kept[0] < USER_NAME_KEPT_S:
+        return kept[1]
     try:
-        return pwd.getpwuid(uid).pw_name
+        name = pwd.getpwuid(uid).pw_name
     except (KeyError, OverflowError):
-        return str(uid)
+        name = str(uid)
+    if len(_user_names) >= 4096:  # bounded, whatever uids come and go
+        _user_names.clear()
+    _user_names[uid] = (now, name)
+    return name
 
 
 def _real_uid(status: str) -> int | None:

@@ -5,9 +5,11 @@ it must not guess at."""
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
+from gpumon.collectors import process_owner
 from gpumon.collectors.cgroup import EMPTY, CgroupPlace, parse_cgroup
 from gpumon.collectors.container_logs import ContainerName, container_names, parse_link_name
 from gpumon.collectors.process_owner import read_process, user_name
@@ -114,3 +116,23 @@ def test_a_slurm_cgroup_of_another_uid_is_not_believed(tmp_path):
     (proc / "status").write_text("Uid:\t2\t2\t2\t2\n")
     facts = read_process(9, proc=tmp_path)
     assert facts is not None and facts.place == EMPTY
+
+
+def test_a_users_name_is_asked_of_the_user_database_once_while_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The database stands in for a directory server (each lookup a network round trip).
+    asked: list[int] = []
+
+    def getpwuid(uid: int) -> SimpleNamespace:
+        asked.append(uid)
+        if uid == 4243:
+            raise KeyError(uid)
+        return SimpleNamespace(pw_name=f"user{uid}")
+
+    monkeypatch.setattr(process_owner.pwd, "getpwuid", getpwuid)
+    monkeypatch.setattr(process_owner, "_user_names", {})
+    assert [user_name(4242) for _ in range(5)] == ["user4242"] * 5
+    assert [user_name(4243) for _ in range(3)] == ["4243"] * 3  # no entry: the number, kept
+    assert asked == [4242, 4243]
+    monkeypatch.setattr(process_owner, "USER_NAME_KEPT_S", 0.0)  # kept time over: asked again
+    assert user_name(4242) == "user4242" and asked == [4242, 4243, 4242]

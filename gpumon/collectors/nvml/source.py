@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 from collections.abc import Callable
@@ -55,18 +56,19 @@ class XidWatcher(threading.Thread):
     def run(self) -> None:
         if self._event_set is None:
             return
+        wait = self._prepared_wait()
         while not self._stop_event.is_set():
             if not self.registered:  # nothing to wait on yet: a GPU may still appear
                 self._stop_event.wait(self._timeout_ms / 1000.0)
                 continue
             try:
-                data = pynvml.nvmlEventSetWait_v2(self._event_set, self._timeout_ms)
+                data = wait()
             except pynvml.NVMLError as exc:
-                if exc.value == pynvml.NVML_ERROR_TIMEOUT:
-                    continue
                 self._on_error("xid", error_name(exc))
                 # Do not spin on a persistent error.
                 self._stop_event.wait(self._timeout_ms / 1000.0)
+                continue
+            if data is None:  # the wait's timeout, every second of a healthy node
                 continue
             if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
                 try:
@@ -75,6 +77,33 @@ class XidWatcher(threading.Thread):
                     uuid = ""
                 index = self._index_by_uuid.get(uuid, -1)
                 self._on_xid(index, int(data.eventData))
+
+    def _prepared_wait(self) -> Callable[[], Any]:
+        """One wait for an event: the event's data, None at the timeout, an ``NVMLError``
+        otherwise. Its entry point and arguments are made once, and the timeout is a return
+        code, not an exception raised and caught each second (the binding's)."""
+        try:
+            fn = pynvml._nvmlGetFunctionPointer("nvmlEventSetWait_v2")
+        except pynvml.NVMLError as exc:  # counted as the wait's error, as any other
+            missing = exc
+
+            def fail() -> Any:
+                raise missing
+
+            return fail
+        data = pynvml.c_nvmlEventData_t()
+        args = (self._event_set, ctypes.byref(data), ctypes.c_uint(self._timeout_ms))
+        timeout, success = pynvml.NVML_ERROR_TIMEOUT, pynvml.NVML_SUCCESS
+
+        def wait() -> Any:
+            ret = fn(*args)
+            if ret == success:
+                return data
+            if ret == timeout:
+                return None
+            raise pynvml.NVMLError(ret)
+
+        return wait
 
     def stop(self) -> None:
         """Ask the thread to finish after its current wait (at most one timeout)."""
