@@ -104,6 +104,18 @@ def section_nvml(report: Report, result: dict[str, Any], env: dict[str, str],
         report.check(f"nvml.gpu{gpu['index']}.essentials", all(k in gpu["populated"]
                                                                 for k in essential),
                      {k: gpu["populated"].get(k) for k in essential})
+    xid = data.get("xid_watcher") or {}
+    quiet = xid.get("quiet_wait") or {}
+    # The XID wait is one prepared call: on a quiet node it returns at its 1 s timeout.
+    report.check("nvml.xid_wait_times_out", quiet.get("event") is False
+                 and 0.5 <= quiet.get("seconds", 0.0) <= 3.0, quiet)
+    stream = data.get("stream") or {}
+    handed = stream.get("handed", [])
+    # Three cycles of the agent's stream: every GPU handed on by a polling thread, each time.
+    report.check("nvml.stream_hands_every_gpu_on",
+                 bool(handed) and all(name.startswith("gpumon-nvml-") for name, _ in handed)
+                 and sorted(i for _, batch in handed for i in batch)
+                 == sorted(stream.get("devices", []) * 3), stream)
     statics = data.get("statics") or []
     for s in statics:
         if "H100" in s.get("name", "") or "H200" in s.get("name", "") or \

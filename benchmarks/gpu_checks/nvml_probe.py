@@ -85,9 +85,32 @@ def nvml_child(cycles: int, time_limit_s: float, scratch: str) -> dict[str, Any]
             watcher.join(timeout=3.0)
             out["xid_watcher"] = {"registered": watcher.registered, "events": xids,
                                   "still_alive": watcher.is_alive()}
+            if not watcher.is_alive():  # one prepared wait on the quiet set: its timeout
+                wait = watcher._prepared_wait()
+                began = now()
+                answer = wait()
+                out["xid_watcher"]["quiet_wait"] = {
+                    "event": answer is not None, "seconds": round(now() - began, 3)}
             watcher.close()
         except Exception:
             failed("XidWatcher")
+        # The agent's cycle: the polling thread hands every GPU's sample on itself.
+        try:
+            import threading
+            handed: list[tuple[str, list[int]]] = []
+            lock = threading.Lock()
+
+            def deliver(batch: list[Any]) -> None:
+                with lock:
+                    handed.append((threading.current_thread().name, [s.index for s in batch]))
+
+            for _ in range(3):
+                source.poll(time.time(), now(), deliver)
+                time.sleep(0.5)
+            out["stream"] = {"devices": [d.index for d in source.devices],
+                             "handed": handed}
+        except Exception:
+            failed("NvmlSource.poll()")
     out["collector_errors"] = list(errors)
 
     # 2. raw NVML, call by call -------------------------------------------------------------
