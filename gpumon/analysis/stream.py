@@ -133,6 +133,7 @@ class StepAnalyzer:
             end = step.t_end
             if end is None or end > received_t + CLOCK_SKEW_TOLERANCE_S:
                 step = replace(step, t_start=received_t - step.duration_s)
+                end = step.t_end
             if (step.run, step.rank) != key:  # a batch is mostly one rank's: one look-up
                 key = (step.run, step.rank)
                 state = self._ranks.tracker(key)
@@ -145,7 +146,7 @@ class StepAnalyzer:
                     state.conclude(world_changes=state.analysis.world_changes + 1)
                     received.restart()
                 received.world = step.world
-            received.last_end_t = max(received.last_end_t, step.t_end or received_t)
+            received.last_end_t = max(received.last_end_t, end or received_t)
             # The comparison reads only the records, so it keeps up with them rather than
             # with the analysis, which waits for the GPU samples.
             received.take(step)
@@ -207,7 +208,8 @@ class StepAnalyzer:
             # A rank's steps arrive in order: the ready ones are a prefix.
             k = 0
             for step in pending:
-                if step.t_end is None or step.t_end > cutoff:
+                end = step.t_end
+                if end is None or end > cutoff:
                     break
                 k += 1
             if k == 0:

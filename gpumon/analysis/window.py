@@ -23,6 +23,7 @@ from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 # its maximum instead: the highest point in a step is what matters for pressure, not the mean.
 MEAN_FIELDS = tuple(f.name for f in GPU_FIELDS if f.window)
 _MEAN_GETTERS = tuple((name, attrgetter(name)) for name in MEAN_FIELDS)
+_time = attrgetter("t")
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +95,7 @@ def summarize_gpu_window(samples: Sequence[GpuSample], t0: float, t1: float) -> 
             counts[name] = len(values)
 
     used = [s.memory_used_bytes for s in inside if s.memory_used_bytes is not None]
-    totals = [s.memory_total_bytes for s in sorted(inside, key=lambda s: s.t)
+    totals = [s.memory_total_bytes for s in sorted(inside, key=_time)
               if s.memory_total_bytes is not None]
     if used:
         counts["memory_used_bytes"] = len(used)
@@ -181,9 +182,18 @@ def group_steps(steps: Sequence[StepRecord], min_window_s: float) -> list[list[S
     groups: list[list[StepRecord]] = []
     current: list[StepRecord] = []
     for step in steps:
-        if current and (step.step != current[-1].step + 1 or span_s(current) >= min_window_s):
-            groups.append(current)
-            current = []
+        if current:
+            previous = current[-1]
+            if step.step != previous.step + 1:
+                groups.append(current)
+                current = []
+            else:
+                start, end = current[0].t_start, previous.t_end  # span_s(current), inline
+                span = end - start if start is not None and end is not None \
+                    else sum(s.duration_s for s in current)
+                if span >= min_window_s:
+                    groups.append(current)
+                    current = []
         current.append(step)
     if current:
         groups.append(current)
