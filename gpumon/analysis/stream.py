@@ -50,6 +50,7 @@ from gpumon.analysis.tracker import (
     TrackerTable,
     new_tracker,
     new_version,
+    renewed,
 )
 from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
@@ -300,7 +301,7 @@ class StepAnalyzer:
             else:
                 oom = _oom(assess, memory)
         analysed.last = last
-        return verdict, replace(
+        return verdict, renewed(
             analysis, gpu=index, memory=memory, verdict=verdict, verdict_step=last.step,
             bottleneck_steps=MappingProxyType(dict(bottleneck_steps)), oom=oom,
             step_period_s=period,

@@ -22,7 +22,9 @@ from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
 # Fields averaged over a window (the table's ``window`` rows). Memory used is summarised by
 # its maximum instead: the highest point in a step is what matters for pressure, not the mean.
 MEAN_FIELDS = tuple(f.name for f in GPU_FIELDS if f.window)
-_MEAN_GETTERS = tuple((name, attrgetter(name)) for name in MEAN_FIELDS)
+_means_of = attrgetter(*MEAN_FIELDS)
+"""A sample's ``MEAN_FIELDS``, as a tuple: a window's columns are one ``zip`` of these."""
+assert len(MEAN_FIELDS) > 1, "attrgetter of one name gives the value, not a tuple"
 _time = attrgetter("t")
 
 
@@ -81,18 +83,21 @@ def summarize_gpu_window(samples: Sequence[GpuSample], t0: float, t1: float) -> 
     if not inside:
         return None
 
-    # Field by field, each summed in the samples' order: the same sums as sample by sample,
-    # with a window of a long run's replay holding tens of samples.
+    # Field by field (a column each, the samples' fields read in one call a sample), each
+    # summed in the samples' order: the same sums as sample by sample, with a window of a
+    # long run's replay holding tens of samples.
     means: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for name, get in _MEAN_GETTERS:
-        values = [value for value in map(get, inside) if value is not None]
-        if values:
-            total = 0.0
-            for value in values:
+    columns = zip(*map(_means_of, inside), strict=True)  # every tuple of the same length
+    for name, column in zip(MEAN_FIELDS, columns, strict=True):
+        total, count = 0.0, 0
+        for value in column:
+            if value is not None:
                 total += float(value)
-            means[name] = total / len(values)
-            counts[name] = len(values)
+                count += 1
+        if count:
+            means[name] = total / count
+            counts[name] = count
 
     used = [s.memory_used_bytes for s in inside if s.memory_used_bytes is not None]
     totals = [s.memory_total_bytes for s in sorted(inside, key=_time)
