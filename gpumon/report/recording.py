@@ -43,6 +43,8 @@ _FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio",
            "tensor_active": "tensor_active_ratio", "dram_active": "dram_active_ratio"}
 _SAMPLE_KEYS = tuple((key, _FIELDS.get(key, key)) for key, _ in (*GPU_METRICS, *LINK_METRICS))
 """(figure key, ``GpuSample`` attribute) of what a GPU sample adds to the page."""
+_STACKED = PHASES[:-1]
+"""The phases a step reports, below the time no phase covers (``other``)."""
 
 
 def choose_run(runs: Counter[str], run: str | None, where: str) -> str:
@@ -199,7 +201,7 @@ class _Filler:
         if not means:  # made on the first step, in the order of PHASES
             means = self.phase_means = [model.mean(model.phases, name) for name in PHASES]
         get = phases.get
-        for name, mean in zip(PHASES[:-1], means, strict=False):
+        for name, mean in zip(_STACKED, means, strict=False):
             # The phases are finite (``phases_less_wait`` keeps only those, and its ``comm``
             # is ``wait_s``, finite): ``Mean.add``'s check cannot refuse one.
             mean.sums[i] += get(name, 0.0)
