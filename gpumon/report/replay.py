@@ -247,7 +247,10 @@ def replay(lines: Iterable[str], run: str, found: Scan,
         if isinstance(item, GpuSample):
             if check is not None:
                 check.gpu(item.index, item.t)
-            gpus.setdefault(item.index, _Samples()).add(item)
+            held = gpus.get(item.index)
+            if held is None:  # not setdefault: that makes a _Samples for every sample
+                held = gpus[item.index] = _Samples()
+            held.add(item)
             on_sample(item)
             continue
         if check is not None and item.t_start is not None:
