@@ -14,6 +14,7 @@ cards whose NVLink depends on an optional bridge, or that have none.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -172,11 +173,13 @@ def known_devices() -> tuple[DeviceSpec, ...]:
     return tuple(spec for _, spec in _DEVICES)
 
 
+@functools.lru_cache(maxsize=256)
 def lookup_device(name: str) -> DeviceSpec | None:
     """The spec whose pattern matches an NVML device name (``"NVIDIA H100 80GB HBM3"``), if any.
 
     When the name carries a memory size that differs from the nominal one (``A100-SXM4-40GB``,
-    ``V100-SXM2-32GB``), the returned spec carries the size from the name.
+    ``V100-SXM2-32GB``), the returned spec carries the size from the name. Kept per name (a
+    spec is frozen, the table fixed): the engine asks three times a window.
     """
     for pattern, spec in _COMPILED:
         if pattern.search(name):

@@ -50,6 +50,7 @@ from gpumon.analysis.tracker import (
     TrackerTable,
     new_tracker,
     new_version,
+    renewed,
 )
 from gpumon.analysis.window import group_steps, merge_steps, span_s, summarize_gpu_window
 from gpumon.collectors.samples import GpuSample, GpuStatic
@@ -133,6 +134,7 @@ class StepAnalyzer:
             end = step.t_end
             if end is None or end > received_t + CLOCK_SKEW_TOLERANCE_S:
                 step = replace(step, t_start=received_t - step.duration_s)
+                end = step.t_end
             if (step.run, step.rank) != key:  # a batch is mostly one rank's: one look-up
                 key = (step.run, step.rank)
                 state = self._ranks.tracker(key)
@@ -145,7 +147,7 @@ class StepAnalyzer:
                     state.conclude(world_changes=state.analysis.world_changes + 1)
                     received.restart()
                 received.world = step.world
-            received.last_end_t = max(received.last_end_t, step.t_end or received_t)
+            received.last_end_t = max(received.last_end_t, end or received_t)
             # The comparison reads only the records, so it keeps up with them rather than
             # with the analysis, which waits for the GPU samples.
             received.take(step)
@@ -207,7 +209,8 @@ class StepAnalyzer:
             # A rank's steps arrive in order: the ready ones are a prefix.
             k = 0
             for step in pending:
-                if step.t_end is None or step.t_end > cutoff:
+                end = step.t_end
+                if end is None or end > cutoff:
                     break
                 k += 1
             if k == 0:
@@ -298,7 +301,7 @@ class StepAnalyzer:
             else:
                 oom = _oom(assess, memory)
         analysed.last = last
-        return verdict, replace(
+        return verdict, renewed(
             analysis, gpu=index, memory=memory, verdict=verdict, verdict_step=last.step,
             bottleneck_steps=MappingProxyType(dict(bottleneck_steps)), oom=oom,
             step_period_s=period,

@@ -18,11 +18,20 @@ from gpumon.analysis.device_timing import window_phases
 from gpumon.collectors.gpu_fields import GPU_FIELDS
 from gpumon.collectors.samples import GpuSample
 from gpumon.wire import CollectiveOp, CommStats, MemoryStats, StepRecord
+from gpumon.wire.frozen import maker
 
 # Fields averaged over a window (the table's ``window`` rows). Memory used is summarised by
 # its maximum instead: the highest point in a step is what matters for pressure, not the mean.
 MEAN_FIELDS = tuple(f.name for f in GPU_FIELDS if f.window)
-_MEAN_GETTERS = tuple((name, attrgetter(name)) for name in MEAN_FIELDS)
+_means_of = attrgetter(*MEAN_FIELDS)
+"""A sample's ``MEAN_FIELDS``, as a tuple: a window's columns are one ``zip`` of these."""
+assert len(MEAN_FIELDS) > 1, "attrgetter of one name gives the value, not a tuple"
+_time = attrgetter("t")
+# A merged window's records, made by position without a frozen __init__ (``frozen.maker``).
+_step_record = maker(StepRecord)
+_memory_stats = maker(MemoryStats)
+_comm_stats = maker(CommStats)
+_collective_op = maker(CollectiveOp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,21 +89,24 @@ def summarize_gpu_window(samples: Sequence[GpuSample], t0: float, t1: float) -> 
     if not inside:
         return None
 
-    # Field by field, each summed in the samples' order: the same sums as sample by sample,
-    # with a window of a long run's replay holding tens of samples.
+    # Field by field (a column each, the samples' fields read in one call a sample), each
+    # summed in the samples' order: the same sums as sample by sample, with a window of a
+    # long run's replay holding tens of samples.
     means: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for name, get in _MEAN_GETTERS:
-        values = [value for value in map(get, inside) if value is not None]
-        if values:
-            total = 0.0
-            for value in values:
+    columns = zip(*map(_means_of, inside), strict=True)  # every tuple of the same length
+    for name, column in zip(MEAN_FIELDS, columns, strict=True):
+        total, count = 0.0, 0
+        for value in column:
+            if value is not None:
                 total += float(value)
-            means[name] = total / len(values)
-            counts[name] = len(values)
+                count += 1
+        if count:
+            means[name] = total / count
+            counts[name] = count
 
     used = [s.memory_used_bytes for s in inside if s.memory_used_bytes is not None]
-    totals = [s.memory_total_bytes for s in sorted(inside, key=lambda s: s.t)
+    totals = [s.memory_total_bytes for s in sorted(inside, key=_time)
               if s.memory_total_bytes is not None]
     if used:
         counts["memory_used_bytes"] = len(used)
@@ -136,8 +148,10 @@ def merge_steps(steps: Sequence[StepRecord],
     if len(steps) == 1 and (steps[0].device_phases or not device_shares):
         return steps[0]
     first, last = steps[0], steps[-1]
-    if any((s.run, s.rank) != (first.run, first.rank) for s in steps):
-        raise ValueError("merge_steps needs steps of one run and rank")
+    run, rank = first.run, first.rank
+    for s in steps:
+        if s.run != run or s.rank != rank:
+            raise ValueError("merge_steps needs steps of one run and rank")
 
     busy_s = sum(s.duration_s for s in steps)
     starts = [s.t_start for s in steps]
@@ -151,24 +165,13 @@ def merge_steps(steps: Sequence[StepRecord],
 
     phases, device_phases = window_phases(steps, device_shares)
 
-    return StepRecord(
-        run=first.run,
-        rank=first.rank,
-        step=last.step,
-        duration_s=duration_s,
-        world=last.world,
-        local_rank=last.local_rank,
-        t_start=t_start,
-        phases_s=phases,
-        samples=_sum_if_all([s.samples for s in steps]),
-        tokens=_sum_if_all([s.tokens for s in steps]),
-        flops=_sum_if_all_float([s.flops for s in steps]),
-        gpu=last.gpu,
-        pid=last.pid,
-        mem=_merge_mem([s.mem for s in steps]),
-        comm=_merge_comm([s.comm for s in steps]),
-        device_phases=device_phases,
-    )
+    # StepRecord(run=..., ...), by position and without the frozen __init__ (a window each)
+    return _step_record(
+        run, rank, last.step, duration_s, last.world, last.local_rank, t_start, phases,
+        _sum_if_all([s.samples for s in steps]), _sum_if_all([s.tokens for s in steps]),
+        _sum_if_all_float([s.flops for s in steps]), last.gpu, last.pid,
+        _merge_mem([s.mem for s in steps]), _merge_comm([s.comm for s in steps]),
+        None, device_phases, None, None)
 
 
 def group_steps(steps: Sequence[StepRecord], min_window_s: float) -> list[list[StepRecord]]:
@@ -181,9 +184,18 @@ def group_steps(steps: Sequence[StepRecord], min_window_s: float) -> list[list[S
     groups: list[list[StepRecord]] = []
     current: list[StepRecord] = []
     for step in steps:
-        if current and (step.step != current[-1].step + 1 or span_s(current) >= min_window_s):
-            groups.append(current)
-            current = []
+        if current:
+            previous = current[-1]
+            if step.step != previous.step + 1:
+                groups.append(current)
+                current = []
+            else:
+                start, end = current[0].t_start, previous.t_end  # span_s(current), inline
+                span = end - start if start is not None and end is not None \
+                    else sum(s.duration_s for s in current)
+                if span >= min_window_s:
+                    groups.append(current)
+                    current = []
         current.append(step)
     if current:
         groups.append(current)
@@ -215,13 +227,8 @@ def _merge_mem(stats: Sequence[MemoryStats | None]) -> MemoryStats | None:
         return None
     last = present[-1]
     peaks = [m.peak_bytes for m in present if m.peak_bytes is not None]
-    return MemoryStats(
-        allocated_bytes=last.allocated_bytes,
-        reserved_bytes=last.reserved_bytes,
-        peak_bytes=max(peaks) if peaks else None,
-        alloc_retries=last.alloc_retries,
-        ooms=last.ooms,
-    )
+    return _memory_stats(last.allocated_bytes, last.reserved_bytes,
+                         max(peaks) if peaks else None, last.alloc_retries, last.ooms)
 
 
 def _merge_comm(stats: Sequence[CommStats | None]) -> CommStats | None:
@@ -235,9 +242,6 @@ def _merge_comm(stats: Sequence[CommStats | None]) -> CommStats | None:
             count, size, seconds = ops.get(op.name, (0, 0, 0.0))
             ops[op.name] = (count + op.count, size + op.bytes, seconds + op.seconds)
     bubbles = [c.bubble_s for c in present if c.bubble_s is not None]
-    return CommStats(
-        exposed_s=sum(c.exposed_s for c in present),
-        busy_s=sum(c.busy_s for c in present),
-        ops=tuple(CollectiveOp(name, *figures) for name, figures in ops.items()),
-        bubble_s=sum(bubbles) if bubbles else None,
-    )
+    return _comm_stats(sum(c.exposed_s for c in present), sum(c.busy_s for c in present),
+                       tuple(_collective_op(name, *figures) for name, figures in ops.items()),
+                       sum(bubbles) if bubbles else None)

@@ -23,12 +23,13 @@ from gpumon.report.model import (
     MEMORY_COMPONENTS,
     PHASES,
     Mean,
+    Peak,
     ReportError,
     RunModel,
     bin_count,
 )
 from gpumon.report.replay import Scan, quick_scan, replay, scan
-from gpumon.wire import StepRecord
+from gpumon.wire import CollectiveOp, StepRecord
 
 STALL_STEPS = 10
 """A gap between a rank's steps longer than this many typical steps (and ``STALL_MIN_S``) is
@@ -42,6 +43,8 @@ _FIELDS = {"utilization": "utilization_ratio", "sm_active": "sm_active_ratio",
            "tensor_active": "tensor_active_ratio", "dram_active": "dram_active_ratio"}
 _SAMPLE_KEYS = tuple((key, _FIELDS.get(key, key)) for key, _ in (*GPU_METRICS, *LINK_METRICS))
 """(figure key, ``GpuSample`` attribute) of what a GPU sample adds to the page."""
+_STACKED = PHASES[:-1]
+"""The phases a step reports, below the time no phase covers (``other``)."""
 
 
 def choose_run(runs: Counter[str], run: str | None, where: str) -> str:
@@ -121,6 +124,24 @@ def _skipped_text(found: Scan) -> str:
             f"first at lines {lines})")
 
 
+class _Rank:
+    """What the filler keeps of one rank: its tables, its own work and its bubble so far."""
+
+    __slots__ = ("step_time", "peak", "steps", "own_s", "bubble_s", "received_s",
+                 "previous_end")
+
+    def __init__(self, step_time: Mean) -> None:
+        self.step_time = step_time
+        """Its ``model.step_time`` mean, looked up once."""
+        self.peak: Peak | None = None
+        """Its ``model.memory_peak``, once a step of it carried memory figures."""
+        self.steps = 0
+        self.own_s = self.bubble_s = 0.0
+        self.received_s = 0.0
+        """Seconds of its steps that carried a bubble."""
+        self.previous_end: float | None = None
+
+
 class _Filler:
     """Puts each step, sample and verdict into the model's bins as the replay yields it."""
 
@@ -132,7 +153,6 @@ class _Filler:
                         if run == model.run}
         self.samples = self.tokens = 0
         self.gpus: set[int | str] = set()
-        self.previous_end: dict[int, float] = {}
         self.ooms: dict[int, tuple[int, int]] = {}
         self.components: dict[int, dict[str, Mean]] = defaultdict(dict)
         self.gpu_samples: dict[int, dict[str, Mean]] = defaultdict(dict)
@@ -140,13 +160,10 @@ class _Filler:
         self.hints: dict[str, Counter[str]] = defaultdict(Counter)
         self.causes: dict[int, Counter[str]] = defaultdict(Counter)
         self.mfu = Mean(1)
-        self.step_times: dict[int, Mean] = {}
-        """Rank → its ``model.step_time`` mean, looked up once."""
-        self.steps: Counter[int] = Counter()
-        self.own_s: dict[int, float] = defaultdict(float)
-        self.bubble_s: dict[int, float] = defaultdict(float)
-        self.received_s: dict[int, float] = defaultdict(float)  # of steps carrying a bubble
-        model.comm_exposed, model.comm_overlapped = Mean(model.bins), Mean(model.bins)
+        self.ranks: dict[int, _Rank] = {}
+        self.stall_s = max(STALL_MIN_S, STALL_STEPS * typical)
+        self.exposed = model.comm_exposed = Mean(model.bins)
+        self.overlapped = model.comm_overlapped = Mean(model.bins)
         self.phase_means: list[Mean] = []
         self.last_bin = model.bins - 1
         self.factors: dict[tuple[str, int | None], float | None] = {}
@@ -154,96 +171,116 @@ class _Filler:
 
     def step(self, step: StepRecord) -> None:
         """A step into the bins: ten means, a peak, and the rank's own work. A day of 64 ranks
-        is a million steps: ``Mean.add`` and the tables' lookups are inline here."""
+        is a million steps: ``Mean.add``, ``Peak.add`` and the tables' lookups are inline
+        here, and what each rank and each collective looks up is kept (``_rank``, ``_op``)."""
         model, summary = self.model, self.model.summary
-        duration, t_start = step.duration_s, step.t_start
+        duration, t_start, rank = step.duration_s, step.t_start, step.rank
         end = (None if t_start is None else t_start + duration) or model.end  # step.t_end
         i = int((end - model.start) / model.width_s)  # model.index(end)
-        i = 0 if i < 0 else min(i, self.last_bin)
+        i = 0 if i < 0 else (i if i < self.last_bin else self.last_bin)
         summary.steps += 1
         self.samples += step.samples or 0
         self.tokens += step.tokens or 0
         if step.gpu is not None:
             self.gpus.add(step.gpu)
-        step_time = self.step_times.get(step.rank)
-        if step_time is None:
-            step_time = self.step_times[step.rank] = model.mean(model.step_time, step.rank)
+        held = self.ranks.get(rank)
+        if held is None:
+            held = self.ranks[rank] = _Rank(model.mean(model.step_time, rank))
         if isfinite(duration):
-            step_time.sums[i] += duration
-            step_time.counts[i] += 1
+            held.step_time.sums[i] += duration
+            held.step_time.counts[i] += 1
         wait = wait_s(step)
-        self._parallel(step, i, max(0.0, duration - (wait or 0.0)))  # own_work_s
+        own = duration - (wait or 0.0)
+        held.steps += 1
+        held.own_s += own if own > 0.0 else 0.0  # max(0.0, own), NaN included: own_work_s
+        comm = step.comm
+        if comm is not None and comm.bubble_s is not None:
+            self._bubble(held, step, i)
         phases = phases_less_wait(step, wait)  # attributed_phases(step)
-        if not self.phase_means:  # made on the first step, in the order of PHASES
-            self.phase_means = [model.mean(model.phases, name) for name in PHASES]
-        for name, mean in zip(PHASES[:-1], self.phase_means, strict=False):
-            value = phases.get(name, 0.0)
-            if isfinite(value):
-                mean.sums[i] += value
-                mean.counts[i] += 1
+        means = self.phase_means
+        if not means:  # made on the first step, in the order of PHASES
+            means = self.phase_means = [model.mean(model.phases, name) for name in PHASES]
+        get = phases.get
+        for name, mean in zip(_STACKED, means, strict=False):
+            # The phases are finite (``phases_less_wait`` keeps only those, and its ``comm``
+            # is ``wait_s``, finite): ``Mean.add``'s check cannot refuse one.
+            mean.sums[i] += get(name, 0.0)
+            mean.counts[i] += 1
         # sum(v for k, v in phases.items() if k != "other"), the same sum in the same order
         known = sum(v for k, v in phases.items() if k != "other") if "other" in phases \
             else sum(phases.values())
-        other = max(0.0, duration - known)
+        other = duration - known
+        other = other if other > 0.0 else 0.0  # max(0.0, other)
         if isfinite(other):
-            self.phase_means[-1].sums[i] += other
-            self.phase_means[-1].counts[i] += 1
-        exposed, overlapped = model.comm_exposed, model.comm_overlapped
-        assert exposed is not None and overlapped is not None
-        if wait is not None and isfinite(wait):
+            means[-1].sums[i] += other
+            means[-1].counts[i] += 1
+        if wait is not None:  # finite (wait_s): Mean.add, inline
+            exposed = self.exposed
             exposed.sums[i] += wait
             exposed.counts[i] += 1
-        comm = step.comm
         if comm is not None:
-            overlap = max(0.0, comm.busy_s - comm.exposed_s)  # overlapped_s(step)
+            overlap = comm.busy_s - comm.exposed_s
+            overlap = overlap if overlap > 0.0 else 0.0  # overlapped_s(step)
             if isfinite(overlap):
-                overlapped.sums[i] += overlap
-                overlapped.counts[i] += 1
+                self.overlapped.sums[i] += overlap
+                self.overlapped.counts[i] += 1
             for op in comm.ops:
-                key = (op.name, step.world)
-                if key not in self.factors:
-                    self.factors[key] = bus_bandwidth_factor(op.name, step.world)
-                factor = self.factors[key]
-                if factor and op.seconds > 0:
-                    model.mean(model.bus_bandwidth, op.name).add(i, op.bytes / op.seconds * factor)
-                if op.name == "all_to_all":
-                    model.mean(model.all_to_all, step.rank).add(i, op.seconds)
+                self._op(op, step, i)
         if step.moe is not None:
             for load in step.moe.layers:
                 model.peak(model.moe_ratio, load.layer).add(i, load.max_ratio)
-        if step.mem is not None:
-            model.peak(model.memory_peak, step.rank).add(
-                i, step.mem.peak_bytes or step.mem.reserved_bytes)  # made once, not a step
-            if step.mem.ooms is not None:
-                low, high = self.ooms.get(step.rank, (step.mem.ooms, step.mem.ooms))
-                self.ooms[step.rank] = (min(low, step.mem.ooms), max(high, step.mem.ooms))
+        mem = step.mem
+        if mem is not None:
+            peak = held.peak
+            if peak is None:
+                peak = held.peak = model.peak(model.memory_peak, rank)
+            peak.add(i, mem.peak_bytes or mem.reserved_bytes)
+            if mem.ooms is not None:
+                low, high = self.ooms.get(rank, (mem.ooms, mem.ooms))
+                self.ooms[rank] = (min(low, mem.ooms), max(high, mem.ooms))
         if step.memory_breakdown is not None:
             for name in MEMORY_COMPONENTS:
-                model.mean(self.components[step.rank], name).add(
+                model.mean(self.components[rank], name).add(
                     i, getattr(step.memory_breakdown, name))
-        previous = self.previous_end.get(step.rank)
+        previous = held.previous_end
         if previous is not None and t_start is not None:
             gap = t_start - previous
-            if gap > max(STALL_MIN_S, STALL_STEPS * self.typical):
-                summary.stalls[step.rank] = max(gap, summary.stalls.get(step.rank, 0.0))
-        self.previous_end[step.rank] = max(end, previous or end)
+            if gap > self.stall_s:
+                summary.stalls[rank] = max(gap, summary.stalls.get(rank, 0.0))
+        held.previous_end = max(end, previous or end)
 
-    def _parallel(self, step: StepRecord, i: int, own_s: float) -> None:
-        """Own work per step (``own_s``: ``straggler.own_work_s``), and the bubble of a step
-        that received from another rank."""
-        self.steps[step.rank] += 1
-        self.own_s[step.rank] += own_s
-        if step.comm is not None and step.comm.bubble_s is not None:
-            self.bubble_s[step.rank] += step.comm.bubble_s
-            self.received_s[step.rank] += step.duration_s
-            if step.duration_s > 0:
-                self.model.mean(self.model.bubble, step.rank).add(
-                    i, step.comm.bubble_s / step.duration_s)
+    def _bubble(self, held: _Rank, step: StepRecord, i: int) -> None:
+        """The bubble of a step that received from another rank."""
+        assert step.comm is not None and step.comm.bubble_s is not None
+        held.bubble_s += step.comm.bubble_s
+        held.received_s += step.duration_s
+        if step.duration_s > 0:
+            self.model.mean(self.model.bubble, step.rank).add(
+                i, step.comm.bubble_s / step.duration_s)
+
+    def _op(self, op: CollectiveOp, step: StepRecord, i: int) -> None:
+        """A collective's bus bandwidth, and the seconds of an all-to-all."""
+        key = (op.name, step.world)
+        factor = self.factors.get(key, 0.0)
+        if factor == 0.0 and key not in self.factors:
+            factor = self.factors[key] = bus_bandwidth_factor(op.name, step.world)
+        if factor and op.seconds > 0:
+            bandwidth = self.model.bus_bandwidth.get(op.name)
+            if bandwidth is None:
+                bandwidth = self.model.mean(self.model.bus_bandwidth, op.name)
+            value = op.bytes / op.seconds * factor
+            if isfinite(value):  # Mean.add, inline
+                bandwidth.sums[i] += value
+                bandwidth.counts[i] += 1
+        if op.name == "all_to_all":
+            self.model.mean(self.model.all_to_all, step.rank).add(i, op.seconds)
 
     def sample(self, sample: GpuSample) -> None:
-        if not self.model.start <= sample.t <= self.model.end:
+        model, t = self.model, sample.t
+        if not model.start <= t <= model.end:
             return
-        i = self.model.index(sample.t)
+        i = int((t - model.start) / model.width_s)  # model.index(t): t is in the run
+        i = 0 if i < 0 else (i if i < self.last_bin else self.last_bin)
         held = self.gpu_samples[sample.index]
         for key, attribute in _SAMPLE_KEYS:  # a day of 8 GPUs at 1 s: 691,200 samples
             value = getattr(sample, attribute, None)
@@ -284,9 +321,10 @@ class _Filler:
         summary.mfu = self.mfu.values()[0]
         summary.stragglers = {r: c.most_common(1)[0][0] for r, c in sorted(self.causes.items())}
         model.layouts = {r: self.layouts[r] for r in model.ranks if r in self.layouts}
-        model.own_work_s = {r: self.own_s[r] / n for r, n in sorted(self.steps.items())}
-        model.bubble_share = {r: self.bubble_s[r] / t for r, t in sorted(self.received_s.items())
-                              if t > 0}
+        ranks = sorted(self.ranks.items())
+        model.own_work_s = {r: held.own_s / held.steps for r, held in ranks}
+        model.bubble_share = {r: held.bubble_s / held.received_s for r, held in ranks
+                              if held.received_s > 0}
         self._gpus()
         self._memory(analyses)
 

@@ -72,12 +72,21 @@ class Scan:
 
     def step(self, run: str, t_start: float, duration_s: float) -> None:
         """A step of ``run`` with a start: the run's span, and a sample of its step times."""
-        self.runs[run] += 1
-        self.start[run] = min(self.start.get(run, t_start), t_start)
-        self.end[run] = max(self.end.get(run, t_start), t_start + duration_s)
-        kept = self.durations.setdefault(run, [])
-        stride = self._strides.setdefault(run, 1)
-        if self.runs[run] % stride == 0:
+        count = self.runs[run] = self.runs[run] + 1
+        if count == 1:
+            self.start[run] = self.end[run] = t_start
+            self.durations[run] = []
+            self._strides[run] = 1
+        # min(start, t_start) and max(end, t_start + duration_s), as the builtins choose
+        # (the first unless the second is smaller or larger), a million times over
+        start, end = self.start[run], t_start + duration_s
+        if t_start < start:
+            self.start[run] = t_start
+        if end > self.end[run]:
+            self.end[run] = end
+        stride = self._strides[run]
+        if count % stride == 0:
+            kept = self.durations[run]
             kept.append(duration_s)
             if len(kept) >= SAMPLED_DURATIONS:
                 del kept[::2]
@@ -238,7 +247,10 @@ def replay(lines: Iterable[str], run: str, found: Scan,
         if isinstance(item, GpuSample):
             if check is not None:
                 check.gpu(item.index, item.t)
-            gpus.setdefault(item.index, _Samples()).add(item)
+            held = gpus.get(item.index)
+            if held is None:  # not setdefault: that makes a _Samples for every sample
+                held = gpus[item.index] = _Samples()
+            held.add(item)
             on_sample(item)
             continue
         if check is not None and item.t_start is not None:

@@ -165,3 +165,21 @@ def test_an_analysis_gets_a_new_version_whenever_it_changes() -> None:
                 score_only += replace(analysis, straggler_score=before.straggler_score) == before
             seen[analysis.rank] = analysis
     assert score_only >= 1 and seen[3].verdict_step == 5
+
+
+def test_a_renewed_analysis_is_the_one_replace_makes() -> None:
+    """``tracker.renewed`` copies values where ``dataclasses.replace`` calls ``__init__``: the
+    same fields (the version too, which equality leaves out), and the same error for a name
+    that is no field."""
+    from types import MappingProxyType
+
+    from gpumon.analysis.tracker import RankAnalysis, renewed
+
+    old = RankAnalysis(run="r", rank=3, gpu=1, bottleneck_steps=MappingProxyType({"compute": 2}),
+                       straggler_score=1.5, version=7)
+    changes = {"gpu": 2, "verdict_step": 9, "own_work_s": 0.25, "version": 8}
+    new, expected = renewed(old, **changes), replace(old, **changes)
+    assert type(new) is RankAnalysis and vars(new) == vars(expected) and new.version == 8
+    assert vars(old)["gpu"] == 1 and old.version == 7  # the old one is left as it was
+    with pytest.raises(TypeError):
+        renewed(old, no_such_field=1)

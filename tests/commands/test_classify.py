@@ -65,3 +65,22 @@ def test_classify_missing_file_is_a_clear_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().endswith("No such file or directory")
     assert result.stderr.startswith("gpumon: error: cannot read")
+
+
+@pytest.mark.parametrize("text", [
+    '{"kind":"step","a":1}\n', '{"a":1}', ' {"a":1}', '{"a":1} \n', '{"a":1}\r\n', '{"a":1}\t',
+    '[1,2]\n\n', '"s"\n', '1e999', '{"a":NaN,"b":-Infinity}\n', '{"a":"\\u00e9\\n"}\n',
+    '\ufeff{"a":1}', '{"a":1}x', '{"a":1}\n{"b":2}\n', '{"a":1}\x0b', '', '  ', '{"a":', '{"a":01}',
+])
+def test_a_line_is_read_as_json_loads_reads_it(text: str) -> None:
+    """The recording's reader (``classify._loads``) gives ``json.loads``'s value, or its error,
+    whatever is around the value."""
+    from gpumon.commands.classify import _loads
+
+    def outcome(loads: object) -> tuple[str, str]:
+        try:
+            return "value", repr(loads(text))  # type: ignore[operator]
+        except ValueError as exc:
+            return type(exc).__name__, str(exc)
+
+    assert outcome(_loads) == outcome(json.loads)
