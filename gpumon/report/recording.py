@@ -17,6 +17,7 @@ from gpumon.analysis.bottleneck import Flag
 from gpumon.analysis.comm import bus_bandwidth_factor, phases_less_wait, wait_s
 from gpumon.analysis.stream import RankAnalysis, StepVerdict
 from gpumon.collectors.samples import GpuSample
+from gpumon.report.binned import Binned, worth_it
 from gpumon.report.model import (
     GPU_METRICS,
     LINK_METRICS,
@@ -28,7 +29,7 @@ from gpumon.report.model import (
     RunModel,
     bin_count,
 )
-from gpumon.report.replay import Scan, quick_scan, replay, scan
+from gpumon.report.replay import Scan, in_order, quick_scan, replay, scan
 from gpumon.wire import CollectiveOp, StepRecord
 
 STALL_STEPS = 10
@@ -105,11 +106,30 @@ def _load(path: Path, run: str | None, found: Scan) -> tuple[RunModel, Scan]:
                          in sorted(found.times.items()) if run_name == name}
     filler = _Filler(model, found, typical=statistics.median(durations))
     check = Scan()
-    with _lines(path) as lines:
-        analyses = replay(lines, name, found, filler.step, filler.sample, filler.verdict,
-                          min_window_s=model.width_s / WINDOWS_PER_BIN, check=check)
+    binned = Binned(lambda: fill_bins(path, name, filler), filler) if worth_it() else None
+    try:
+        with _lines(path) as lines:
+            analyses = replay(lines, name, found, None if binned else filler.step,
+                              None if binned else filler.sample, filler.verdict,
+                              min_window_s=model.width_s / WINDOWS_PER_BIN, check=check)
+    except BaseException:
+        if binned is not None:
+            binned.abandon()
+        raise
+    if binned is not None:
+        binned.take_into(filler)
     filler.finish(analyses)
     return model, check
+
+
+def fill_bins(path: Path, run: str, filler: _Filler) -> None:
+    """The steps and GPU samples into ``filler``'s bins, in the replay's order."""
+    with _lines(path) as lines:
+        for item in in_order(lines, run):
+            if isinstance(item, GpuSample):
+                filler.sample(item)
+            else:
+                filler.step(item[1])
 
 
 def _skipped(model: RunModel, found: Scan) -> None:

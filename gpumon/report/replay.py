@@ -201,24 +201,54 @@ class _Samples:
         return self.samples[bisect_left(self.times, t0):bisect_right(self.times, t1)]
 
 
+def in_order(lines: Iterable[str], run: str,
+             check: Scan | None = None) -> Iterator[GpuSample | tuple[float, StepRecord]]:
+    """Every GPU sample as it comes, and every step of ``run`` as (its end, it) in the order
+    the steps ended (within ``REORDER_S``): the order ``replay`` feeds its callbacks in, which
+    the bins' sums depend on. ``check`` gets what ``scan`` finds."""
+    order = itertools.count()
+    heap: list[tuple[float, int, StepRecord]] = []
+    latest = -float("inf")
+    for item in parsed(lines, check):
+        if isinstance(item, GpuSample):
+            if check is not None:
+                check.gpu(item.index, item.t)
+            yield item
+            continue
+        if check is not None and item.t_start is not None:
+            check.step(item.run, item.t_start, item.duration_s)
+        if item.run != run or item.t_start is None:
+            continue
+        end = item.t_start + item.duration_s
+        heapq.heappush(heap, (end, next(order), item))
+        if end > latest:
+            latest = end
+        until = latest - REORDER_S
+        while heap and heap[0][0] <= until:
+            end, _, step = heapq.heappop(heap)
+            yield end, step
+    while heap:
+        end, _, step = heapq.heappop(heap)
+        yield end, step
+
+
 def replay(lines: Iterable[str], run: str, found: Scan,
-           on_step: Callable[[StepRecord], None],
-           on_sample: Callable[[GpuSample], None],
+           on_step: Callable[[StepRecord], None] | None,
+           on_sample: Callable[[GpuSample], None] | None,
            on_verdict: Callable[[StepVerdict, float], None],
            min_window_s: float = 0.0, check: Scan | None = None) -> list[RankAnalysis]:
     """The second pass: every step of ``run`` to ``on_step`` in the order they ended, every GPU
-    sample to ``on_sample``, every verdict to ``on_verdict`` with when its last step ended;
-    returns the engine's last analysis of each rank (its OOM risk, the only one read: assessed
-    once, at the end, ``StepAnalyzer``'s ``oom_when_read``). ``check`` gets what
-    ``scan`` finds, from the lines as the replay reads them."""
+    sample to ``on_sample`` (either may be None: the bins filled elsewhere), every verdict to
+    ``on_verdict`` with when its last step ended; returns the engine's last analysis of each
+    rank (its OOM risk, the only one read: assessed once, at the end, ``StepAnalyzer``'s
+    ``oom_when_read``). ``check`` gets what ``scan`` finds, from the lines as the replay reads
+    them."""
     resolution = max(statistics.median(found.gaps) if found.gaps else 1.0, min_window_s)
     analyzer = StepAnalyzer(resolution_s=resolution, oom_when_read=True)
     gpus: dict[int, _Samples] = {}
     statics = list(found.statics.values())
-    order = itertools.count()
-    heap: list[tuple[float, int, StepRecord]] = []
     ends: dict[tuple[int, int], float] = {}
-    state = {"processed": -float("inf"), "latest": -float("inf")}
+    processed = -float("inf")
 
     def history(index: int, t0: float, t1: float) -> list[GpuSample]:
         held = gpus.get(index)
@@ -230,37 +260,25 @@ def replay(lines: Iterable[str], run: str, found: Scan,
         for verdict in analyzer.process(now, history, statics, latest, found.layouts):
             last = max((ends.pop((verdict.rank, s), now) for s in verdict.steps), default=now)
             on_verdict(verdict, last)
-        state["processed"] = now
         for held in gpus.values():
             held.trim(now - HISTORY_S)
 
-    def release(until: float) -> None:
-        while heap and heap[0][0] <= until:
-            end, _, step = heapq.heappop(heap)
-            on_step(step)
-            ends[(step.rank, step.step)] = end
-            analyzer.add([step], received_t=end)
-            if end - state["processed"] >= resolution:
-                process(end)
-
-    for item in parsed(lines, check):
+    for item in in_order(lines, run, check):
         if isinstance(item, GpuSample):
-            if check is not None:
-                check.gpu(item.index, item.t)
             held = gpus.get(item.index)
             if held is None:  # not setdefault: that makes a _Samples for every sample
                 held = gpus[item.index] = _Samples()
             held.add(item)
-            on_sample(item)
+            if on_sample is not None:
+                on_sample(item)
             continue
-        if check is not None and item.t_start is not None:
-            check.step(item.run, item.t_start, item.duration_s)
-        if item.run != run or item.t_start is None:
-            continue
-        end = item.t_start + item.duration_s
-        heapq.heappush(heap, (end, next(order), item))
-        state["latest"] = max(state["latest"], end)
-        release(state["latest"] - REORDER_S)
-    release(float("inf"))
+        end, step = item
+        if on_step is not None:
+            on_step(step)
+        ends[(step.rank, step.step)] = end
+        analyzer.add([step], received_t=end)
+        if end - processed >= resolution:
+            process(end)
+            processed = end
     process(float("inf"))
     return analyzer.analyses()
