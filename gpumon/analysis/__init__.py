@@ -20,6 +20,7 @@ Memory:
 - ``memory``: the memory model shared by the estimator and the live breakdown.
 - ``estimate``: the ``gpumon estimate`` memory estimator.
 
-Imports only the standard library, ``gpumon.wire``, ``gpumon.collectors.samples`` and
+Imports only the standard library, ``gpumon.wire`` (and ``gpumon.wire.frozen``, which makes a
+merged window's records without their frozen ``__init__``), ``gpumon.collectors.samples`` and
 ``gpumon.collectors.gpu_fields`` (the GPU fields a window averages).
 """

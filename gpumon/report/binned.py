@@ -5,8 +5,9 @@ into the page's time bins, ``recording._Filler``) and the verdicts (the engine o
 steps, ``replay.replay``). Each reads every line; in one process they take turns, and a day of
 64 ranks took a minute. Where the process may run on two cores, a forked child fills the bins
 while the parent runs the engine, and hands its filler's state back through a pipe, pickled: a
-few megabytes of bins, not the steps. Both sides parse the file, so the report costs about a
-third more CPU time for about two-thirds of the wall time (``benchmarks/RESULTS.md`` §14).
+few megabytes of bins, not the steps. Both sides parse the file, so the report costs a tenth to
+a fifth more CPU time than in one process, for about 0.7 of its wall time
+(``benchmarks/RESULTS.md`` §14).
 
 The page is the same: the child fills the same bins in the same order (``replay.in_order``),
 as ``tests/report/test_binned.py`` holds. A child that fails leaves the bins to the parent,
