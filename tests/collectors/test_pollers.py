@@ -33,13 +33,20 @@ def poller_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("gpumon-nvml-")}
 
 
-def test_one_thread_polls_every_gpu_until_one_hangs_then_it_is_isolated_and_comes_back() -> None:
+def eight_gpus(timeout_s: float) -> tuple[PollerSet, list[Device], list[int]]:
+    """Eight devices on a set, and the GPUs it reports timed out."""
     timeouts: list[int] = []
-    pollers = PollerSet(wait_s=1.0, timeout_s=2.0, on_timeout=timeouts.append, budget_s=0.05)
+    pollers = PollerSet(wait_s=1.0, timeout_s=timeout_s, on_timeout=timeouts.append,
+                        budget_s=0.05)
     devices = [Device(i) for i in range(8)]
-    before = poller_threads()
     for device in devices:
         pollers.add(device)
+    return pollers, devices, timeouts
+
+
+def test_one_thread_polls_every_gpu_until_one_hangs_then_it_is_isolated_and_comes_back() -> None:
+    before = poller_threads()
+    pollers, devices, timeouts = eight_gpus(timeout_s=2.0)
     try:
         for cycle in range(3):
             samples = pollers.sample(float(cycle), float(cycle))
@@ -102,12 +109,8 @@ class Stream:
 
 
 def test_a_stream_hands_samples_on_from_its_worker_and_isolates_a_hung_gpu_a_cycle_later() -> None:
-    timeouts: list[int] = []
-    pollers = PollerSet(wait_s=1.0, timeout_s=0.5, on_timeout=timeouts.append, budget_s=0.05)
-    devices = [Device(i) for i in range(8)]
+    pollers, devices, timeouts = eight_gpus(timeout_s=0.5)
     stream = Stream()
-    for device in devices:
-        pollers.add(device)
     try:
         devices[0].free.clear()
         pollers.cycle(0.0, 0.0, stream.deliver)  # returns with GPU 0's poll still held
