@@ -27,8 +27,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-VERDICT_STATE = frozenset({"model", "walls", "hints", "causes", "mfu"})
-"""The filler's attributes the parent's engine fills (and its model, whose bins are copied)."""
+VERDICT_STATE = frozenset({"walls", "hints", "causes", "mfu"})
+"""The filler's attributes the parent's engine fills: the child's are not sent."""
 
 
 def worth_it() -> bool:
@@ -52,7 +52,6 @@ class Binned:
             try:
                 fill()
                 state = {k: v for k, v in vars(filler).items() if k not in VERDICT_STATE}
-                state["model"] = filler.model
                 with os.fdopen(writer, "wb") as out:
                     out.write(pickle.dumps(state, protocol=pickle.HIGHEST_PROTOCOL))
                 code = 0
