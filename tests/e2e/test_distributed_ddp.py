@@ -132,8 +132,9 @@ def test_a_rank_with_a_slow_input_pipeline_makes_its_peer_wait(
 def test_a_rank_sharing_its_core_is_a_host_straggler(
     agent: AgentProcess, tmp_path: Path
 ) -> None:
-    """Each rank pinned to a core of its own, rank 1's shared with two processes that only spin:
-    rank 1 has no more work than rank 0, its training thread waits for its core. The job's
+    """Each rank pinned to a core of its own, rank 1's shared with a process that only spins
+    and outweighs it (rank 1 runs niced): rank 1 has no more work than rank 0, its training
+    thread waits for its core, whatever else the host runs. The job's
     own truth: its training threads' CPU time per step (the work) and their run delay (the
     wait), which each rank reads from the kernel itself."""
     job = run_job(agent, tmp_path, "ddp_job.py", 2,

@@ -54,7 +54,7 @@ def main() -> None:
     parser.add_argument("--slow-forward-ms", type=float, default=0.0)
     parser.add_argument("--slow-input-ms", type=float, default=0.0)
     parser.add_argument("--hog-rank", type=int, default=-1,
-                        help="pin each rank to one core, and two spinning processes beside this one")
+                        help="pin each rank to a core, and on this one a spinner that outweighs it")
     parser.add_argument("--comm-hook", choices=("none", "fp16"), default="none")
     parser.add_argument("--hook-before-watch", action="store_true")
     parser.add_argument("--no-watch", action="store_true")
@@ -294,21 +294,34 @@ def _late_by(delay_s: float, lateness_s: list[float]) -> object:
     return hook
 
 
+HOG_NICE = 5
+"""The shared rank's nice value: a weight of 335, a third of the spinner's 1024."""
+
+
 def _share_core(rank: int, hog_rank: int) -> list[subprocess.Popen[bytes]]:
-    """Pin this rank to a core of its own; the ``hog_rank`` rank gets two spinning processes
-    on its core, so its threads have a third of it."""
+    """Pin this rank to a core of its own; the ``hog_rank`` rank shares its core with a
+    spinning process that outweighs it.
+
+    The handicap is a weight, not a count of spinners: this rank runs at nice +5 (a weight of
+    335 against the spinner's 1024), so it gets about a quarter of its core whenever the
+    spinner is runnable, and its core's load stays about one task's. The scheduler then has
+    no reason to move the host's other work onto the peer's core: with two spinners at equal
+    weight it did, and under a busy host the peer's core ended as shared as this one.
+    """
     cores = sorted(os.sched_getaffinity(0))
     core = cores[rank % len(cores)]
     os.sched_setaffinity(0, {core})
     if rank != hog_rank:
         return []
-    # It spins while this rank lives (at most ten minutes), whatever becomes of the rank.
+    # It spins while this rank lives (at most ten minutes), whatever becomes of the rank; it
+    # starts before this rank lowers its own weight, so that it keeps the default.
     spin = (f"import os, time\nend = time.time() + 600\n"
             f"while os.getppid() == {os.getpid()} and time.time() < end: pass")
-    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
-    for spinner in spinners:
-        os.sched_setaffinity(spinner.pid, {core})
-    return spinners
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    os.sched_setaffinity(spinner.pid, {core})
+    for thread in os.listdir("/proc/self/task"):  # nice is a thread's; later threads inherit it
+        os.setpriority(os.PRIO_PROCESS, int(thread), HOG_NICE)
+    return [spinner]
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
