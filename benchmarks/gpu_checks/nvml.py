@@ -106,9 +106,13 @@ def section_nvml(report: Report, result: dict[str, Any], env: dict[str, str],
                      {k: gpu["populated"].get(k) for k in essential})
     xid = data.get("xid_watcher") or {}
     quiet = xid.get("quiet_wait") or {}
-    # The XID wait is one prepared call: on a quiet node it returns at its 1 s timeout.
+    # The XID wait is one prepared call: on a quiet node it returns at its 1 s timeout, and
+    # the agent's look at every poll round (no wait) returns at once.
     report.check("nvml.xid_wait_times_out", quiet.get("event") is False
                  and 0.5 <= quiet.get("seconds", 0.0) <= 3.0, quiet)
+    check = xid.get("quiet_check") or {}
+    report.check("nvml.xid_check_returns_at_once", check.get("event") is False
+                 and check.get("seconds", 1.0) <= 0.05, check)
     stream = data.get("stream") or {}
     handed = stream.get("handed", [])
     # Three cycles of the agent's stream: every GPU handed on by a polling thread, each time.

@@ -75,25 +75,24 @@ def nvml_child(cycles: int, time_limit_s: float, scratch: str) -> dict[str, Any]
                 "samples_taken": len(mine),
             })
         out["gpumon_samples"] = per_gpu
-        # XID watcher: registers, waits (no event expected), stops.
+        # XID events: registered, then taken with the polls (none expected); one look at the
+        # quiet set without waiting, and one prepared wait of 1 s, which returns at its timeout.
         try:
             xids: list[tuple[int, int]] = []
-            watcher = source.xid_watcher(lambda gpu, xid: xids.append((gpu, xid)))
-            watcher.start()
-            time.sleep(2.5)
-            watcher.stop()
-            watcher.join(timeout=3.0)
-            out["xid_watcher"] = {"registered": watcher.registered, "events": xids,
-                                  "still_alive": watcher.is_alive()}
-            if not watcher.is_alive():  # one prepared wait on the quiet set: its timeout
-                wait = watcher._prepared_wait()
-                began = now()
-                answer = wait()
-                out["xid_watcher"]["quiet_wait"] = {
-                    "event": answer is not None, "seconds": round(now() - began, 3)}
-            watcher.close()
+            watching = source.watch_xids(lambda gpu, xid: xids.append((gpu, xid)))
+            events = source._xids
+            out["xid_watcher"] = {"watching": watching,
+                                  "registered": events.registered if events else []}
+            if events is not None and watching:
+                for timeout_ms, key in ((0, "quiet_check"), (1000, "quiet_wait")):
+                    look = events.prepared_check(timeout_ms)
+                    began = now()
+                    answer = look()
+                    out["xid_watcher"][key] = {
+                        "event": answer is not None, "seconds": round(now() - began, 3)}
+            out["xid_watcher"]["events"] = xids
         except Exception:
-            failed("XidWatcher")
+            failed("XidEvents")
         # The agent's cycle: the polling thread hands every GPU's sample on itself.
         try:
             import threading

@@ -39,7 +39,7 @@ from gpumon.agent.sources import given_source_status, open_gpu_source
 from gpumon.agent.trace_api import trace_api
 from gpumon.agent.traces import TraceDesk, trace_settings
 from gpumon.agent.views import AgentCollector, readiness, snapshot_document
-from gpumon.collectors.base import EventWatcher, GpuSource
+from gpumon.collectors.base import GpuSource
 from gpumon.collectors.ingest import IngestServer, IngestStatus
 from gpumon.collectors.liveness import ExitWatcher, ProcessLiveness, started_monotonic
 from gpumon.collectors.rings import RingKeeper
@@ -77,7 +77,6 @@ class Agent:
         self._clock = Clock("gpumon-clock", self.state)
         self._threads: list[Clock] = [self._clock]
         """The shared clock, and the clocks of cycles that may wait on something else."""
-        self._xid: EventWatcher | None = None
         self._server: MetricsServer | None = None
         self._liveness = ProcessLiveness()
         self._exits = ExitWatcher(max_pids=config.max_ranks)
@@ -146,8 +145,6 @@ class Agent:
         self.run_every("housekeeping", HOUSEKEEPING_INTERVAL_S, self._housekeeping)
         for thread in self._threads:
             thread.start()
-        if self._xid is not None:
-            self._xid.start()
         self._server.start()
         host = f"[{self.config.address}]" if ":" in self.config.address else self.config.address
         log.info("gpumon %s serving on http://%s:%d/metrics", __version__, host,
@@ -181,10 +178,6 @@ class Agent:
             clock = Clock(f"gpumon-{name}", self.state)
             self._threads.append(clock)
         return clock.every(name, interval_s, collect, finishes_later)
-
-    def run_watcher(self, watcher: EventWatcher) -> None:
-        """A source's event thread (NVML's XIDs), started, stopped and closed with the agent."""
-        self._xid = watcher
 
     def watch_senders(self, seen: Callable[[int], None]) -> None:
         """Have ``seen(pid)`` called with the sender of every datagram that brings accepted
@@ -230,8 +223,6 @@ class Agent:
             self.traces = None
         for thread in self._threads:
             thread.stop()
-        if self._xid is not None:
-            self._xid.stop()
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -239,10 +230,6 @@ class Agent:
             if thread.ident is not None:  # started (a start that failed may not have)
                 thread.join(timeout=2.0)
         self.render_ahead.stop()
-        if self._xid is not None:
-            self._xid.join(timeout=2.0)
-            self._xid.close()
-            self._xid = None
         if self._recorder is not None:
             self._record_times(time.time(), time.monotonic())
             self._recorder.close()

@@ -14,18 +14,6 @@ from typing import Protocol
 from gpumon.collectors.samples import GpuSample, GpuStatic
 
 
-class EventWatcher(Protocol):
-    """A thread delivering a source's asynchronous events (NVML's XID errors)."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
-    def join(self, timeout: float | None = None) -> None: ...
-
-    def close(self) -> None: ...
-
-
 class GpuSource(Protocol):
     """A node's GPUs: static facts, one poll of every GPU, events, GPUs that appear later."""
 
@@ -42,7 +30,9 @@ class GpuSource(Protocol):
         """One cycle of the agent's schedule: every GPU's sample to ``deliver``, now or as
         its poll ends (on a thread of the source's own: NVML's workers)."""
 
-    def xid_watcher(self, on_xid: Callable[[int, int], None]) -> EventWatcher | None: ...
+    def watch_xids(self, on_xid: Callable[[int, int], None]) -> bool:
+        """Report the GPUs' XID errors (gpu, xid) to ``on_xid`` from now on, taken as the
+        source polls; whether it can."""
 
     def discover(self) -> list[GpuStatic]: ...
 

@@ -15,6 +15,10 @@ A GPU still inside a poll after ``timeout_s`` is reported down with
 ``error="nvml_timeout"`` until a poll finishes in time again; what its late poll returns is
 dropped (it describes a moment long past).
 
+A pollable whose index is negative is not a GPU (NVML's XID events, checked at every round):
+it is polled, isolated and rejoined like one, and returns no sample; it is never reported
+down.
+
 The agent runs the set as a stream (``cycle``): each worker hands its round's samples on as
 soon as the round ends, on its own thread, and what ``sample`` does after its wait (an
 overrunning GPU isolated, a healthy one rejoined, a hung one reported down) is done at the
@@ -47,7 +51,12 @@ class Pollable(Protocol):
 
     index: int
 
-    def sample(self, now: float, monotonic: float) -> GpuSample: ...
+    def sample(self, now: float, monotonic: float) -> GpuSample | None: ...
+
+
+def describe(device: Pollable) -> str:
+    """How the logs name a pollable: a GPU by its index, else what it is."""
+    return f"GPU {device.index}" if device.index >= 0 else type(device).__name__
 
 
 class Worker:
@@ -145,7 +154,7 @@ class Worker:
                 try:
                     sample: GpuSample | None = device.sample(now, monotonic)
                 except Exception:  # the device's own errors are its business; keep polling
-                    log.exception("polling GPU %d failed", device.index)
+                    log.exception("polling %s failed", describe(device))
                     sample = None
                 took = time.monotonic() - started
                 with self._lock:
@@ -293,7 +302,7 @@ class PollerSet:
         were, and have not answered since); ``on_timeout`` for each newly so."""
         down = []
         for index, device in list(self._devices.items()):
-            if index in answered:
+            if index in answered or index < 0:
                 continue
             with self._lock:
                 timed_out = index in self._timed_out
@@ -329,9 +338,9 @@ class PollerSet:
         others = shared.keep_only(device)
         self._isolated[device.index] = shared
         self._shared = self._worker(others, "all") if others else None
-        log.warning("GPU %d: an NVML poll has taken %.2f s (budget %.2f s): polling it on a "
+        log.warning("%s: an NVML poll has taken %.2f s (budget %.2f s): polling it on a "
                     "thread of its own so the other GPUs keep their schedule",
-                    device.index, busy_s, self.budget_s)
+                    describe(device), busy_s, self.budget_s)
         return shared
 
     def _rejoin_healthy(self) -> None:
@@ -347,8 +356,8 @@ class PollerSet:
                 self._shared = self._worker([device], "all")
             else:
                 self._shared.add(device)
-            log.warning("GPU %d answers NVML within its budget again: back on the shared "
-                        "polling thread", index)
+            log.warning("%s answers NVML within its budget again: back on the shared "
+                        "polling thread", describe(device))
 
     def stop(self, timeout_s: float = 1.0) -> bool:
         """Stop every worker; whether all finished (False: one is stuck in the driver)."""

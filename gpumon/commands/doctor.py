@@ -56,9 +56,7 @@ def diagnose(port: int, socket_path: Path) -> dict[str, Any]:
                     "mig": static.mig_enabled, "nvlink_links": static.nvlink_link_count,
                     "groups": groups,
                 })
-            watcher = source.xid_watcher(lambda gpu, xid: None)
-            report["nvml"]["xid_events"] = bool(watcher.registered)
-            watcher.close()
+            report["nvml"]["xid_events"] = source.watch_xids(lambda gpu, xid: None)
         finally:
             source.close()
     report["checks"] = [_device_files(), _socket_dir(socket_path), _port(port)]

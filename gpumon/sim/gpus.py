@@ -203,9 +203,9 @@ class SimulatedSource:
         """Simulated GPUs never appear later."""
         return []
 
-    def xid_watcher(self, on_xid: object) -> None:
+    def watch_xids(self, on_xid: object) -> bool:
         """Simulated GPUs raise no XID events."""
-        return None
+        return False
 
     def close(self) -> None:
         """Nothing to release."""

@@ -157,3 +157,45 @@ def test_a_stream_hands_samples_on_from_its_worker_and_isolates_a_hung_gpu_a_cyc
         for device in devices:
             device.free.set()
         assert pollers.stop(2.0)
+
+
+class Check(Device):
+    """A pollable that is not a GPU (as the XID events' check): it returns no sample."""
+
+    def __init__(self) -> None:
+        super().__init__(-1)
+
+    def sample(self, now: float, monotonic: float) -> None:  # type: ignore[override]
+        super().sample(now, monotonic)
+        return None
+
+
+def test_a_check_that_is_not_a_gpu_rides_the_round_and_when_it_hangs_is_isolated_not_down() -> None:
+    pollers, devices, timeouts = eight_gpus(timeout_s=0.5)
+    check = Check()
+    pollers.add(check)
+    stream = Stream()
+    try:
+        pollers.cycle(0.0, 0.0, stream.deliver)
+        wait_for(lambda: len(stream.of_cycle(0.0)) == 8, timeout=5, what="the first round")
+        assert check.polls == 1 and check.last_thread == devices[0].last_thread  # same round
+        assert -1 not in stream.of_cycle(0.0)
+
+        check.free.clear()  # the check stops returning: it is polled first, the GPUs wait
+        pollers.cycle(1.0, 1.0, stream.deliver)
+        wait_for(lambda: (pollers._shared.in_poll() or (None, 0.0))[1] > 0.05  # type: ignore[union-attr]
+                 and check.threads, timeout=5, what="the worker to be stuck in the check")
+        pollers.cycle(2.0, 2.0, stream.deliver)
+        assert pollers.isolated() == [-1]
+        wait_for(lambda: len(stream.of_cycle(2.0)) == 8, timeout=5,
+                 what="the GPUs polled by a fresh worker")
+        wait_for(lambda: pollers._busy_for(check) > 0.5, timeout=5, what="the check past timeout")
+        pollers.cycle(3.0, 3.0, stream.deliver)
+        wait_for(lambda: len(stream.of_cycle(3.0)) == 8, timeout=5, what="the GPUs again")
+        assert timeouts == [] and all(s.up for s in stream.samples)  # never reported down
+        assert all(s.index >= 0 for s in stream.samples)
+    finally:
+        check.free.set()
+        for device in devices:
+            device.free.set()
+        assert pollers.stop(2.0)

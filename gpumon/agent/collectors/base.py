@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from gpumon.agent.recorder import Recorder
     from gpumon.agent.scheduler import Periodic
-    from gpumon.collectors.base import EventWatcher, GpuSource
+    from gpumon.collectors.base import GpuSource
     from gpumon.collectors.ingest import IngestServer
     from gpumon.collectors.rings import RingKeeper
     from gpumon.collectors.samples import SenderCredentials
@@ -69,8 +69,6 @@ class CollectorAgent(Protocol):
 
     def run_every(self, name: str, interval_s: float, collect: Callable[[float, float], None],
                   finishes_later: bool = False, own_thread: bool = False) -> Periodic: ...
-
-    def run_watcher(self, watcher: EventWatcher) -> None: ...
 
     def take_records(self, records: list[Record], sender: SenderCredentials,
                      ended: bool = False) -> None: ...

@@ -1,5 +1,6 @@
 """The ``nvml`` collector: the agent's GPU source (NVML, or the simulator standing in for it)
-polled every interval, GPUs that appear later looked for, and the source's XID events watched."""
+polled every interval, GPUs that appear later looked for, and the source's XID events taken
+with each poll."""
 
 from __future__ import annotations
 
@@ -20,15 +21,13 @@ DISCOVER_EVERY_CYCLES = 30  # look for GPUs that appeared after start (30 s at 1
 
 def start(agent: CollectorAgent) -> None:
     """Poll the agent's GPU source every interval on the agent's clock (the source polls on
-    threads of its own), when the agent has one."""
+    threads of its own, its XID events with its GPUs), when the agent has one."""
     source = agent.gpu_source
     if source is None:
         return
     agent.run_every(source.name, agent.config.interval, GpuPoll(agent, source).poll,
                     finishes_later=True)
-    watcher = source.xid_watcher(agent.state.add_xid)
-    if watcher is not None:
-        agent.run_watcher(watcher)
+    source.watch_xids(agent.state.add_xid)
 
 
 class GpuPoll:

@@ -4,13 +4,13 @@
 absence, a missing symbol falls back to the older one, learnt once per process, a GPU off
 the bus raises ``GpuLost``);
 ``library`` loads and releases NVML and names its errors;
-``source`` discovers the node's GPUs, polls them (``pollers``) and watches XID events.
+``source`` discovers the node's GPUs, polls them (``pollers``) and, with them, the XID events.
 """
 
 from gpumon.collectors.nvml.device import CLOCK_EVENT_REASONS, NvmlDevice
 from gpumon.collectors.nvml.field_values import ALL_LINKS_SCOPE
 from gpumon.collectors.nvml.library import GpuLost, NvmlUnavailable, error_name, init, shutdown
-from gpumon.collectors.nvml.source import NvmlSource, XidWatcher
+from gpumon.collectors.nvml.source import NvmlSource, XidEvents
 
 __all__ = [
     "ALL_LINKS_SCOPE",
@@ -19,7 +19,7 @@ __all__ = [
     "NvmlDevice",
     "NvmlSource",
     "NvmlUnavailable",
-    "XidWatcher",
+    "XidEvents",
     "error_name",
     "init",
     "shutdown",

@@ -18,26 +18,40 @@ from gpumon.collectors.samples import GpuSample, GpuStatic
 log = logging.getLogger("gpumon.collectors.nvml")
 
 
-class XidWatcher(threading.Thread):
-    """Waits for XID critical-error events on its own thread and reports (gpu, xid)."""
+XID_CHECK_INDEX = -1
+"""The XID check's place among the pollers' devices: before the GPUs, and not one of them."""
 
-    def __init__(self, devices: list[NvmlDevice], on_xid: Callable[[int, int], None],
-                 on_error: Callable[[str, str], None], timeout_ms: int = 1000) -> None:
-        super().__init__(name="gpumon-xid", daemon=True)
+
+class XidEvents:
+    """The node's XID critical-error events, taken without waiting at every poll round.
+
+    It is polled with the GPUs (``PollerSet``, as a pollable whose index is not a GPU's): each
+    round drains the event set with a zero timeout, on the thread already awake for the GPUs,
+    so an event is reported within one interval of its arrival. A thread of its own waiting on
+    the set woke once a second on a quiet node, which cost more than the check. Should the
+    check hang (a wedged driver), the pollers isolate it as they do a GPU, and the GPUs keep
+    their schedule.
+    """
+
+    index = XID_CHECK_INDEX
+
+    def __init__(self, on_xid: Callable[[int, int], None],
+                 on_error: Callable[[str, str], None]) -> None:
         self._on_xid = on_xid
         self._on_error = on_error
-        self._timeout_ms = timeout_ms
-        self._stop_event = threading.Event()
         self._event_set: Any = None
         self._index_by_uuid: dict[str, int] = {}
         self.registered: list[int] = []
+        self._check: Callable[[], Any] | None = None
         try:
             self._event_set = pynvml.nvmlEventSetCreate()
         except pynvml.NVMLError as exc:
             on_error("xid", error_name(exc))
-            return
-        for device in devices:
-            self.register(device)
+
+    @property
+    def watching(self) -> bool:
+        """Whether any GPU's events are registered."""
+        return bool(self.registered)
 
     def register(self, device: NvmlDevice) -> None:
         """Watch one more GPU (also one that appeared after start)."""
@@ -53,38 +67,37 @@ class XidWatcher(threading.Thread):
         self._index_by_uuid[device.static.uuid] = device.index
         self.registered.append(device.index)
 
-    def run(self) -> None:
-        if self._event_set is None:
-            return
-        wait = self._prepared_wait()
-        while not self._stop_event.is_set():
-            if not self.registered:  # nothing to wait on yet: a GPU may still appear
-                self._stop_event.wait(self._timeout_ms / 1000.0)
-                continue
+    def sample(self, now: float, monotonic: float) -> None:
+        """Report every event waiting in the set; returns no sample (it is not a GPU). A
+        failure is counted once per round, never retried in the round."""
+        if not self.registered:
+            return None
+        check = self._check
+        if check is None:
+            check = self._check = self.prepared_check()
+        while True:
             try:
-                data = wait()
+                data = check()
             except pynvml.NVMLError as exc:
                 self._on_error("xid", error_name(exc))
-                # Do not spin on a persistent error.
-                self._stop_event.wait(self._timeout_ms / 1000.0)
-                continue
-            if data is None:  # the wait's timeout, every second of a healthy node
-                continue
+                return None
+            if data is None:  # none waiting: the common case
+                return None
             if data.eventType & pynvml.nvmlEventTypeXidCriticalError:
                 try:
                     uuid = text(pynvml.nvmlDeviceGetUUID(data.device))
                 except pynvml.NVMLError:
                     uuid = ""
-                index = self._index_by_uuid.get(uuid, -1)
-                self._on_xid(index, int(data.eventData))
+                self._on_xid(self._index_by_uuid.get(uuid, -1), int(data.eventData))
 
-    def _prepared_wait(self) -> Callable[[], Any]:
-        """One wait for an event: the event's data, None at the timeout, an ``NVMLError``
-        otherwise. Its entry point and arguments are made once, and the timeout is a return
-        code, not an exception raised and caught each second (the binding's)."""
+    def prepared_check(self, timeout_ms: int = 0) -> Callable[[], Any]:
+        """One look at the set: the event's data, None when none came within ``timeout_ms``
+        (none waiting, at 0), an ``NVMLError`` otherwise. Its entry point and arguments are
+        made once, and the timeout is a return code, not an exception raised and caught at
+        every round (the binding's)."""
         try:
             fn = pynvml._nvmlGetFunctionPointer("nvmlEventSetWait_v2")
-        except pynvml.NVMLError as exc:  # counted as the wait's error, as any other
+        except pynvml.NVMLError as exc:  # counted as the check's error, as any other
             missing = exc
 
             def fail() -> Any:
@@ -92,10 +105,10 @@ class XidWatcher(threading.Thread):
 
             return fail
         data = pynvml.c_nvmlEventData_t()
-        args = (self._event_set, ctypes.byref(data), ctypes.c_uint(self._timeout_ms))
+        args = (self._event_set, ctypes.byref(data), ctypes.c_uint(timeout_ms))
         timeout, success = pynvml.NVML_ERROR_TIMEOUT, pynvml.NVML_SUCCESS
 
-        def wait() -> Any:
+        def check() -> Any:
             ret = fn(*args)
             if ret == success:
                 return data
@@ -103,15 +116,11 @@ class XidWatcher(threading.Thread):
                 return None
             raise pynvml.NVMLError(ret)
 
-        return wait
-
-    def stop(self) -> None:
-        """Ask the thread to finish after its current wait (at most one timeout)."""
-        self._stop_event.set()
+        return check
 
     def close(self) -> None:
-        """Free the event set once the thread has finished."""
-        if self._event_set is not None and not self.is_alive():
+        """Free the event set (once no round is inside it)."""
+        if self._event_set is not None:
             try:
                 pynvml.nvmlEventSetFree(self._event_set)
             except pynvml.NVMLError:
@@ -125,8 +134,9 @@ class NvmlSource:
     Every index NVML counts is exported: a GPU that cannot be opened (lost to the bus before
     the agent started, say after an Xid 79) is a down GPU with the labels that can be known,
     and opening it is tried again at every discovery. One thread polls every GPU
-    (``PollerSet``); one whose calls overrun is moved to a thread of its own, and marked
-    down once they hang, without delaying the others.
+    (``PollerSet``), and with them the XID events once they are watched (``watch_xids``);
+    one whose calls overrun is moved to a thread of its own, and marked down once they hang,
+    without delaying the others.
     """
 
     name = "nvml"
@@ -140,7 +150,7 @@ class NvmlSource:
         self._pollers = PollerSet(wait_s=0.5 * interval_s,
                                   timeout_s=max(2.0 * interval_s, 2.0),
                                   on_timeout=self._timed_out)
-        self._watcher: XidWatcher | None = None
+        self._xids: XidEvents | None = None
         self._discovering = threading.Lock()  # held while NVML is asked for GPUs
         self.discover()
 
@@ -174,8 +184,8 @@ class NvmlSource:
             self.devices.append(device)
             self._pollers.add(device)
             new.append(device.static)
-            if self._watcher is not None:
-                self._watcher.register(device)
+            if self._xids is not None:
+                self._xids.register(device)
         return new
 
     def statics(self) -> list[GpuStatic]:
@@ -208,10 +218,16 @@ class NvmlSource:
                   "time", index, self._pollers.timeout_s)
         self._on_error("nvml", "timeout")
 
-    def xid_watcher(self, on_xid: Callable[[int, int], None]) -> XidWatcher:
-        """A (not yet started) thread delivering XID events, also for GPUs found later."""
-        self._watcher = XidWatcher(self.devices, on_xid, self._on_error)
-        return self._watcher
+    def watch_xids(self, on_xid: Callable[[int, int], None]) -> bool:
+        """Report XID events (gpu, xid) to ``on_xid`` from now on, also of GPUs found later,
+        taken at each poll round (``XidEvents``); whether any GPU's can be watched."""
+        with self._discovering:
+            if self._xids is None:
+                self._xids = XidEvents(on_xid, self._on_error)
+                for device in self.devices:
+                    self._xids.register(device)
+                self._pollers.add(self._xids)
+        return self._xids.watching
 
     def close(self) -> None:
         """Free per-GPU resources and shut NVML down (not under a poll stuck in the driver)."""
@@ -222,6 +238,8 @@ class NvmlSource:
             log.warning("a look for new GPUs is still inside NVML: leaving NVML to the process "
                         "exit")
             return
+        if self._xids is not None:
+            self._xids.close()
         for device in self.devices:
             device.close()
         shutdown()
