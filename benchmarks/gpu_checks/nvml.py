@@ -120,6 +120,14 @@ def section_nvml(report: Report, result: dict[str, Any], env: dict[str, str],
                  bool(handed) and all(name.startswith("gpumon-nvml-") for name, _ in handed)
                  and sorted(i for _, batch in handed for i in batch)
                  == sorted(stream.get("devices", []) * 3), stream)
+    inline = data.get("inline_stream") or {}
+    # ... and as the agent runs it: on the asking thread, watched, no hand-over when healthy.
+    report.check("nvml.inline_round_on_the_clock",
+                 inline.get("watchdog") is True and inline.get("hand_overs") == []
+                 and bool(inline.get("handed"))
+                 and all(name == inline.get("caller") for name, _ in inline["handed"])
+                 and sorted(i for _, batch in inline["handed"] for i in batch)
+                 == sorted(inline.get("devices", []) * 3), inline)
     statics = data.get("statics") or []
     for s in statics:
         if "H100" in s.get("name", "") or "H200" in s.get("name", "") or \

@@ -110,6 +110,27 @@ def nvml_child(cycles: int, time_limit_s: float, scratch: str) -> dict[str, Any]
                              "handed": handed}
         except Exception:
             failed("NvmlSource.poll()")
+        # The agent's cycle as the agent runs it: the shared round on the asking thread,
+        # watched by the timerfd watchdog, which must not fire on a healthy node.
+        try:
+            inline_source = gnvml.NvmlSource(on_error)
+            inline: list[tuple[str, list[int]]] = []
+            handed_over: list[str] = []
+
+            def deliver_inline(batch: list[Any]) -> None:
+                inline.append((threading.current_thread().name, [s.index for s in batch]))
+
+            for _ in range(3):
+                inline_source.poll(time.time(), now(), deliver_inline,
+                                   lambda: handed_over.append(threading.current_thread().name))
+                time.sleep(0.5)
+            out["inline_stream"] = {"devices": [d.index for d in inline_source.devices],
+                                    "handed": inline, "hand_overs": handed_over,
+                                    "caller": threading.current_thread().name,
+                                    "watchdog": inline_source._pollers._watchdog is not None}
+            inline_source.close()
+        except Exception:
+            failed("NvmlSource.poll(hand_over)")
     out["collector_errors"] = list(errors)
 
     # 2. raw NVML, call by call -------------------------------------------------------------

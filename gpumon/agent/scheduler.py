@@ -9,6 +9,10 @@ NVML calls do, and a shared clock wakes once a tick. A cycle that may wait on so
 (the kubelet's API) gets a clock of its own, so that a slow or hung source delays nothing but
 itself.
 
+A cycle stuck in a call may hand its clock over (``Periodic.hand_over``, from another thread:
+the GPU poll's watchdog): a fresh thread goes on with the schedule, the cycle that is due
+first, and the stuck one ends when its call returns, without running another cycle.
+
 Each cycle's start, duration and success are written to its collector's stats in the node
 state, where ``/readyz`` sees a cycle that is stuck and ``gpumon_collector_duration_seconds``
 reports how long the last one took.
@@ -62,6 +66,11 @@ class Periodic:
         during a cycle bring one more cycle right after it. Never blocks on the cycle."""
         self._clock.wake(self)
 
+    def hand_over(self) -> None:
+        """This cycle's thread is stuck in a call (said from another thread): its clock goes
+        on on a fresh thread, this cycle first (it is due again)."""
+        self._clock.hand_over()
+
     def run(self, state: NodeState, logged: set[tuple[str, str]]) -> None:
         """One cycle, on the clock's thread."""
         stats = self.stats
@@ -89,12 +98,15 @@ class Periodic:
                 stats.last_duration_s = time.monotonic() - started
 
 
-class Clock(threading.Thread):
+class Clock:
     """A thread running its cycles, each on the grid of its interval from the clock's start
-    (a cycle that overran skips the ticks it missed rather than bursting)."""
+    (a cycle that overran skips the ticks it missed rather than bursting). Started, stopped
+    and joined as a thread; the thread may change (``hand_over``)."""
 
     def __init__(self, name: str, state: NodeState) -> None:
-        super().__init__(name=name, daemon=True)
+        self.name = name
+        self._runner = threading.Thread(target=self._run, name=name, daemon=True)
+        self._base = 0.0
         self._state = state
         self._cycles: list[Periodic] = []
         self._changed = threading.Condition()
@@ -102,6 +114,34 @@ class Clock(threading.Thread):
         self._logged: set[tuple[str, str]] = set()
         self.wakeups = 0
         """How many times the clock woke and ran cycles."""
+        self.hand_overs = 0
+        """How many times a stuck cycle handed the clock to a fresh thread."""
+
+    @property
+    def ident(self) -> int | None:
+        return self._runner.ident
+
+    def start(self) -> None:
+        self._base = time.monotonic()
+        self._runner.start()
+
+    def is_alive(self) -> bool:
+        return self._runner.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Wait for the clock's current thread (not for one it handed over from)."""
+        self._runner.join(timeout)
+
+    def hand_over(self) -> None:
+        """Go on on a fresh thread; the current one ends after the cycle it is in."""
+        with self._changed:
+            if self._stopped:
+                return
+            self.hand_overs += 1
+            self._runner = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._runner.start()
+            log.warning("clock %s: a cycle is stuck in a call; its other cycles go on on a "
+                        "fresh thread", self.name)
 
     def every(self, name: str, interval_s: float, fn: Callable[[float, float], None],
               finishes_later: bool = False) -> Periodic:
@@ -118,20 +158,25 @@ class Clock(threading.Thread):
                 cycle.woken = time.monotonic()
                 self._changed.notify()
 
-    def run(self) -> None:
-        base = time.monotonic()
+    def _run(self) -> None:
+        me = threading.current_thread()
+        base = self._base
         while True:
             with self._changed:
-                due = self._wait_due()
+                due = self._wait_due() if self._runner is me else None
                 if due is None:
                     return
                 for cycle in due:
                     cycle.woken = None  # a wake from now on asks for one more cycle
                 self.wakeups += 1
             for cycle in due:
+                if self._runner is not me:  # handed over while this thread was stuck
+                    return
                 cycle.run(self._state, self._logged)
             now = time.monotonic()
             with self._changed:
+                if self._runner is not me:
+                    return
                 for cycle in due:
                     if cycle.tick <= now:  # the next tick of its grid after now
                         cycle.tick = base + (math.floor((now - base) / cycle.interval_s) + 1) \

@@ -20,11 +20,14 @@ it is polled, isolated and rejoined like one, and returns no sample; it is never
 down.
 
 The agent runs the set as a stream (``cycle``): each worker hands its round's samples on as
-soon as the round ends, on its own thread, and what ``sample`` does after its wait (an
-overrunning GPU isolated, a healthy one rejoined, a hung one reported down) is done at the
-start of the next cycle instead. A cycle then wakes two threads, the caller's clock and the
-worker, where asking and waiting woke three (the caller a second time when the round ended);
-at a 1 s interval each wakeup costs about what the eight GPUs' NVML calls do.
+soon as the round ends, and what ``sample`` does after its wait (a healthy GPU rejoined, a
+hung one reported down) is done at the start of the next cycle instead. The shared round runs
+on the agent's clock thread itself, watched by a ``Watchdog`` (a kernel timer: no thread
+wakes unless a round overruns); a GPU that overruns there is isolated by the watchdog, and
+the clock handed to a fresh thread (``hand_over``). At a 1 s interval each thread woken costs
+about what the eight GPUs' NVML calls do: a second of an idle agent wakes one. Without a
+``timerfd``, the shared worker keeps a thread of its own and an overrunning GPU is isolated
+at the next cycle.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from gpumon.collectors.samples import GpuSample
+from gpumon.collectors.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +64,12 @@ def describe(device: Pollable) -> str:
 
 
 class Worker:
-    """A daemon thread polling its devices in turn, one round per ask."""
+    """Polls its devices in turn, one round per ask on a daemon thread of its own, or a round
+    on the caller's thread (``run_round``: then it has no thread until ``start_thread``)."""
 
     def __init__(self, devices: list[Pollable], timeout_s: float, budget_s: float,
-                 name: str) -> None:
+                 name: str, threaded: bool = True) -> None:
+        self.name = name
         self.timeout_s = timeout_s
         self.budget_s = budget_s
         self._lock = threading.Lock()
@@ -80,8 +86,22 @@ class Worker:
         """Polls in a row that answered within the budget (what an isolated GPU rejoins by)."""
         self.on_round: Callable[[dict[int, GpuSample]], None] | None = None
         """Where a round's samples go as it ends (on this thread); None: kept for ``take``."""
-        self._thread = threading.Thread(target=self._run, daemon=True, name=name)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if threaded:
+            self.start_thread()
+
+    def start_thread(self) -> None:
+        """Take asks on a thread of its own from now on."""
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True, name=self.name)
+                self._thread.start()
+
+    def end_thread(self) -> None:
+        """No thread of its own from now on (its rounds run on the caller's thread)."""
+        with self._lock:
+            self._thread = None
+            self._wake.notify()
 
     @property
     def devices(self) -> list[Pollable]:
@@ -89,9 +109,9 @@ class Worker:
             return list(self._devices)
 
     def ask(self, now: float, monotonic: float) -> bool:
-        """Start a round unless one is running; whether one was started."""
+        """Start a round on its thread unless one is running; whether one was started."""
         with self._lock:
-            if self._busy or self._stopped or not self._devices:
+            if self._busy or self._stopped or not self._devices or self._thread is None:
                 return False
             self._asked = (now, monotonic)
             self._busy = True
@@ -133,57 +153,79 @@ class Worker:
         with self._lock:
             return not self._busy
 
+    def run_round(self, now: float, monotonic: float) -> bool:
+        """A round on the caller's thread unless one is running; whether it ran."""
+        with self._lock:
+            if self._busy or self._stopped or not self._devices:
+                return False
+            self._busy = True
+            self._finished.clear()
+        self._round(now, monotonic)
+        return True
+
     def _run(self) -> None:
+        me = threading.current_thread()
         while True:
             with self._lock:
-                while self._asked is None and not self._stopped:
+                while self._asked is None and not self._stopped and self._thread is me:
                     self._wake.wait()
-                if self._stopped:
+                if self._stopped or self._thread is not me:
                     return
                 now, monotonic = self._asked or (0.0, 0.0)
                 self._asked = None
-                devices = list(self._devices)
-            for device in devices:
-                with self._lock:
-                    if self._stopped:
-                        return
-                    if device not in self._devices:  # given to another worker meanwhile
-                        continue
-                    started = time.monotonic()
-                    self._current = (device, started)
-                try:
-                    sample: GpuSample | None = device.sample(now, monotonic)
-                except Exception:  # the device's own errors are its business; keep polling
-                    log.exception("polling %s failed", describe(device))
-                    sample = None
-                took = time.monotonic() - started
-                with self._lock:
-                    self._current = None
-                    self.in_budget_streak = self.in_budget_streak + 1 if took <= self.budget_s \
-                        else 0
-                    if sample is not None and took <= self.timeout_s \
-                            and device in self._devices:
-                        self._results[device.index] = sample
+            self._round(now, monotonic)
+
+    def _round(self, now: float, monotonic: float) -> None:
+        """Poll each device in turn, then hand the samples on (``on_round``). Busy is set."""
+        with self._lock:
+            devices = list(self._devices)
+        for device in devices:
             with self._lock:
-                self._busy = False
-                on_round = self.on_round
-                results = None
-                if on_round is not None and self._results:
-                    results, self._results = self._results, {}
-            self._finished.set()
-            if on_round is not None and results:
-                try:
-                    on_round(results)
-                except Exception:  # the receiver's errors are its business; keep polling
-                    log.exception("handing on the samples of GPUs %s failed", sorted(results))
+                if self._stopped:
+                    break
+                if device not in self._devices:  # given to another worker meanwhile
+                    continue
+                started = time.monotonic()
+                self._current = (device, started)
+            try:
+                sample: GpuSample | None = device.sample(now, monotonic)
+            except Exception:  # the device's own errors are its business; keep polling
+                log.exception("polling %s failed", describe(device))
+                sample = None
+            took = time.monotonic() - started
+            with self._lock:
+                self._current = None
+                self.in_budget_streak = self.in_budget_streak + 1 if took <= self.budget_s \
+                    else 0
+                if sample is not None and took <= self.timeout_s \
+                        and device in self._devices:
+                    self._results[device.index] = sample
+        with self._lock:
+            self._busy = False
+            on_round = self.on_round
+            results = None
+            if on_round is not None and self._results:
+                results, self._results = self._results, {}
+        self._finished.set()
+        if on_round is not None and results:
+            try:
+                on_round(results)
+            except Exception:  # the receiver's errors are its business; keep polling
+                log.exception("handing on the samples of GPUs %s failed", sorted(results))
 
     def stop(self, timeout_s: float) -> bool:
-        """Stop the thread; whether it has finished (False: stuck inside a poll)."""
+        """Stop polling; whether no round is left inside a poll (its own thread's, or one
+        on another thread)."""
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             self._stopped = True
             self._wake.notify()
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                return False
+        return self._finished.wait(max(deadline - time.monotonic(), 0.0))
 
 
 class PollerSet:
@@ -205,6 +247,10 @@ class PollerSet:
         self._deliver: Callable[[list[GpuSample]], None] | None = None
         self._answered: set[int] = set()
         """GPUs whose samples were handed on since the stream's last cycle."""
+        self._watchdog: Watchdog | None = None
+        self._inline = False
+        """The shared round runs on the stream's caller's thread, watched by ``_watchdog``."""
+        self._hand_over: Callable[[], None] | None = None
 
     def add(self, device: Pollable) -> None:
         """Poll one more device from now on (from any thread: a GPU found later)."""
@@ -222,7 +268,8 @@ class PollerSet:
     def _worker(self, devices: list[Pollable], what: str) -> Worker:
         self._generation += 1
         worker = Worker(devices, self.timeout_s, self.budget_s,
-                        f"gpumon-nvml-{what}-{self._generation}")
+                        f"gpumon-nvml-{what}-{self._generation}",
+                        threaded=not (self._inline and what == "all"))
         if self._deliver is not None:
             worker.on_round = self._handed_on
         return worker
@@ -250,28 +297,37 @@ class PollerSet:
         return sorted(samples, key=lambda s: s.index)
 
     def cycle(self, now: float, monotonic: float,
-              deliver: Callable[[list[GpuSample]], None]) -> None:
-        """One cycle of a stream: ask every worker for a round and return at once; each
-        worker hands its samples to ``deliver`` on its own thread as its round ends.
+              deliver: Callable[[list[GpuSample]], None],
+              hand_over: Callable[[], None] | None = None) -> None:
+        """One cycle of a stream: the shared round and the isolated GPUs' rounds, each
+        worker handing its samples to ``deliver`` as its round ends.
 
-        What ``sample`` does after its wait is done here, for the cycle before: a GPU the
-        shared worker is still inside past its budget is isolated (the GPUs behind it missed
-        that one round, as with ``sample``; those before it are handed on now), isolated GPUs
-        answering in time rejoin, and a GPU that has not answered since, past ``timeout_s``,
-        goes to ``deliver`` as down, on this thread.
+        Given ``hand_over`` (and a kernel with ``timerfd``), the shared round runs here, on
+        the caller's thread, and a watchdog armed with the budget watches it: should a poll
+        in it overrun, that GPU keeps the round's worker, which takes a thread of its own for
+        its later rounds, a fresh worker takes the others, and ``hand_over()`` is called on
+        the watchdog's thread, for the caller's schedule to go on elsewhere while this thread
+        stays in the hung call. Without ``hand_over``, every round runs on a worker's thread
+        and this returns at once; a GPU the shared worker is found inside past its budget at
+        the next cycle is isolated then (the GPUs behind it missed that one round, as with
+        ``sample``; those before it are handed on now).
+
+        Either way, isolated GPUs answering in time rejoin, and a GPU that has not answered
+        since the last cycle, past ``timeout_s``, goes to ``deliver`` as down, on this thread.
         A set is used either through ``sample`` or as a stream, not both.
         """
         if self._deliver is None:
             self._deliver = deliver
             for worker in self._workers():
                 worker.on_round = self._handed_on
+            if hand_over is not None:
+                self._go_inline()
+        self._hand_over = hand_over
         with self._changing:
             stuck = self._isolate_overrun()
             self._rejoin_healthy()
         if stuck is not None:  # what its round had before the hang, not left behind it
-            early = stuck.take()
-            if early:
-                self._handed_on(early)
+            self._hand_on_early(stuck)
         with self._lock:
             answered, self._answered = self._answered, set()
         down = self._down(answered, now)
@@ -279,8 +335,55 @@ class PollerSet:
             deliver(down)
         with self._changing:
             workers = self._workers()
+            shared = self._shared if self._inline else None
         for worker in workers:
-            worker.ask(now, monotonic)
+            if worker is not shared:
+                worker.ask(now, monotonic)
+        if shared is not None:
+            watchdog = self._watchdog
+            assert watchdog is not None
+            watchdog.arm()
+            shared.run_round(now, monotonic)
+            with self._changing:
+                if shared is self._shared:  # else it was isolated, and the watchdog is another's
+                    watchdog.disarm()
+
+    def _go_inline(self) -> None:
+        """Run the shared round on the stream's thread from now on, where a watchdog can."""
+        self._watchdog = Watchdog.create(self.budget_s, self._overran, "gpumon-nvml-watchdog")
+        if self._watchdog is None:
+            log.info("no timerfd here: the GPUs are polled on a thread of their own")
+            return
+        with self._changing:
+            self._inline = True
+            if self._shared is not None:
+                self._shared.end_thread()
+
+    def _overran(self) -> None:
+        """The watchdog fired: the shared round has run for its budget (on the watchdog's
+        thread)."""
+        with self._changing:
+            shared = self._shared
+            polling = shared.in_poll() if shared is not None else None
+            if polling is None:
+                return  # the round ended as the watchdog fired
+            if polling[1] <= self.budget_s:  # a later poll of the round: watch it in full
+                assert self._watchdog is not None
+                self._watchdog.arm()
+                return
+            stuck = self._isolate_overrun()
+            if stuck is None:
+                return
+            stuck.start_thread()
+        self._hand_on_early(stuck)
+        hand_over = self._hand_over
+        if hand_over is not None:
+            hand_over()
+
+    def _hand_on_early(self, stuck: Worker) -> None:
+        early = stuck.take()
+        if early:
+            self._handed_on(early)
 
     def _handed_on(self, results: dict[int, GpuSample]) -> None:
         """A stream's worker ended a round (on its thread)."""
@@ -361,5 +464,7 @@ class PollerSet:
 
     def stop(self, timeout_s: float = 1.0) -> bool:
         """Stop every worker; whether all finished (False: one is stuck in the driver)."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
         deadline = time.monotonic() + timeout_s
         return all([w.stop(max(deadline - time.monotonic(), 0.0)) for w in self._workers()])

@@ -157,8 +157,9 @@ class SimulatedSource:
         return [self._sample_one(gpu, now, dt) for gpu in self._statics]
 
     def poll(self, now: float, monotonic: float,
-             deliver: Callable[[list[GpuSample]], None]) -> None:
-        """The agent's cycle: the samples delivered at once."""
+             deliver: Callable[[list[GpuSample]], None],
+             hand_over: Callable[[], None] | None = None) -> None:
+        """The agent's cycle: the samples delivered at once (a simulated GPU never hangs)."""
         deliver(self.sample(now, monotonic))
 
     def _sample_one(self, gpu: GpuStatic, now: float, dt: float) -> GpuSample:

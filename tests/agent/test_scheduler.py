@@ -100,3 +100,45 @@ def test_cycles_of_one_interval_run_on_one_wakeup_and_a_longer_one_on_their_tick
     assert runs.names[:4] == ["poll", "housekeeping", "host", "broken"]
     assert state.snapshot(0.0).collectors["broken"].errors["valueerror"] == clock.wakeups
     assert state.snapshot(0.0).collectors["poll"].last_success_t is not None
+
+
+def test_a_cycle_stuck_in_a_call_hands_its_clock_to_a_fresh_thread() -> None:
+    """The stuck thread ends when its call returns, without running another cycle; the
+    others go on meanwhile, on the clock's new thread."""
+    state, runs, release = NodeState(), Runs(), threading.Event()
+    threads: dict[str, set[str | int]] = {"stuck": set(), "beat": set()}
+    calls = {"stuck": 0}
+
+    def stuck(now: float, monotonic: float) -> None:
+        calls["stuck"] += 1
+        threads["stuck"].add(threading.get_ident())
+        if calls["stuck"] == 2:  # its second cycle hangs until released
+            stuck_cycle.hand_over()  # (what a watchdog says, from its own thread)
+            release.wait(10)
+
+    def beat(now: float, monotonic: float) -> None:
+        threads["beat"].add(threading.get_ident())
+        runs.cycle("beat")(now, monotonic)
+
+    clock = Clock("gpumon-test-clock", state)
+    stuck_cycle = clock.every("stuck", 0.05, stuck)
+    clock.every("beat", 0.05, beat)
+    clock.start()
+    try:
+        first = clock.ident
+        wait_for(lambda: clock.hand_overs == 1, timeout=5, what="the hand-over")
+        beats = runs.count("beat")
+        wait_for(lambda: runs.count("beat") >= beats + 5, timeout=5,
+                 what="the other cycle going on while one is stuck")
+        assert clock.ident != first and clock.is_alive()
+        old = next(t for t in threading.enumerate() if t.ident == first)
+        release.set()
+        old.join(5)
+        assert not old.is_alive()  # it ended once its call returned
+        wait_for(lambda: calls["stuck"] >= 4, timeout=5, what="the stuck cycle again")
+        assert len(threads["stuck"]) == 2 and len(threads["beat"]) == 2
+    finally:
+        release.set()
+        clock.stop()
+        clock.join(5)
+    assert not clock.is_alive()

@@ -1,5 +1,6 @@
 """A GPU whose NVML calls hang, on the fake library: isolated on its own thread while the others
-keep their schedule, then back on the shared thread once its calls answer in time again."""
+keep their schedule (the clock's thread, stuck in the call, hands the schedule over), then back
+on the shared round once its calls answer in time again."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ def test_a_hung_gpu_is_isolated_and_rejoins_when_healthy(tmp_path: Path,
         wait_for(lambda: value(agent.metrics(), "gpumon_gpu_up", gpu="0") == 0,
                  timeout=30, what="GPU 0 marked down")
         assert "polling it on a thread of its own" in agent.log()
+        # It hung on the clock's thread, which handed the agent's schedule to a fresh one.
+        assert agent.log().count("is stuck in a call; its other cycles go on") == 1
         _, snap = agent.json("/api/v1/snapshot")
         fresh = {g["index"]: snap["t"] - g["t"] for g in snap["gpus"] if g["up"]}
         assert sorted(fresh) == [1, 2, 3] and max(fresh.values()) < 1.0, fresh

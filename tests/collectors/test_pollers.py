@@ -199,3 +199,62 @@ def test_a_check_that_is_not_a_gpu_rides_the_round_and_when_it_hangs_is_isolated
         for device in devices:
             device.free.set()
         assert pollers.stop(2.0)
+
+
+def test_an_inline_stream_polls_on_the_callers_thread_and_a_watchdog_hands_a_hang_over() -> None:
+    """Given ``hand_over``, the shared round runs on the thread that asks; when GPU 2 hangs
+    there, the watchdog (no thread woken until then) isolates it within about its budget
+    and hands the caller's schedule over; the caller's next cycle, on another thread, polls
+    the others at once."""
+    pollers, devices, timeouts = eight_gpus(timeout_s=0.5)
+    stream = Stream()
+    handed: list[str] = []
+    resumed = threading.Event()
+
+    def hand_over() -> None:
+        handed.append(threading.current_thread().name)
+        resumed.set()
+
+    def cycle(t: float) -> None:
+        pollers.cycle(t, t, stream.deliver, hand_over)
+
+    try:
+        before = poller_threads()
+        cycle(0.0)  # returns with every sample handed on, from this thread
+        assert sorted(stream.of_cycle(0.0)) == list(range(8))
+        assert stream.threads == {threading.current_thread().name}
+        assert not [t for t in poller_threads() - before if t.startswith("gpumon-nvml-all")]
+
+        devices[2].free.clear()  # GPU 2's driver calls stop returning
+        stuck = threading.Thread(target=cycle, args=(1.0,), name="the-first-clock")
+        stuck.start()
+        assert resumed.wait(5), "no hand-over"
+        assert handed == ["gpumon-nvml-watchdog"] and pollers.isolated() == [2]
+        assert sorted(stream.of_cycle(1.0)) == [0, 1]  # what the hung round had
+        assert stuck.is_alive()  # still inside GPU 2's call
+        cycle(2.0)  # the schedule goes on here: the others at once
+        assert sorted(stream.of_cycle(2.0)) == [0, 1, 3, 4, 5, 6, 7]
+        wait_for(lambda: pollers._busy_for(devices[2]) > 0.5, timeout=5,
+                 what="GPU 2 past its timeout")
+        cycle(3.0)
+        assert stream.of_cycle(3.0)[2].error == TIMEOUT_ERROR
+        assert timeouts == [2]
+
+        devices[2].free.set()  # the hung call returns: the first clock's thread ends
+        stuck.join(5)
+        assert not stuck.is_alive()
+        cycle_t = 4.0
+        while pollers.isolated() and cycle_t < 4 + REJOIN_AFTER + 5:
+            cycle(cycle_t)
+            wait_for(lambda c=cycle_t: stream.of_cycle(c).get(2, DOWN).up, timeout=5,
+                     what="GPU 2's answer")
+            cycle_t += 1
+        assert pollers.isolated() == []
+        cycle(cycle_t)
+        assert sorted(stream.of_cycle(cycle_t)) == list(range(8))
+        assert devices[2].last_thread == threading.current_thread().name  # back inline
+        assert handed == ["gpumon-nvml-watchdog"]
+    finally:
+        for device in devices:
+            device.free.set()
+        assert pollers.stop(2.0)

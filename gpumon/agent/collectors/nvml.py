@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from gpumon.agent.collectors.base import CollectorAgent
+    from gpumon.agent.scheduler import Periodic
     from gpumon.collectors.base import GpuSource
     from gpumon.collectors.samples import GpuSample
 
@@ -25,8 +26,9 @@ def start(agent: CollectorAgent) -> None:
     source = agent.gpu_source
     if source is None:
         return
-    agent.run_every(source.name, agent.config.interval, GpuPoll(agent, source).poll,
-                    finishes_later=True)
+    poll = GpuPoll(agent, source)
+    poll.cycle = agent.run_every(source.name, agent.config.interval, poll.poll,
+                                 finishes_later=True)
     source.watch_xids(agent.state.add_xid)
 
 
@@ -42,6 +44,8 @@ class GpuPoll:
         self._stats = agent.state.collector(source.name, agent.config.interval)
         self._started = (0.0, 0.0)  # (now, monotonic) of the cycle under way
         self._discovering: threading.Thread | None = None
+        self.cycle: Periodic | None = None
+        """Its cycle on the agent's clock, handed over to a fresh thread should a poll hang."""
 
     def poll(self, now: float, monotonic: float) -> None:
         """Ask every GPU for a sample (into the node state and the recording as they come);
@@ -53,7 +57,9 @@ class GpuPoll:
                                                  name="gpumon-nvml-discover")
             self._discovering.start()
         self._started = (now, monotonic)
-        self._source.poll(now, monotonic, self.deliver)
+        cycle = self.cycle
+        self._source.poll(now, monotonic, self.deliver,
+                          None if cycle is None else cycle.hand_over)
 
     def _discover(self) -> None:
         """Look for GPUs that appeared, on a thread of its own: NVML's count and opening a GPU

@@ -133,7 +133,7 @@ class NvmlSource:
 
     Every index NVML counts is exported: a GPU that cannot be opened (lost to the bus before
     the agent started, say after an Xid 79) is a down GPU with the labels that can be known,
-    and opening it is tried again at every discovery. One thread polls every GPU
+    and opening it is tried again at every discovery. The agent's clock polls every GPU
     (``PollerSet``), and with them the XID events once they are watched (``watch_xids``);
     one whose calls overrun is moved to a thread of its own, and marked down once they hang,
     without delaying the others.
@@ -203,11 +203,12 @@ class NvmlSource:
         return sorted(samples, key=lambda s: s.index)
 
     def poll(self, now: float, monotonic: float,
-             deliver: Callable[[list[GpuSample]], None]) -> None:
-        """The agent's cycle (``PollerSet.cycle``): returns at once; the workers deliver each
-        round's samples as it ends, on their threads. A hanging GPU and an unopened one are
-        delivered as down on this thread."""
-        self._pollers.cycle(now, monotonic, deliver)
+             deliver: Callable[[list[GpuSample]], None],
+             hand_over: Callable[[], None] | None = None) -> None:
+        """The agent's cycle (``PollerSet.cycle``): the shared round on this thread, watched
+        (given ``hand_over``), an isolated GPU's on its own; each round's samples delivered as
+        it ends. A hanging GPU and an unopened one are delivered as down on this thread."""
+        self._pollers.cycle(now, monotonic, deliver, hand_over)
         unopened = dict(self.unopened)  # a look for new GPUs may be changing it
         if unopened:
             deliver([GpuSample(index=i, t=now, up=False, error=error)
