@@ -17,6 +17,8 @@ GPU's owner is the container kubelet allocated it to (``export.owner_metrics``).
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -24,6 +26,12 @@ from gpumon.collectors.container_logs import CONTAINER_LOGS, ContainerName, cont
 from gpumon.collectors.process_owner import PROC, ProcessFacts, read_process
 from gpumon.collectors.samples import Owner
 from gpumon.state.owners import OwnerState
+
+FACTS_KEPT_S = 60.0
+"""How long a live process's facts (cgroup, uid) are kept before they are read again. A
+process is known again by its /proc directory's inode time, set when the kernel made the
+inode: another process under the same pid has another. A process moved to another cgroup, or
+changing its uid, while it runs is seen within this time."""
 
 KUBELET_TIMEOUT_S = 2.0
 """A List answers in milliseconds; longer means a kubelet in trouble, not one to wait on."""
@@ -42,6 +50,8 @@ class OwnerCollector:
         self._proc = proc
         self._timeout_s = timeout_s
         self._names: Mapping[str, ContainerName] = {}  # the container links the last cycle read
+        self._kept: dict[int, tuple[int, float, ProcessFacts]] = {}
+        """By pid: its /proc directory's inode time, when its facts were read, and them."""
 
     def poll_kubelet(self, now: float, monotonic: float) -> None:
         """One PodResources ``List``; on failure the allocations are forgotten and the error
@@ -65,7 +75,10 @@ class OwnerCollector:
         pids may already be another process's) and of a process of ``pids`` gone since."""
         before = self._state.get()
         node = before.node
-        facts = {pid: read_process(pid, self._proc) for pid in set(pids)}
+        now = time.monotonic()
+        facts = {pid: self._facts(pid, now) for pid in set(pids)}
+        for gone in self._kept.keys() - facts.keys():
+            del self._kept[gone]
         names = container_names(self._containers_dir) if any(
             f is not None and f.place.container_id for f in facts.values()) else {}
         self._names = names
@@ -73,6 +86,24 @@ class OwnerCollector:
                   if pid in before.by_pid and facts.get(pid) is None}
         by_pid.update({pid: attribute(node, f, names) for pid, f in facts.items() if f is not None})
         self._state.put_processes(by_pid)
+
+    def _facts(self, pid: int, now: float) -> ProcessFacts | None:
+        """``read_process``, or what it read less than ``FACTS_KEPT_S`` ago of this same
+        process (one ``stat`` where the read is two files the kernel writes out)."""
+        try:
+            made = os.stat(f"{self._proc}/{pid}").st_ctime_ns
+        except OSError:
+            self._kept.pop(pid, None)
+            return None
+        kept = self._kept.get(pid)
+        if kept is not None and kept[0] == made and now - kept[1] < FACTS_KEPT_S:
+            return kept[2]
+        found = read_process(pid, self._proc)
+        if found is None:
+            self._kept.pop(pid, None)
+        else:
+            self._kept[pid] = (made, now, found)
+        return found
 
     def collect_one(self, pid: int) -> bool:
         """Attribute ``pid`` now, a sender seen for the first time: its cgroup and uid, its
