@@ -153,13 +153,17 @@ class Worker:
         with self._lock:
             return not self._busy
 
-    def run_round(self, now: float, monotonic: float) -> bool:
-        """A round on the caller's thread unless one is running; whether it ran."""
+    def run_round(self, now: float, monotonic: float,
+                  started: Callable[[], None] | None = None) -> bool:
+        """A round on the caller's thread unless one is running; whether it ran.
+        ``started()`` is called once the round counts as running (``idle()`` is False)."""
         with self._lock:
             if self._busy or self._stopped or not self._devices:
                 return False
             self._busy = True
             self._finished.clear()
+        if started is not None:
+            started()
         self._round(now, monotonic)
         return True
 
@@ -342,8 +346,7 @@ class PollerSet:
         if shared is not None:
             watchdog = self._watchdog
             assert watchdog is not None
-            watchdog.arm()
-            shared.run_round(now, monotonic)
+            shared.run_round(now, monotonic, watchdog.arm)
             with self._changing:
                 if shared is self._shared:  # else it was isolated, and the watchdog is another's
                     watchdog.disarm()
@@ -364,10 +367,12 @@ class PollerSet:
         thread)."""
         with self._changing:
             shared = self._shared
-            polling = shared.in_poll() if shared is not None else None
-            if polling is None:
+            if shared is None or shared.idle():
                 return  # the round ended as the watchdog fired
-            if polling[1] <= self.budget_s:  # a later poll of the round: watch it in full
+            polling = shared.in_poll()
+            if polling is None or polling[1] <= self.budget_s:
+                # Between two polls (a thread preempted there), or in a later poll than the
+                # one the round started with: watch on, a budget from now.
                 assert self._watchdog is not None
                 self._watchdog.arm()
                 return

@@ -258,3 +258,31 @@ def test_an_inline_stream_polls_on_the_callers_thread_and_a_watchdog_hands_a_han
         for device in devices:
             device.free.set()
         assert pollers.stop(2.0)
+
+
+class Slow(Device):
+    """A GPU whose poll takes ``delay_s`` (a driver call that answers, slowly)."""
+
+    def __init__(self, index: int, delay_s: float) -> None:
+        super().__init__(index)
+        self.delay_s = delay_s
+
+    def sample(self, now: float, monotonic: float) -> GpuSample:
+        threading.Event().wait(self.delay_s)
+        return super().sample(now, monotonic)
+
+
+def test_an_inline_round_longer_than_the_budget_is_not_a_hang_when_each_poll_is_within_it() -> None:
+    """Four polls of 0.6 budgets each: the watchdog fires inside the round, finds each poll
+    within its budget, and watches on; nothing is isolated or handed over."""
+    pollers = PollerSet(wait_s=1.0, timeout_s=5.0, on_timeout=lambda index: None, budget_s=0.1)
+    for index in range(4):
+        pollers.add(Slow(index, 0.06))
+    stream, handed = Stream(), []
+    try:
+        for t in (0.0, 1.0):
+            pollers.cycle(t, t, stream.deliver, lambda: handed.append(t))
+            assert sorted(stream.of_cycle(t)) == [0, 1, 2, 3]
+        assert handed == [] and pollers.isolated() == []
+    finally:
+        assert pollers.stop(2.0)
