@@ -281,7 +281,7 @@ def test_an_inline_round_longer_than_the_budget_is_not_a_hang_when_each_poll_is_
     stream, handed = Stream(), []
     try:
         for t in (0.0, 1.0):
-            pollers.cycle(t, t, stream.deliver, lambda: handed.append(t))
+            pollers.cycle(t, t, stream.deliver, lambda c=t: handed.append(c))
             assert sorted(stream.of_cycle(t)) == [0, 1, 2, 3]
         assert handed == [] and pollers.isolated() == []
     finally:
