@@ -61,8 +61,8 @@ class Watchdog:
                  on_expire: Callable[[], None], name: str) -> None:
         self._settime = libc.timerfd_settime
         self._fd = fd
-        self._armed = ctypes.byref(_spec(period_s))
-        self._disarmed = ctypes.byref(_spec(0.0))
+        self._specs = (_spec(period_s), _spec(0.0), _spec(1e-9))  # armed, disarmed, at once
+        self._armed, self._disarmed, self._at_once = (ctypes.byref(s) for s in self._specs)
         self._on_expire = on_expire
         self._stopped = False
         self.period_s = period_s
@@ -105,5 +105,5 @@ class Watchdog:
     def stop(self) -> None:
         """End the thread (it closes the timer)."""
         self._stopped = True
-        self._settime(self._fd, 0, ctypes.byref(_spec(1e-9)), None)
+        self._settime(self._fd, 0, self._at_once, None)
         self._thread.join(1.0)
